@@ -1,0 +1,420 @@
+"""Typed run configuration: frozen dataclasses, YAML loading, `section.key=value` overrides.
+
+Every field carries a docstring. Sentinels are spelled out: `-1` means "infer". All divisibility
+and product checks run once, in `validate`, before anything is compiled; each error names the
+field and the numbers.
+
+Words: axis = mesh axis (`data`, `pipe`, `tensor`); dim = tensor dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MESH_AXES = ("data", "pipe", "tensor")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+REMAT_POLICIES = ("none", "selective", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, malformed or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    block: str = "gpt"
+    """`gpt` (Megatron GPT: LayerNorm, GeLU MLP, learned positions) or `llama` (RMSNorm,
+    SwiGLU MLP, rotary positions, untied head)."""
+    vocab_size: int = -1
+    """Tokenizer vocabulary size; -1 = take it from the dataset. Padded up to a multiple of
+    `vocab_multiple * parallel.tensor` for the embedding table (Megatron's
+    make-vocab-size-divisible-by); padded logits are masked out of the loss."""
+    vocab_multiple: int = 128
+    """The embedding table's row count is a multiple of this times the tensor-parallel size."""
+    hidden: int = 128
+    """Hidden size h."""
+    layers: int = 8
+    """Number of transformer layers L."""
+    heads: int = 4
+    """Attention heads; must divide `hidden` and be divisible by `parallel.tensor`."""
+    mlp_ratio: int = 4
+    """MLP width as a multiple of hidden (Megatron: 4h)."""
+    seq_len: int = 128
+    """Sequence length s (also the number of learned positions)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection (Megatron GPT)."""
+    dropout: float = 0.0
+    """Dropout rate; only 0.0 is implemented (training runs are deterministic)."""
+    compute_dtype: str = "bfloat16"
+    """Dtype of activations and matmuls; parameters and optimizer state stay in `param_dtype`."""
+    param_dtype: str = "float32"
+    """Dtype of the master parameters."""
+    remat: str = "none"
+    """Activation recompute: `none`, `selective` (recompute attention internals, keep the weight
+    matmul outputs) or `full` (keep only each layer's input)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init; output projections use
+    init_std / sqrt(2 L) as in Megatron."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    attention: str = "auto"
+    """`jax.nn.dot_product_attention` implementation: `auto` (cuDNN on GPU for 16-bit compute,
+    XLA otherwise), `xla` or `cudnn`."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.hidden * self.mlp_ratio
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    data: int = 1
+    """Data-parallel size d (-1 = infer from the device count)."""
+    pipe: int = 1
+    """Pipeline stages p (-1 = infer)."""
+    tensor: int = 1
+    """Tensor-parallel size t (-1 = infer). A tensor group always sits inside one host."""
+    sequence_parallel: bool = False
+    """Shard the activations between blocks on the sequence dim over `tensor`, so each block's
+    all-reduce becomes a reduce-scatter plus an all-gather (Korthikanti et al., 2022)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved_1f1b`."""
+    chunks: int = 1
+    """Model chunks (virtual stages) per pipeline stage, v; > 1 only with interleaved_1f1b."""
+    pipeline_warmup: str = "min_bubble"
+    """1F1B warm-up: `min_memory` (Megatron's p-s-1 forwards) or `min_bubble` (more warm-up
+    forwards so the lockstep executor reaches the asynchronous bubble)."""
+    outer_axis: str = "pipe"
+    """Which of `pipe` and `data` varies slowest over devices and so spans hosts first
+    (Megatron's default: pipe)."""
+    param_rules: dict = dataclasses.field(default_factory=dict)
+    """Overrides of the logical->mesh rules for parameters, e.g. {mlp: null}."""
+    activation_rules: dict = dataclasses.field(default_factory=dict)
+    """Overrides of the logical->mesh rules for activations."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from 0 to `lr`."""
+    decay_steps: int = -1
+    """Steps of cosine decay after warm-up; -1 = until `train.steps`."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases and norm scales)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all shards) to this; 0 disables clipping."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    dataset: str = ""
+    """Token-file prefix written by scripts/preprocess_data.py; empty = the default corpus
+    (this Python installation's standard-library sources), tokenized and cached on first use."""
+    cache_dir: str = "~/.cache/jaxmeg"
+    """Where the default corpus and its tokenizer are cached."""
+    tokenizer_vocab: int = 4096
+    """BPE vocabulary size trained for the default corpus."""
+    default_corpus_bytes: int = 4_000_000
+    """How many bytes of standard-library source the default corpus takes."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    microbatch_size: int = -1
+    """Sequences per microbatch per data-parallel replica, b; -1 = global_batch / (data *
+    microbatches)."""
+    microbatches: int = -1
+    """Microbatches per step per replica, m (gradient accumulation, or pipeline microbatches);
+    -1 = global_batch / (data * microbatch_size), or 1 if both are -1."""
+    seed: int = 0
+    """Seed of parameter init and data order."""
+    log_every: int = 1
+    """Print and record metrics every this many steps."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The network."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """How the network is split over devices."""
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    """AdamW and its schedule."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Where tokens come from."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The loop."""
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+
+
+def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
+    default = getattr(_SECTION_TYPES[section](), field.name)
+    name = f"{section}.{field.name}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads `2e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+        return value
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def from_dict(raw: dict) -> Config:
+    """Builds a Config from nested dicts, rejecting unknown sections and keys by name."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    sections = {}
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(
+                f"unknown config section {section!r}; known: {sorted(_SECTION_TYPES)}"
+            )
+        cls = _SECTION_TYPES[section]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = values or {}
+        for key in values:
+            if key not in fields:
+                raise ConfigError(f"unknown config key {section}.{key}; known: {sorted(fields)}")
+        sections[section] = cls(**{k: _coerce(section, fields[k], v) for k, v in values.items()})
+    return Config(**sections)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Applies `section.key=value` strings; values are parsed as YAML (`true`, `3`, `1e-3`)."""
+    raw = to_dict(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        path, text = item.split("=", 1)
+        parts = path.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"override key {path!r} must be section.key, e.g. parallel.tensor")
+        section, key = parts
+        if section not in raw:
+            raise ConfigError(f"unknown config section {section!r}; known: {sorted(raw)}")
+        if key not in raw[section]:
+            raise ConfigError(f"unknown config key {path}; known: {sorted(raw[section])}")
+        raw[section][key] = yaml.safe_load(text) if text.strip() else ""
+    return from_dict(raw)
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML config file and applies overrides. Does not validate (see `validate`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with open(path) as f:
+        cfg = from_dict(yaml.safe_load(f))
+    return apply_overrides(cfg, overrides or [])
+
+
+def padded_vocab_size(model: ModelConfig, tensor: int) -> int:
+    """Vocabulary rounded up to a multiple of `vocab_multiple * tensor` (Megatron's padding)."""
+    multiple = model.vocab_multiple * tensor
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int, int]:
+    """Fills in the one `-1` axis so that data * pipe * tensor == num_devices."""
+    sizes = {"data": par.data, "pipe": par.pipe, "tensor": par.tensor}
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"parallel.{name} must be a positive integer or -1, got {size}")
+    unknown = [n for n, s in sizes.items() if s == -1]
+    if len(unknown) > 1:
+        raise ConfigError(f"only one of parallel.data/pipe/tensor may be -1, got {unknown}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if unknown:
+        if num_devices % known:
+            raise ConfigError(
+                f"cannot infer parallel.{unknown[0]}: {num_devices} devices are not divisible "
+                f"by the product of the other axes ({known})"
+            )
+        sizes[unknown[0]] = num_devices // known
+    product = sizes["data"] * sizes["pipe"] * sizes["tensor"]
+    if product != num_devices:
+        raise ConfigError(
+            f"parallel.data * parallel.pipe * parallel.tensor = {sizes['data']} * "
+            f"{sizes['pipe']} * {sizes['tensor']} = {product}, but there are {num_devices} devices"
+        )
+    return sizes["data"], sizes["pipe"], sizes["tensor"]
+
+
+def resolve_batching(train: TrainConfig, data: int) -> tuple[int, int]:
+    """Returns (microbatch_size b, microbatches m) with global_batch == data * m * b."""
+    g, b, m = train.global_batch, train.microbatch_size, train.microbatches
+    if g < 1:
+        raise ConfigError(f"train.global_batch must be >= 1, got {g}")
+    if g % data:
+        raise ConfigError(f"train.global_batch ({g}) must be divisible by parallel.data ({data})")
+    per_replica = g // data
+    if b == -1 and m == -1:
+        m = 1
+    if b == -1:
+        if m < 1 or per_replica % m:
+            raise ConfigError(
+                f"train.global_batch / parallel.data = {g} / {data} = {per_replica} must be "
+                f"divisible by train.microbatches ({m})"
+            )
+        b = per_replica // m
+    elif m == -1:
+        if b < 1 or per_replica % b:
+            raise ConfigError(
+                f"train.global_batch ({g}) must be divisible by parallel.data * "
+                f"train.microbatch_size = {data} * {b} = {data * b}"
+            )
+        m = per_replica // b
+    if b < 1 or m < 1 or data * m * b != g:
+        raise ConfigError(
+            f"train.global_batch ({g}) must equal parallel.data * train.microbatches * "
+            f"train.microbatch_size = {data} * {m} * {b} = {data * m * b}"
+        )
+    return b, m
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def validate(cfg: Config, num_devices: int) -> Config:
+    """Checks every field and returns the config with all `-1` sentinels resolved.
+
+    Needs `model.vocab_size` to be known (set it from the dataset first).
+    """
+    m, par, tr, opt = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
+    _check_choice("model.block", m.block, ("gpt", "llama"))
+    _check_choice("model.compute_dtype", m.compute_dtype, DTYPES)
+    _check_choice("model.param_dtype", m.param_dtype, DTYPES)
+    _check_choice("model.remat", m.remat, REMAT_POLICIES)
+    _check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
+    _check_choice("parallel.schedule", par.schedule, SCHEDULES)
+    _check_choice("parallel.pipeline_warmup", par.pipeline_warmup, ("min_memory", "min_bubble"))
+    _check_choice("parallel.outer_axis", par.outer_axis, ("pipe", "data"))
+    for name in ("hidden", "layers", "heads", "mlp_ratio", "seq_len", "vocab_multiple"):
+        _check_positive(f"model.{name}", getattr(m, name))
+    if m.vocab_size < 1:
+        raise ConfigError(f"model.vocab_size must be set (>= 1), got {m.vocab_size}")
+    if m.dropout != 0.0:
+        raise ConfigError(
+            f"model.dropout must be 0.0 (dropout is not implemented), got {m.dropout}"
+        )
+    if m.hidden % m.heads:
+        raise ConfigError(f"model.hidden ({m.hidden}) must be divisible by model.heads ({m.heads})")
+    if m.block == "llama" and m.head_dim % 2:
+        raise ConfigError(f"rotary positions need an even head dim, got {m.head_dim}")
+
+    data, pipe, tensor = resolve_mesh_shape(par, num_devices)
+    if m.heads % tensor:
+        raise ConfigError(
+            f"model.heads ({m.heads}) must be divisible by parallel.tensor ({tensor})"
+        )
+    if m.mlp_hidden % tensor:
+        raise ConfigError(
+            f"model MLP width ({m.mlp_hidden}) must be divisible by parallel.tensor ({tensor})"
+        )
+    if par.sequence_parallel and m.seq_len % tensor:
+        raise ConfigError(
+            f"sequence parallelism needs model.seq_len ({m.seq_len}) divisible by "
+            f"parallel.tensor ({tensor})"
+        )
+    if par.chunks < 1:
+        raise ConfigError(f"parallel.chunks must be >= 1, got {par.chunks}")
+    if par.chunks > 1 and par.schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b, "
+            f"got {par.schedule}"
+        )
+    if par.chunks > 1 and pipe == 1:
+        raise ConfigError(f"parallel.chunks = {par.chunks} needs parallel.pipe > 1, got 1")
+    if m.layers % (pipe * par.chunks):
+        raise ConfigError(
+            f"model.layers ({m.layers}) must be divisible by parallel.pipe * parallel.chunks "
+            f"= {pipe} * {par.chunks} = {pipe * par.chunks}"
+        )
+    b, micro = resolve_batching(tr, data)
+    if pipe > 1 and par.schedule == "interleaved_1f1b" and micro % pipe:
+        raise ConfigError(
+            f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "
+            f"parallel.pipe ({pipe})"
+        )
+    _check_positive("train.steps", tr.steps)
+    _check_positive("train.log_every", tr.log_every)
+    _check_positive("optimizer.lr", opt.lr)
+    if opt.min_lr < 0 or opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr must be in [0, lr={opt.lr}], got {opt.min_lr}")
+    if opt.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {opt.warmup_steps}")
+    if opt.grad_clip < 0:
+        raise ConfigError(f"optimizer.grad_clip must be >= 0, got {opt.grad_clip}")
+    decay = opt.decay_steps if opt.decay_steps != -1 else max(tr.steps - opt.warmup_steps, 1)
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(par, data=data, pipe=pipe, tensor=tensor),
+        train=dataclasses.replace(tr, microbatch_size=b, microbatches=micro),
+        optimizer=dataclasses.replace(opt, decay_steps=decay),
+    )

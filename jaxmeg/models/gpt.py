@@ -1,0 +1,283 @@
+"""GPT decoder as single-device Flax code that names logical axes only.
+
+Shapes live in names; the letters are B batch, S sequence, D hidden, N heads, H head dim,
+F MLP width, V (padded) vocabulary, L layers. Parameters are annotated with logical axes
+(`vocab`, `embed`, `heads`, `head_dim`, `mlp`, `qkv`, `positions`, `layers`); activations are
+passed through `constrain(x, logical_axes)`, a hook that the caller supplies (identity by
+default). The model never sees a mesh: the parallel package maps logical axes to mesh axes.
+
+Megatron's tensor-parallel split follows from the axes alone: QKV and fc1 are column-parallel
+(`heads`, `mlp` on the output dim), attention-out and fc2 are row-parallel (same axes on the
+input dim), the embedding table is vocab-parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.config import ModelConfig
+
+Array = jax.Array
+Constrain = Callable[[Array, tuple], Array]
+
+
+def no_constraint(x: Array, logical_axes: tuple) -> Array:
+    del logical_axes
+    return x
+
+
+RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
+
+
+def _dtype(name: str) -> Any:
+    return jnp.dtype(name)
+
+
+def _param(module: nn.Module, name: str, shape: tuple, axes: tuple, init: Callable) -> Array:
+    dtype = _dtype(module.cfg.param_dtype)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _normal(std: float) -> Callable:
+    return nn.initializers.normal(stddev=std)
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt) or RMSNorm (llama), computed in float32."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array) -> Array:
+        d = self.cfg.hidden
+        scale = _param(self, "scale", (d,), ("embed",), nn.initializers.ones)
+        x = x_BxSxD.astype(jnp.float32)
+        if self.cfg.block == "llama":
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+            return (x * scale).astype(x_BxSxD.dtype)
+        bias = _param(self, "bias", (d,), ("embed",), nn.initializers.zeros)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        x = (x - mean) * jax.lax.rsqrt(var + self.cfg.norm_eps)
+        return (x * scale + bias).astype(x_BxSxD.dtype)
+
+
+def rotary(x_BxSxNxH: Array) -> Array:
+    """Rotary position embedding (Su et al., 2021) over the head dim, halves rotated."""
+    seq, half = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1] // 2
+    freq_H = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angle_SxH = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq_H[None, :]
+    cos, sin = jnp.cos(angle_SxH)[None, :, None, :], jnp.sin(angle_SxH)[None, :, None, :]
+    x = x_BxSxNxH.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxSxNxH.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention. QKV column-parallel over heads, output row-parallel."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array) -> Array:
+        cfg = self.cfg
+        d, n, h = cfg.hidden, cfg.heads, cfg.head_dim
+        compute = _dtype(cfg.compute_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        w_qkv = _param(
+            self,
+            "w_qkv",
+            (d, 3, n, h),
+            ("embed", "qkv", "heads", "head_dim"),
+            _normal(cfg.init_std),
+        )
+        w_out = _param(self, "w_out", (n, h, d), ("heads", "head_dim", "embed"), _normal(out_std))
+        qkv_BxSx3xNxH = jnp.einsum("bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute))
+        if cfg.block == "gpt":
+            b_qkv = _param(
+                self, "b_qkv", (3, n, h), ("qkv", "heads", "head_dim"), nn.initializers.zeros
+            )
+            qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
+        qkv_BxSx3xNxH = self.constrain(qkv_BxSx3xNxH, ("act_batch", None, None, "act_heads", None))
+        q, k, v = (qkv_BxSx3xNxH[:, :, i] for i in range(3))
+        if cfg.block == "llama":
+            q, k = rotary(q), rotary(k)
+        impl = attention_implementation(cfg)
+        o_BxSxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", None, "act_heads", None))
+        y_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute))
+        if cfg.block == "gpt":
+            b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
+            y_BxSxD = y_BxSxD + b_out.astype(compute)
+        return y_BxSxD
+
+
+def attention_implementation(cfg: ModelConfig) -> str | None:
+    if cfg.attention != "auto":
+        return cfg.attention
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and cfg.compute_dtype in ("bfloat16", "float16") else "xla"
+
+
+class Mlp(nn.Module):
+    """GeLU MLP (gpt) or SwiGLU (llama): fc1 column-parallel over `mlp`, fc2 row-parallel."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array) -> Array:
+        cfg = self.cfg
+        d, f = cfg.hidden, cfg.mlp_hidden
+        compute = _dtype(cfg.compute_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
+        w_out = _param(self, "w_out", (f, d), ("mlp", "embed"), _normal(out_std))
+        u_BxSxF = jnp.einsum("bsd,df->bsf", x_BxSxD, w_in.astype(compute))
+        if cfg.block == "gpt":
+            b_in = _param(self, "b_in", (f,), ("mlp",), nn.initializers.zeros)
+            u_BxSxF = jax.nn.gelu(u_BxSxF + b_in.astype(compute), approximate=True)
+        else:
+            w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
+            gate_BxSxF = jnp.einsum("bsd,df->bsf", x_BxSxD, w_gate.astype(compute))
+            u_BxSxF = jax.nn.silu(gate_BxSxF) * u_BxSxF
+        u_BxSxF = self.constrain(u_BxSxF, ("act_batch", None, "act_mlp"))
+        y_BxSxD = jnp.einsum("bsf,fd->bsd", u_BxSxF, w_out.astype(compute))
+        if cfg.block == "gpt":
+            b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
+            y_BxSxD = y_BxSxD + b_out.astype(compute)
+        return y_BxSxD
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array, _: Any = None) -> tuple[Array, None]:
+        x = x_BxSxD
+        x = x + Attention(self.cfg, self.constrain, name="attn")(Norm(self.cfg, name="norm1")(x))
+        x = self.constrain(x, RESIDUAL_AXES)
+        x = x + Mlp(self.cfg, self.constrain, name="mlp")(Norm(self.cfg, name="norm2")(x))
+        x = self.constrain(x, RESIDUAL_AXES)
+        return x, None
+
+
+REMAT_POLICY = {
+    # Keep matmuls against weights, recompute attention scores/softmax (Megatron's selective).
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep nothing inside the layer but its input.
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+class BlockStack(nn.Module):
+    """`num_layers` Blocks with parameters stacked on a leading `layers` dim, applied by scan."""
+
+    cfg: ModelConfig
+    num_layers: int
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array) -> Array:
+        block = Block
+        if self.cfg.remat != "none":
+            block = nn.remat(block, policy=REMAT_POLICY[self.cfg.remat], prevent_cse=False)
+        scanned = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = scanned(self.cfg, self.constrain, name="layers")(x_BxSxD, None)
+        return x
+
+
+class Embed(nn.Module):
+    """Vocab-parallel token embedding plus learned positions (gpt)."""
+
+    cfg: ModelConfig
+    vocab: int
+    constrain: Constrain = no_constraint
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        init = _normal(cfg.init_std)
+        self.token = _param(self, "token", (self.vocab, cfg.hidden), ("vocab", "embed"), init)
+        if cfg.block == "gpt":
+            self.position = _param(
+                self, "position", (cfg.seq_len, cfg.hidden), ("positions", "embed"), init
+            )
+
+    def __call__(self, tokens_BxS: Array) -> Array:
+        compute = _dtype(self.cfg.compute_dtype)
+        x_BxSxD = jnp.take(self.token, tokens_BxS, axis=0).astype(compute)
+        if self.cfg.block == "gpt":
+            x_BxSxD = x_BxSxD + self.position[: tokens_BxS.shape[1]].astype(compute)[None]
+        return self.constrain(x_BxSxD, RESIDUAL_AXES)
+
+    def attend(self, x_BxSxD: Array) -> Array:
+        compute = _dtype(self.cfg.compute_dtype)
+        return jnp.einsum("bsd,vd->bsv", x_BxSxD, self.token.astype(compute))
+
+
+class Head(nn.Module):
+    """Final norm and the vocab-parallel output projection (tied to `Embed` unless untied)."""
+
+    cfg: ModelConfig
+    vocab: int
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array, embed: Embed | None = None) -> Array:
+        x = Norm(self.cfg, name="final_norm")(x_BxSxD)
+        if self.cfg.tie_embeddings:
+            logits_BxSxV = embed.attend(x)
+        else:
+            compute = _dtype(self.cfg.compute_dtype)
+            w = _param(
+                self,
+                "unembed",
+                (self.cfg.hidden, self.vocab),
+                ("embed", "vocab"),
+                _normal(self.cfg.init_std),
+            )
+            logits_BxSxV = jnp.einsum("bsd,dv->bsv", x, w.astype(compute))
+        return self.constrain(logits_BxSxV, ("act_batch", None, "act_vocab"))
+
+
+class GPT(nn.Module):
+    """Embedding -> L blocks -> head. Returns logits over the padded vocabulary.
+
+    Parameters: {'embed': {token, position}, 'blocks': {'layers': stacked [L, ...]},
+    'head': {final_norm, unembed?}}.
+    """
+
+    cfg: ModelConfig
+    vocab: int
+    constrain: Constrain = no_constraint
+
+    def setup(self) -> None:
+        self.embed = Embed(self.cfg, self.vocab, self.constrain)
+        self.blocks = BlockStack(self.cfg, self.cfg.layers, self.constrain)
+        self.head = Head(self.cfg, self.vocab, self.constrain)
+
+    def __call__(self, tokens_BxS: Array) -> Array:
+        return self.head(self.blocks(self.embed(tokens_BxS)), self.embed)
+
+    def embed_tokens(self, tokens_BxS: Array) -> Array:
+        return self.embed(tokens_BxS)
+
+    def logits(self, x_BxSxD: Array) -> Array:
+        return self.head(x_BxSxD, self.embed)

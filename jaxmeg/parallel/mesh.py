@@ -1,0 +1,46 @@
+"""The (data, pipe, tensor) device mesh.
+
+Device order: `tensor` varies fastest, so a tensor group is made of consecutive devices of one
+host (NVLink); of `pipe` and `data`, the config's `outer_axis` varies slowest and so is the one
+that crosses hosts first (Megatron's default puts pipe outermost). All axes are Auto, so XLA
+places tensor-parallel collectives from the sharding rules.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxmeg.config import MESH_AXES, ParallelConfig, resolve_mesh_shape
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Makes the CPU backend expose `count` devices. Must run before jax initialises a backend."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as err:  # backend already initialised
+        if len(jax.devices()) != count:
+            raise RuntimeError(
+                f"cannot simulate {count} CPU devices: jax already started with "
+                f"{len(jax.devices())}; call simulate_cpu_devices before any jax computation"
+            ) from err
+
+
+def make_mesh(par: ParallelConfig, devices: list | None = None) -> Mesh:
+    """Builds the mesh for `par` (with `-1` axes inferred) over `devices` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    data, pipe, tensor = resolve_mesh_shape(par, len(devices))
+    grid = np.array(devices, dtype=object)
+    if par.outer_axis == "pipe":
+        grid = grid.reshape(pipe, data, tensor).transpose(1, 0, 2)
+    else:
+        grid = grid.reshape(data, pipe, tensor)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -1,0 +1,93 @@
+"""The one table that maps logical axes to mesh axes, and the shardings derived from it.
+
+Megatron layout (Shoeybi et al., 2019): for the MLP, Y = GeLU(X A) with A = [A_1 .. A_t] split
+along its second dim (column-parallel, logical `mlp` -> `tensor`), then Z = Y B with B split along
+its first dim (row-parallel, same logical axis) and one all-reduce of Z. Attention does the same
+over `heads`. The embedding table is split on `vocab`. Activations: `act_batch` on `data`; with
+sequence parallelism the residual stream's `act_seq` goes on `tensor`, so each all-reduce becomes
+a reduce-scatter plus an all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmeg.config import ParallelConfig
+
+Rules = tuple[tuple[str, str | None], ...]
+
+PARAM_RULES: dict[str, str | None] = {
+    "vocab": "tensor",
+    "heads": "tensor",
+    "mlp": "tensor",
+    "embed": None,
+    "head_dim": None,
+    "qkv": None,
+    "positions": None,
+    "layers": None,
+}
+
+ACTIVATION_RULES: dict[str, str | None] = {
+    "act_batch": "data",
+    "act_seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+
+def param_rules(par: ParallelConfig) -> Rules:
+    return tuple({**PARAM_RULES, **par.param_rules}.items())
+
+
+def activation_rules(par: ParallelConfig) -> Rules:
+    rules = dict(ACTIVATION_RULES)
+    if par.sequence_parallel:
+        rules["act_seq"] = "tensor"
+    rules.update(par.activation_rules)
+    return tuple(rules.items())
+
+
+def logical_to_spec(logical_axes: tuple, rules: Rules, drop: frozenset = frozenset()) -> P:
+    """Maps a tuple of logical names to a PartitionSpec; mesh axes in `drop` become None."""
+    table = dict(rules)
+    axes = []
+    for name in logical_axes:
+        mesh_axis = table.get(name) if name is not None else None
+        axes.append(None if mesh_axis in drop else mesh_axis)
+    return P(*axes)
+
+
+def make_constrain(rules: Rules, manual_axes: frozenset = frozenset()) -> Callable:
+    """The model's activation hook: a sharding constraint with a bare PartitionSpec.
+
+    Inside a shard_map, axes that are manual there (`manual_axes`) cannot be named and are left
+    out; the bare spec binds to the mesh in context (`jax.set_mesh` or the shard_map's own).
+    """
+
+    def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
+        return jax.lax.with_sharding_constraint(
+            x, logical_to_spec(logical_axes, rules, manual_axes)
+        )
+
+    return constrain
+
+
+def param_specs(boxed_params, rules: Rules):
+    """PartitionSpecs for a tree of flax LogicallyPartitioned params (or their abstract shapes)."""
+    logical = nn.get_partition_spec(boxed_params)
+    return jax.tree.map(
+        lambda spec: logical_to_spec(tuple(spec), rules),
+        logical,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def named(mesh: Mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))

@@ -1,0 +1,16 @@
+"""8 simulated CPU devices, set before jax is imported anywhere in the test session."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    + ["--xla_force_host_platform_device_count=8"]
+)
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+
+assert len(jax.devices()) == 8, f"tests need 8 simulated CPU devices, got {len(jax.devices())}"

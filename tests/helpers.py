@@ -1,0 +1,47 @@
+"""Small configs, meshes and batches shared by the parallelism tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxmeg import config as C
+from jaxmeg.parallel import make_mesh
+from jaxmeg.training.step import Trainable
+
+TINY_MODEL = C.ModelConfig(
+    vocab_size=500, hidden=64, layers=2, heads=4, seq_len=16, compute_dtype="float32"
+)
+
+
+def tiny_config(data=1, pipe=1, tensor=1, **parallel) -> C.Config:
+    cfg = C.Config(
+        model=TINY_MODEL,
+        parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor, **parallel),
+        train=C.TrainConfig(global_batch=8, microbatches=2, steps=2),
+        optimizer=C.OptimizerConfig(lr=1e-3, warmup_steps=1),
+    )
+    return cfg
+
+
+def trainable_for(cfg: C.Config) -> Trainable:
+    n = cfg.parallel.data * cfg.parallel.pipe * cfg.parallel.tensor
+    cfg = C.validate(cfg, n)
+    return Trainable.create(cfg, make_mesh(cfg.parallel, jax.devices()[:n]))
+
+
+def random_batch(cfg: C.Config, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    return rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)
+
+
+def put_batch(trainable: Trainable, tokens: np.ndarray):
+    sharding = trainable.batch_sharding()
+    return jax.device_put(tokens[:, :-1], sharding), jax.device_put(tokens[:, 1:], sharding)
+
+
+def replace_model(cfg: C.Config, **changes) -> C.Config:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))

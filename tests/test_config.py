@@ -1,0 +1,127 @@
+"""Every shipped YAML loads and validates; each validation error names the field and numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from jaxmeg import config as C
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    names = {p.stem for p in CONFIGS}
+    assert {"gpt_tiny", "gpt_125m", "gpt_350m", "gpt_1.3b", "megatron_1t"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_config_loads_and_validates(path):
+    cfg = C.load(path)
+    if cfg.model.vocab_size == -1:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=4096))
+    par = cfg.parallel
+    devices = max(par.data, 1) * max(par.pipe, 1) * max(par.tensor, 1)
+    resolved = C.validate(cfg, devices)
+    b, m, d = resolved.train.microbatch_size, resolved.train.microbatches, resolved.parallel.data
+    assert b * m * d == resolved.train.global_batch
+
+
+def test_tiny_config_divides_every_test_mesh():
+    cfg = C.load(CONFIGS[0].parent / "gpt_tiny.yaml", ["model.vocab_size=4096"])
+    assert cfg.model.layers == 8 and cfg.model.heads % 4 == 0
+    for data, pipe, tensor in [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 2, 4), (2, 4, 1), (1, 8, 1)]:
+        C.validate(
+            C.apply_overrides(
+                cfg, [f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.tensor={tensor}"]
+            ),
+            8,
+        )
+
+
+def test_overrides_parse_yaml_values():
+    cfg = C.apply_overrides(
+        C.Config(), ["parallel.sequence_parallel=true", "optimizer.lr=2e-4", "train.steps=7"]
+    )
+    assert cfg.parallel.sequence_parallel is True
+    assert cfg.optimizer.lr == pytest.approx(2e-4)
+    assert cfg.train.steps == 7
+
+
+def test_minus_one_infers_an_axis():
+    cfg = C.Config(
+        model=C.ModelConfig(vocab_size=1000),
+        parallel=C.ParallelConfig(data=-1, pipe=2, tensor=2),
+    )
+    assert C.validate(cfg, 8).parallel.data == 2
+
+
+def test_padded_vocab_is_megatron_style():
+    model = C.ModelConfig(vocab_size=50257)
+    assert C.padded_vocab_size(model, 1) == 50304
+    assert C.padded_vocab_size(model, 8) == 51200
+
+
+BAD = [
+    (["model.bogus=1"], "unknown config key model.bogus"),
+    (["nosuch.key=1"], "unknown config section 'nosuch'"),
+    (["parallel.tensor=3"], r"parallel.data \* parallel.pipe \* parallel.tensor = 1 \* 1 \* 3 = 3"),
+    (["parallel.tensor=8"], r"model.heads \(4\) must be divisible by parallel.tensor \(8\)"),
+    (["model.heads=3"], r"model.hidden \(128\) must be divisible by model.heads \(3\)"),
+    (
+        ["parallel.data=8", "train.global_batch=12"],
+        r"train.global_batch \(12\) must be divisible by parallel.data \(8\)",
+    ),
+    (["train.microbatch_size=3"], r"global_batch \(16\) must be divisible by parallel.data"),
+    (
+        ["parallel.pipe=8", "model.layers=12"],
+        r"model.layers \(12\) must be divisible by parallel.pipe \* parallel.chunks = 8 \* 1 = 8",
+    ),
+    (["parallel.chunks=2"], r"parallel.chunks = 2 needs parallel.schedule=interleaved_1f1b"),
+    (
+        [
+            "parallel.pipe=4",
+            "parallel.schedule=interleaved_1f1b",
+            "parallel.chunks=2",
+            "parallel.data=2",
+            "train.microbatches=2",
+        ],
+        r"interleaved_1f1b needs train.microbatches \(2\) to be a multiple of parallel.pipe \(4\)",
+    ),
+    (["parallel.schedule=zb"], r"parallel.schedule must be one of"),
+    (["parallel.data=-1", "parallel.tensor=-1"], "only one of parallel.data/pipe/tensor may be -1"),
+    (["model.compute_dtype=fp8"], "model.compute_dtype must be one of"),
+    (["train.steps=x"], "train.steps must be an integer"),
+    (["parallel.sequence_parallel=maybe"], "parallel.sequence_parallel must be true or false"),
+    (["parallel.data=-1", "parallel.tensor=3"], "cannot infer parallel.data: 8 devices"),
+    (["optimizer.min_lr=1.0"], r"optimizer.min_lr must be in \[0, lr="),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_validation_errors_name_field_and_numbers(overrides, message):
+    base = C.Config(model=C.ModelConfig(vocab_size=1000), train=C.TrainConfig(global_batch=16))
+    devices = (
+        8
+        if any(
+            o.startswith(("parallel.data", "parallel.pipe=8", "parallel.pipe=4")) for o in overrides
+        )
+        else None
+    )
+    with pytest.raises(C.ConfigError, match=message):
+        cfg = C.apply_overrides(base, overrides)
+        C.validate(cfg, devices or _devices(cfg))
+
+
+def _devices(cfg: C.Config) -> int:
+    p = cfg.parallel
+    if p.tensor == 3:
+        return 1
+    return max(p.data, 1) * max(p.pipe, 1) * max(p.tensor, 1)
+
+
+def test_missing_config_file():
+    with pytest.raises(C.ConfigError, match="does not exist"):
+        C.load("configs/nope.yaml")
