@@ -149,7 +149,8 @@ class TrainConfig:
     microbatches)."""
     microbatches: int = -1
     """Microbatches per step per replica, m (gradient accumulation, or pipeline microbatches);
-    -1 = global_batch / (data * microbatch_size), or 1 if both are -1."""
+    -1 = global_batch / (data * microbatch_size); if both are -1, 1 without a pipeline and
+    global_batch / data (microbatches of one sequence) with one."""
     seed: int = 0
     """Seed of parameter init and data order."""
     log_every: int = 1
@@ -299,8 +300,11 @@ def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int,
     return sizes["data"], sizes["pipe"], sizes["tensor"]
 
 
-def resolve_batching(train: TrainConfig, data: int) -> tuple[int, int]:
-    """Returns (microbatch_size b, microbatches m) with global_batch == data * m * b."""
+def resolve_batching(train: TrainConfig, data: int, pipe: int = 1) -> tuple[int, int]:
+    """Returns (microbatch_size b, microbatches m) with global_batch == data * m * b.
+
+    With both left at -1: one microbatch without a pipeline, microbatches of one sequence with
+    one (the most microbatches, so the smallest bubble)."""
     g, b, m = train.global_batch, train.microbatch_size, train.microbatches
     if g < 1:
         raise ConfigError(f"train.global_batch must be >= 1, got {g}")
@@ -308,7 +312,7 @@ def resolve_batching(train: TrainConfig, data: int) -> tuple[int, int]:
         raise ConfigError(f"train.global_batch ({g}) must be divisible by parallel.data ({data})")
     per_replica = g // data
     if b == -1 and m == -1:
-        m = 1
+        m = 1 if pipe == 1 else per_replica
     if b == -1:
         if m < 1 or per_replica % m:
             raise ConfigError(
@@ -396,7 +400,7 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"model.layers ({m.layers}) must be divisible by parallel.pipe * parallel.chunks "
             f"= {pipe} * {par.chunks} = {pipe * par.chunks}"
         )
-    b, micro = resolve_batching(tr, data)
+    b, micro = resolve_batching(tr, data, pipe)
     if pipe > 1 and par.schedule == "interleaved_1f1b" and micro % pipe:
         raise ConfigError(
             f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "

@@ -6,7 +6,11 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8"]
+    + [
+        "--xla_force_host_platform_device_count=8",
+        "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true",
+    ]
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxmeg import config as C
 from jaxmeg.parallel import make_mesh
-from jaxmeg.training.step import Trainable
+from jaxmeg.training.state import Trainable
 
 TINY_MODEL = C.ModelConfig(
     vocab_size=500, hidden=64, layers=2, heads=4, seq_len=16, compute_dtype="float32"

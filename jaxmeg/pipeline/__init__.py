@@ -1,0 +1,20 @@
+"""Pipeline parallelism: schedules as data, tick tables, and the shard_map executor.
+
+Nothing here imports model code: the executor runs `StageFunctions` given by the caller.
+"""
+
+from jaxmeg.pipeline.analysis import ScheduleError, lockstep_efficiency, validate
+from jaxmeg.pipeline.schedules import Schedule, bubble_fraction, build, check_layers
+from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
+
+__all__ = [
+    "Schedule",
+    "ScheduleError",
+    "TickTable",
+    "bubble_fraction",
+    "build",
+    "build_tick_table",
+    "check_layers",
+    "lockstep_efficiency",
+    "validate",
+]

@@ -56,7 +56,7 @@ def make_pipeline_loss_and_grads(trainable: Trainable) -> Callable:
     schedule = build_schedule(trainable)
     run = executor(
         stage_functions(trainable),
-        schedules.build_tick_table(schedule),
+        schedule.tick_table,
         trainable.mesh,
         num_chunks=trainable.chunks,
         microbatches=trainable.cfg.train.microbatches,

@@ -13,14 +13,16 @@ import jax
 import numpy as np
 
 from jaxmeg.config import Config, validate
-from jaxmeg.data import BatchLoader, TokenFile, prepare_default_dataset
 from jaxmeg.parallel import make_mesh
 from jaxmeg.training.flops import model_flops_per_step, peak_tflops_per_device
-from jaxmeg.training.step import Trainable, abstract_state, init_state, make_train_step
+from jaxmeg.training.state import Trainable, abstract_state, init_state
+from jaxmeg.training.step import make_train_step
 
 
-def open_dataset(cfg: Config, show_progress: bool = True) -> TokenFile:
+def open_dataset(cfg: Config, show_progress: bool = True):
     """The configured token file, or the default corpus (built and cached on first use)."""
+    from jaxmeg.data import TokenFile, prepare_default_dataset
+
     prefix = cfg.data.dataset
     if not prefix:
         prefix = prepare_default_dataset(
@@ -44,7 +46,7 @@ def with_vocab(cfg: Config, vocab_size: int) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
 
 
-def global_batch_arrays(loader: BatchLoader, step: int, sharding) -> tuple[jax.Array, jax.Array]:
+def global_batch_arrays(loader, step: int, sharding) -> tuple[jax.Array, jax.Array]:
     """Builds the global (inputs, targets) arrays; each process reads only its own rows."""
     shape = (loader.global_batch, loader.seq_len)
     cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -84,7 +86,7 @@ def compile_step(trainable: Trainable):
     return compiled, time.perf_counter() - start
 
 
-def prepare(cfg: Config, dataset: TokenFile | None) -> Trainable:
+def prepare(cfg: Config, dataset=None) -> Trainable:
     vocab = dataset.vocab_size if dataset is not None else cfg.data.tokenizer_vocab
     cfg = validate(with_vocab(cfg, vocab), jax.device_count())
     return Trainable.create(cfg, make_mesh(cfg.parallel))
@@ -120,6 +122,8 @@ def train(
         f"batch {cfg.train.global_batch} = {d} x {cfg.train.microbatches} x "
         f"{cfg.train.microbatch_size}, {dataset.num_tokens:,} tokens"
     )
+    from jaxmeg.data import BatchLoader
+
     loader = BatchLoader(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)
     with jax.set_mesh(trainable.mesh):
         state = init_state(trainable, cfg.train.seed)

@@ -1,0 +1,126 @@
+"""Corpora -> token files: the default corpus (this Python installation's standard-library
+sources, real text that every Python install has) and user text/JSONL files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from jaxmeg.data.token_file import write_token_file
+from jaxmeg.data.tokenizer import encode_batches, eot_id, load_tokenizer, train_bpe_tokenizer
+
+
+def default_corpus_files(max_bytes: int) -> list[Path]:
+    """Standard-library `.py` files in sorted order (no site-packages), up to `max_bytes`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            continue
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            continue
+        chosen.append(path)
+        total += size
+    if not chosen:
+        raise FileNotFoundError(f"no standard-library sources found under {root}")
+    return chosen
+
+
+def _read_texts(paths: list[Path], text_key: str = "text") -> Iterator[str]:
+    for path in paths:
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        record = json.loads(line)
+                        if text_key not in record:
+                            raise ValueError(f"{path}:{n} has no {text_key!r} field")
+                        yield record[text_key]
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def prepare_dataset(
+    inputs: list[str | Path],
+    out_prefix: str | Path,
+    tokenizer_json: str | Path | None = None,
+    vocab_size: int = 32000,
+    text_key: str = "text",
+    show_progress: bool = True,
+) -> dict:
+    """Tokenizes text (.txt, one document per file) or JSONL (one document per line) files
+    into a token file; trains a BPE of `vocab_size` next to it unless a tokenizer is given."""
+    paths = [Path(p) for p in inputs]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    out_prefix = Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    if tokenizer_json is None:
+        tokenizer_json = Path(str(out_prefix) + ".tokenizer.json")
+        tokenizer = train_bpe_tokenizer(
+            _read_texts(paths, text_key), vocab_size, tokenizer_json, show_progress
+        )
+    else:
+        tokenizer = load_tokenizer(tokenizer_json)
+    texts = _read_texts(paths, text_key)
+    if show_progress:
+        texts = tqdm(texts, desc="tokenizing", unit="doc", file=sys.stderr)
+    start = time.perf_counter()
+    info = write_token_file(
+        out_prefix,
+        encode_batches(tokenizer, texts),
+        vocab_size=tokenizer.get_vocab_size(),
+        eot=eot_id(tokenizer),
+        meta={"tokenizer": str(Path(tokenizer_json).resolve())},
+    )
+    info["seconds"] = time.perf_counter() - start
+    return info
+
+
+def _cache_key(files: list[Path], vocab_size: int, max_bytes: int) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"{sys.version_info[:3]} {vocab_size} {max_bytes}".encode())
+    for path in files:
+        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def prepare_default_dataset(
+    cache_dir: str | Path, vocab_size: int, max_bytes: int, show_progress: bool = True
+) -> str:
+    """The default corpus as a token-file prefix, built once and cached under `cache_dir`."""
+    files = default_corpus_files(max_bytes)
+    final = Path(cache_dir).expanduser() / f"stdlib-{_cache_key(files, vocab_size, max_bytes)}"
+    prefix = str(final / "tokens")
+    if (final / "tokens.json").is_file():
+        return prefix
+    if show_progress:
+        print(
+            f"jaxmeg: building the default corpus: {len(files)} standard-library files, "
+            f"BPE vocabulary {vocab_size} -> {final}",
+            file=sys.stderr,
+        )
+    staging = final.with_name(final.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    prepare_dataset(files, staging / "tokens", vocab_size=vocab_size, show_progress=show_progress)
+    meta_path = staging / "tokens.json"
+    meta = json.loads(meta_path.read_text())
+    meta["tokenizer"] = str(final / "tokens.tokenizer.json")
+    meta_path.write_text(json.dumps(meta, indent=1))
+    try:
+        os.replace(staging, final)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return prefix

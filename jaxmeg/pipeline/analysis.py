@@ -1,0 +1,178 @@
+"""Checks a tick table by replaying it, and models its lockstep time.
+
+`validate` replays the table with the executor's semantics, independently of how the table
+was built: every (stage, F|B, microbatch, chunk) runs exactly once and in the stage's order,
+each read finds the right data in its slot (so every dependency and latency holds), no slot is
+overwritten while in use, and every send has a receiving slot.
+
+`lockstep_efficiency`: a tick lasts max over stages of the F slot's cost plus max over stages of
+the B slot's cost (each slot ends in an all-stage ppermute), with a forward of one chunk costing
+1/v and a backward `backward_cost`/v (2; 3 with recompute counted). Efficiency = ideal compute
+time m (1 + backward_cost) over the lockstep time. Megatron's asynchronous bound is
+1 / (1 + bubble), bubble = (p - 1) / (v m).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmeg.pipeline.schedules import Schedule, bubble_fraction
+from jaxmeg.pipeline.tick_table import TickTable, _next_stage, _prev_stage
+
+
+class ScheduleError(AssertionError):
+    """A tick table breaks a dependency, a buffer or the schedule's order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    input_slots: tuple[int, ...]
+    """Stage inputs held at once, per stage (what the executor's ring must hold)."""
+    cot_slots: tuple[int, ...]
+    """Received cotangents held at once, per stage."""
+    num_ticks: int
+    bubble: float
+    """Megatron's asynchronous bubble fraction (p - 1) / (v m)."""
+    lockstep_efficiency: float
+    """Ideal compute / lockstep time, backward = 2 x forward."""
+    async_bound: float
+    """1 / (1 + bubble)."""
+
+
+def _fail(message: str) -> None:
+    raise ScheduleError(message)
+
+
+def _replay_slot(held: dict, slot: int, item, what: str) -> None:
+    if held.get(slot) != item:
+        _fail(f"{what}: slot {slot} holds {held.get(slot)}, expected {item}")
+
+
+def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
+    """Replays `table` (default: the schedule's own) and returns buffer sizes and efficiency."""
+    table = table if table is not None else schedule.tick_table
+    p, v = schedule.num_stages, schedule.num_chunks
+    inputs = [dict() for _ in range(p)]
+    cots = [dict() for _ in range(p)]
+    ran = [[] for _ in range(p)]
+    peak_in, peak_cot = [0] * p, [0] * p
+
+    def deliver(held, s, slot, item, peak, what):
+        if slot < 0:
+            _fail(f"{what}: stage {s} receives {item} but has no slot for it")
+        if slot in held:
+            _fail(f"{what}: stage {s} slot {slot} overwritten while holding {held[slot]}")
+        held[slot] = item
+        peak[s] = max(peak[s], len(held))
+
+    for t in range(table.num_ticks):
+        sends = {}
+        for s in range(p):
+            mb, c, slot = (int(table.f_mb[t, s]), int(table.f_chunk[t, s]), int(table.f_slot[t, s]))
+            if mb < 0:
+                continue
+            ran[s].append(("F", mb, c))
+            where = f"tick {t} stage {s} F{mb}.{c}"
+            if s == 0 and c == 0:
+                deliver(inputs[s], s, slot, (c, mb), peak_in, where)
+            else:
+                _replay_slot(inputs[s], slot, (c, mb), where)
+            if not (s == p - 1 and c == v - 1):
+                ns, nc = _next_stage(s, c, p)
+                sends[ns] = (nc, mb)
+        for s in range(p):
+            slot = int(table.recv_act_slot[t, s])
+            if s in sends:
+                deliver(inputs[s], s, slot, sends[s], peak_in, f"tick {t} activation")
+            elif slot >= 0:
+                _fail(f"tick {t} stage {s}: receive slot {slot} set but nothing is sent")
+        sends = {}
+        for s in range(p):
+            mb, c = int(table.b_mb[t, s]), int(table.b_chunk[t, s])
+            if mb < 0:
+                continue
+            ran[s].append(("B", mb, c))
+            where = f"tick {t} stage {s} B{mb}.{c}"
+            slot = int(table.b_slot[t, s])
+            _replay_slot(inputs[s], slot, (c, mb), where)
+            del inputs[s][slot]
+            if s == p - 1 and c == v - 1:
+                if ("F", mb, c) not in ran[s]:
+                    _fail(f"{where}: backward before its forward")
+            else:
+                cot_slot = int(table.b_cot_slot[t, s])
+                _replay_slot(cots[s], cot_slot, (c, mb), where + " cotangent")
+                del cots[s][cot_slot]
+            if not (s == 0 and c == 0):
+                ps, pc = _prev_stage(s, c, p)
+                sends[ps] = (pc, mb)
+        for s in range(p):
+            slot = int(table.recv_cot_slot[t, s])
+            if s in sends:
+                deliver(cots[s], s, slot, sends[s], peak_cot, f"tick {t} cotangent")
+            elif slot >= 0:
+                _fail(f"tick {t} stage {s}: cotangent slot {slot} set but nothing is sent")
+
+    for s in range(p):
+        if ran[s] != schedule.order(s):
+            _fail(
+                f"stage {s} ran {ran[s][:6]}... which is not its order {schedule.order(s)[:6]}..."
+            )
+        if inputs[s] or cots[s]:
+            _fail(f"stage {s} ends with buffers still holding {inputs[s]} / {cots[s]}")
+    if max(peak_in) > table.num_input_slots or max(peak_cot) > table.num_cot_slots:
+        _fail(
+            f"buffers need {max(peak_in)}/{max(peak_cot)} slots, the table has "
+            f"{table.num_input_slots}/{table.num_cot_slots}"
+        )
+    bubble = bubble_fraction(schedule.name, p, schedule.num_microbatches, v)
+    return Report(
+        input_slots=tuple(peak_in),
+        cot_slots=tuple(peak_cot),
+        num_ticks=table.num_ticks,
+        bubble=bubble,
+        lockstep_efficiency=lockstep_efficiency(schedule, table=table),
+        async_bound=1.0 / (1.0 + bubble),
+    )
+
+
+def lockstep_time(schedule: Schedule, backward_cost: float = 2.0, table: TickTable | None = None):
+    """Sum over ticks of (max F-slot cost + max B-slot cost), one forward of a stage = 1."""
+    table = table if table is not None else schedule.tick_table
+    v = schedule.num_chunks
+    forward = np.where(table.f_mb >= 0, 1.0 / v, 0.0).max(axis=1)
+    backward = np.where(table.b_mb >= 0, backward_cost / v, 0.0).max(axis=1)
+    return float((forward + backward).sum())
+
+
+def lockstep_efficiency(
+    schedule: Schedule, backward_cost: float = 2.0, table: TickTable | None = None
+) -> float:
+    ideal = schedule.num_microbatches * (1.0 + backward_cost)
+    return ideal / lockstep_time(schedule, backward_cost, table)
+
+
+def efficiency_table(stage_counts=(2, 4, 8), chunks: int = 2) -> str:
+    """Markdown table: lockstep efficiency of 1F1B (both warm-ups) and interleaved 1F1B against
+    Megatron's asynchronous bound, with the stage-0 input ring size, for m in {p, 2p, 4p}."""
+    from jaxmeg.pipeline.schedules import build
+
+    lines = [
+        "| p | m | bound 1F1B | 1f1b min_memory | 1f1b min_bubble | stage-0 inputs "
+        f"(min_memory / min_bubble) | bound v={chunks} | interleaved v={chunks} | stage-0 inputs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in stage_counts:
+        for m in (p, 2 * p, 4 * p):
+            lean, fast = build("1f1b", p, m, warmup="min_memory"), build("1f1b", p, m)
+            inter = build("interleaved_1f1b", p, m, num_chunks=chunks)
+            r_lean, r_fast, r_inter = validate(lean), validate(fast), validate(inter)
+            lines.append(
+                f"| {p} | {m} | {r_fast.async_bound:.3f} | {r_lean.lockstep_efficiency:.3f} | "
+                f"{r_fast.lockstep_efficiency:.3f} | {r_lean.input_slots[0]} / "
+                f"{r_fast.input_slots[0]} | {r_inter.async_bound:.3f} | "
+                f"{r_inter.lockstep_efficiency:.3f} | {r_inter.input_slots[0]} |"
+            )
+    return "\n".join(lines)

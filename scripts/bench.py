@@ -1,0 +1,43 @@
+"""Time the train step of a config: warm-up excluded, median of N steps, printed as JSON.
+
+  python scripts/bench.py --config configs/gpt_1.3b.yaml --steps 10 --set model.vocab_size=51200
+  python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 8 --set parallel.pipe=2
+
+Batches are random tokens (the step's cost does not depend on them), so no dataset is needed;
+the vocabulary is `model.vocab_size`, else `data.tokenizer_vocab`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    parser.add_argument("--cpu-devices", type=int)
+    args = parser.parse_args(argv)
+    if args.cpu_devices:
+        from jaxmeg.parallel import simulate_cpu_devices
+
+        simulate_cpu_devices(args.cpu_devices)
+    from jaxmeg import config
+    from jaxmeg.training.benchmark import benchmark
+
+    cfg = config.load(args.config, args.overrides)
+    print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The pipeline executor == the unpipelined model on one device (loss AND every gradient), for
+every schedule on meshes that mix pipe with tensor and data; memory flat in m for 1F1B."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmeg import config as C
+from jaxmeg.training.state import (
+    abstract_state,
+    init_state,
+    state_shardings,
+    to_canonical_layout,
+    to_pipeline_layout,
+)
+from jaxmeg.training.step import make_loss_and_grads, make_train_step
+from jaxmeg.training.trainer import memory_report
+from tests.helpers import put_batch, random_batch, trainable_for
+
+pytestmark = pytest.mark.timeout(300)  # a deadlocked pipe collective aborts, never hangs
+
+MODEL = C.ModelConfig(
+    vocab_size=500, hidden=32, layers=8, heads=4, seq_len=8, compute_dtype="float32"
+)
+MESHES = [(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 4, 2), (1, 2, 4), (2, 4, 1)]
+TOL = 1e-5  # fp32; relative, plus TOL x the largest entry of each gradient near zero
+
+
+def schedules_for(pipe: int):
+    yield "gpipe", 1
+    yield "1f1b", 1
+    yield "interleaved_1f1b", 2
+    if MODEL.layers % (pipe * 4) == 0:
+        yield "interleaved_1f1b", 4
+
+
+CASES = [
+    pytest.param(
+        mesh,
+        schedule,
+        chunks,
+        factor,
+        id="d{}p{}t{}-{}-v{}-m{}p".format(*mesh, schedule, chunks, factor),
+    )
+    for mesh in MESHES
+    for schedule, chunks in schedules_for(mesh[1])
+    for factor in (1, 2, 4)
+]
+
+
+def config(data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=1, **parallel):
+    return C.Config(
+        model=MODEL,
+        parallel=C.ParallelConfig(
+            data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, **parallel
+        ),
+        train=C.TrainConfig(global_batch=data * microbatches, microbatch_size=1),
+    )
+
+
+@functools.cache
+def reference(global_batch: int):
+    """Loss and gradients of the unpipelined model on one device, at the same init."""
+    trainable = trainable_for(
+        dataclasses.replace(config(1, 1, 1), train=C.TrainConfig(global_batch=global_batch))
+    )
+    tokens = random_batch(trainable.cfg)
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        loss, grads = jax.jit(make_loss_and_grads(trainable))(params, *put_batch(trainable, tokens))
+    to_host = functools.partial(jax.tree.map, np.asarray)
+    return tokens, to_host(params), float(loss), to_host(grads)
+
+
+@pytest.mark.parametrize("mesh,schedule,chunks,factor", CASES)
+def test_pipeline_matches_single_device(mesh, schedule, chunks, factor):
+    data, pipe, tensor = mesh
+    microbatches = factor * pipe
+    trainable = trainable_for(config(data, pipe, tensor, schedule, chunks, microbatches))
+    tokens, ref_params, ref_loss, ref_grads = reference(data * microbatches)
+    from jaxmeg.training.pipeline_step import make_pipeline_loss_and_grads
+
+    # The same initial params, viewed in the pipeline layout and sharded for this mesh.
+    params = jax.device_put(
+        to_pipeline_layout(ref_params, pipe, chunks), state_shardings(trainable)["params"]
+    )
+    with jax.set_mesh(trainable.mesh):
+        loss, grads = jax.jit(make_pipeline_loss_and_grads(trainable))(
+            params, *put_batch(trainable, tokens)
+        )
+    grads = jax.tree.map(np.asarray, to_canonical_layout(grads, pipe))
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=TOL)
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    flat = jax.tree.leaves(grads)
+    assert len(flat) == len(flat_ref)
+    for (path, ref), got in zip(flat_ref, flat, strict=True):
+        assert got.shape == ref.shape, jax.tree_util.keystr(path)
+        atol = TOL * float(np.abs(ref).max())
+        np.testing.assert_allclose(
+            got, ref, rtol=TOL, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+# Longer sequences for the memory checks, so a stored stage input (b s h fp32 = 32 KiB) is
+# large against the bookkeeping around it.
+MEMORY_MODEL = dataclasses.replace(MODEL, seq_len=256)
+STAGE_INPUT_BYTES = 1 * 256 * 32 * 4
+
+
+def temp_bytes(schedule: str, chunks: int, microbatches: int, pipe: int = 4) -> int:
+    cfg = config(1, pipe, 1, schedule, chunks, microbatches)
+    trainable = trainable_for(dataclasses.replace(cfg, model=MEMORY_MODEL))
+    batch = jax.ShapeDtypeStruct(
+        (trainable.cfg.train.global_batch, MEMORY_MODEL.seq_len),
+        np.int32,
+        sharding=trainable.batch_sharding(),
+    )
+    with jax.set_mesh(trainable.mesh):
+        compiled = (
+            make_train_step(trainable).lower(abstract_state(trainable), batch, batch).compile()
+        )
+    return memory_report(compiled)["temp_bytes"]
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_memory_flat_in_microbatches(schedule, chunks):
+    p = 4
+    small, large = temp_bytes(schedule, chunks, p), temp_bytes(schedule, chunks, 4 * p)
+    assert large <= 1.05 * small, (small, large)
+    # What grows is only the step's own token ids (m x b x s int32), not a stored stage input.
+    assert large - small < STAGE_INPUT_BYTES, (small, large)
+
+
+def test_gpipe_memory_grows_with_microbatches():
+    p = 4
+    small, large = temp_bytes("gpipe", 1, p), temp_bytes("gpipe", 1, 4 * p)
+    # GPipe keeps every microbatch's stage input until its backward: 3p more of them.
+    assert large - small >= 3 * p * STAGE_INPUT_BYTES, (small, large)

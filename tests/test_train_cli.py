@@ -1,0 +1,87 @@
+"""The README's main job and the CLI contract: scripts/train.py trains and its loss falls; the
+(2,2,2) interleaved pipeline reproduces the 1-device losses; --compile-only reports memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """Overrides that point the default corpus at a small, test-local cache."""
+    cache = tmp_path_factory.mktemp("corpus-cache")
+    return [
+        "--set", f"data.cache_dir={cache}",
+        "--set", "data.default_corpus_bytes=400000",
+        "--set", "data.tokenizer_vocab=512",
+    ]  # fmt: skip
+
+
+def train(args: list[str], tmp_path: Path, name: str) -> list[dict]:
+    metrics = tmp_path / f"{name}.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml", "--no-progress",
+         "--metrics-file", str(metrics), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=800, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_main_job_loss_falls(tmp_path, small_corpus):
+    records = train(["--steps", "40", *small_corpus], tmp_path, "main")
+    assert [r["step"] for r in records] == list(range(1, 41))
+    for key in ("loss", "tokens_per_sec", "tflops_per_device", "mfu", "lr", "grad_norm"):
+        assert key in records[0], key
+    losses = [r["loss"] for r in records]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, losses
+
+
+def test_interleaved_3d_mesh_matches_one_device(tmp_path, small_corpus):
+    mesh = [
+        "--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2",
+        "--set", "parallel.schedule=interleaved_1f1b", "--set", "parallel.chunks=2",
+    ]  # fmt: skip
+    common = ["--steps", "5", *small_corpus]
+    parallel = train(["--cpu-devices", "8", *mesh, *common], tmp_path, "mesh")
+    single = train(["--cpu-devices", "1", *common], tmp_path, "single")
+    np.testing.assert_allclose(
+        [r["loss"] for r in parallel], [r["loss"] for r in single], rtol=1e-4
+    )
+
+
+def test_compile_only_reports_memory(small_corpus):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml", "--compile-only",
+         "--cpu-devices", "8", "--set", "parallel.pipe=4", "--set", "parallel.tensor=2",
+         "--set", "model.vocab_size=512"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["compile_seconds"] > 0
+    for key in ("temp_bytes", "argument_bytes", "output_bytes"):
+        assert report[key] > 0
+
+
+def test_bad_config_is_reported_before_compiling(small_corpus):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml",
+         "--cpu-devices", "8", "--set", "parallel.tensor=3", *small_corpus],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "parallel.data * parallel.pipe * parallel.tensor = 1 * 1 * 3 = 3" in result.stderr
