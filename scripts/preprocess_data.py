@@ -1,7 +1,9 @@
 """Turn text or JSONL files into a token file for training.
 
-  python scripts/preprocess_data.py --input a.txt b.jsonl --output-prefix data/corpus --vocab-size 32000
-  python scripts/preprocess_data.py --input c.jsonl --output-prefix data/c --tokenizer tokenizer.json
+  python scripts/preprocess_data.py --input a.txt b.jsonl --output-prefix data/corpus \
+      --vocab-size 32000
+  python scripts/preprocess_data.py --input c.jsonl --output-prefix data/c \
+      --tokenizer tokenizer.json
 
 A .txt file is one document; a .jsonl file has one document per line in the `--text-key` field.
 Writes PREFIX.bin, PREFIX.idx.npy, PREFIX.json (and PREFIX.tokenizer.json when it trains a BPE).

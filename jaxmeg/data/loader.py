@@ -78,7 +78,7 @@ class BatchLoader:
     def restore(self, state: dict) -> None:
         for key in ("seed", "seq_len", "global_batch", "num_samples"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(
-                    f"loader state does not match: {key} was {state.get(key)}, now {getattr(self, key)}"
-                )
+                now = getattr(self, key)
+                was = state.get(key)
+                raise ValueError(f"loader state does not match: {key} was {was}, now {now}")
         self.step = int(state["step"])

@@ -87,8 +87,13 @@ def compile_step(trainable: Trainable):
 
 
 def prepare(cfg: Config, dataset=None) -> Trainable:
-    vocab = dataset.vocab_size if dataset is not None else cfg.data.tokenizer_vocab
-    cfg = validate(with_vocab(cfg, vocab), jax.device_count())
+    """Validated config (vocabulary from the dataset, else the config, else the default
+    corpus's BPE size) -> mesh -> Trainable."""
+    if dataset is not None:
+        cfg = with_vocab(cfg, dataset.vocab_size)
+    elif cfg.model.vocab_size == -1:
+        cfg = with_vocab(cfg, cfg.data.tokenizer_vocab)
+    cfg = validate(cfg, jax.device_count())
     return Trainable.create(cfg, make_mesh(cfg.parallel))
 
 
