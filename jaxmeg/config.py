@@ -155,6 +155,20 @@ class TrainConfig:
     """Seed of parameter init and data order."""
     log_every: int = 1
     """Print and record metrics every this many steps."""
+    nonfinite: str = "skip"
+    """On a non-finite loss or gradient: `skip` the update (params and optimizer state stay
+    as they were; the step is counted in `skipped_steps`) or `stop` the run."""
+    max_nonfinite_in_row: int = 5
+    """Stop with an error after this many skipped steps in a row."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps when an output directory is given (0 = only at the end and on
+    SIGTERM/SIGINT)."""
+    keep: int = 3
+    """Checkpoints kept (older ones are deleted once a newer one is complete)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,6 +183,8 @@ class Config:
     """Where tokens come from."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     """The loop."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
 
 
 _SECTION_TYPES = {
@@ -177,6 +193,7 @@ _SECTION_TYPES = {
     "optimizer": OptimizerConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -405,6 +422,13 @@ def validate(cfg: Config, num_devices: int) -> Config:
         raise ConfigError(
             f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "
             f"parallel.pipe ({pipe})"
+        )
+    _check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
+    _check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError(
+            f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got "
+            f"{cfg.checkpoint.every} and {cfg.checkpoint.keep}"
         )
     _check_positive("train.steps", tr.steps)
     _check_positive("train.log_every", tr.log_every)

@@ -38,6 +38,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="compile the train step, print compile time and per-device memory as JSON, exit",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--out", help="run directory: checkpoints, metrics.jsonl, tensorboard/; resumes from it"
+    )
+    parser.add_argument(
+        "--no-resume", action="store_true", help="refuse to start if --out holds checkpoints"
+    )
+    group = parser.add_argument_group("multi-process (also from JAXMEG_* or SLURM variables)")
+    group.add_argument("--coordinator", help="HOST:PORT of process 0")
+    group.add_argument("--num-processes", type=int)
+    group.add_argument("--process-id", type=int)
+    group.add_argument(
+        "--init-timeout", type=int, default=300, help="seconds to wait for every process to join"
+    )
     return parser.parse_args(argv)
 
 
@@ -47,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         from jaxmeg.parallel import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
+    from jaxmeg.parallel import distributed
+
+    distributed.initialize(
+        distributed.cluster_spec(args.coordinator, args.num_processes, args.process_id),
+        args.init_timeout,
+    )
     from jaxmeg import config
     from jaxmeg.training import trainer
 
@@ -58,9 +77,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile_only:
             print(json.dumps(trainer.compile_only(cfg)))
             return 0
-        trainer.train(cfg, metrics_file=args.metrics_file, show_progress=not args.no_progress)
+        trainer.train(
+            cfg,
+            out_dir=args.out,
+            resume=not args.no_resume,
+            metrics_file=args.metrics_file,
+            show_progress=not args.no_progress,
+        )
     except config.ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except trainer.TrainingStopped as err:
+        print(f"jaxmeg: stopped: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
 

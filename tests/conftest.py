@@ -18,3 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 
 assert len(jax.devices()) == 8, f"tests need 8 simulated CPU devices, got {len(jax.devices())}"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """scripts/train.py overrides that point the default corpus at a small, test-local cache."""
+    cache = tmp_path_factory.mktemp("corpus-cache")
+    return [
+        "--set", f"data.cache_dir={cache}",
+        "--set", "data.default_corpus_bytes=400000",
+        "--set", "data.tokenizer_vocab=512",
+    ]  # fmt: skip

@@ -16,27 +16,27 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory):
-    """Overrides that point the default corpus at a small, test-local cache."""
-    cache = tmp_path_factory.mktemp("corpus-cache")
-    return [
-        "--set", f"data.cache_dir={cache}",
-        "--set", "data.default_corpus_bytes=400000",
-        "--set", "data.tokenizer_vocab=512",
-    ]  # fmt: skip
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def run_train(args: list[str], timeout: int = 800) -> subprocess.CompletedProcess:
+    """scripts/train.py on gpt_tiny in a fresh process (its own device count)."""
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml", "--no-progress",
+         *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=CLEAN_ENV,
+    )  # fmt: skip
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def train(args: list[str], tmp_path: Path, name: str) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml", "--no-progress",
-         "--metrics-file", str(metrics), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=800, env=env,
-    )  # fmt: skip
+    result = run_train(["--metrics-file", str(metrics), *args])
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return read_metrics(metrics)
 
 
 def test_main_job_loss_falls(tmp_path, small_corpus):
@@ -62,12 +62,11 @@ def test_interleaved_3d_mesh_matches_one_device(tmp_path, small_corpus):
 
 
 def test_compile_only_reports_memory(small_corpus):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
         [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml", "--compile-only",
          "--cpu-devices", "8", "--set", "parallel.pipe=4", "--set", "parallel.tensor=2",
          "--set", "model.vocab_size=512"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=CLEAN_ENV,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -77,11 +76,10 @@ def test_compile_only_reports_memory(small_corpus):
 
 
 def test_bad_config_is_reported_before_compiling(small_corpus):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
         [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml",
          "--cpu-devices", "8", "--set", "parallel.tensor=3", *small_corpus],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=CLEAN_ENV,
     )  # fmt: skip
     assert result.returncode == 2
     assert "parallel.data * parallel.pipe * parallel.tensor = 1 * 1 * 3 = 3" in result.stderr

@@ -59,32 +59,50 @@ class Trainable:
         return self.cfg.parallel.chunks
 
 
-def _map_blocks(fn, params):
-    return {**params, "blocks": jax.tree.map(fn, params["blocks"])}
+def _in_blocks(path) -> bool:
+    return any(getattr(key, "key", None) == "blocks" for key in path)
 
 
-def to_pipeline_layout(params, pipe: int, chunks: int):
+def map_layer_leaves(fn, tree, is_leaf=None):
+    """Applies `fn` to the leaves under a `blocks` key (layer stacks) of any tree: params,
+    gradients, optimizer state or their specs; other leaves pass through."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: fn(x) if _in_blocks(path) else x, tree, is_leaf=is_leaf
+    )
+
+
+def to_pipeline_layout(tree, pipe: int, chunks: int):
     """Layer leaves [L, ...] -> [v, p, L/(p v), ...] (a reshape: canonical order kept)."""
     if pipe == 1:
-        return params
-    return _map_blocks(lambda a: a.reshape(chunks, pipe, -1, *a.shape[1:]), params)
+        return tree
+    return map_layer_leaves(lambda a: a.reshape(chunks, pipe, -1, *a.shape[1:]), tree)
 
 
-def to_canonical_layout(params, pipe: int):
+def to_canonical_layout(tree, pipe: int):
     """Inverse of `to_pipeline_layout`: layer leaves back to [L, ...]."""
     if pipe == 1:
-        return params
-    return _map_blocks(lambda a: a.reshape(-1, *a.shape[3:]), params)
+        return tree
+    return map_layer_leaves(lambda a: a.reshape(-1, *a.shape[3:]), tree)
 
 
-def _pipeline_specs(p_specs, pipe: int):
-    """Block specs (layers, *rest) -> (chunks, stages on pipe, layers, *rest)."""
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _pipeline_specs(specs, pipe: int):
+    """Layer specs (layers, *rest) -> (chunks, stages on pipe, layers, *rest)."""
     if pipe == 1:
-        return p_specs
-    blocks = jax.tree.map(
-        lambda spec: P(None, "pipe", *spec), p_specs["blocks"], is_leaf=lambda x: isinstance(x, P)
-    )
-    return {**p_specs, "blocks": blocks}
+        return specs
+    return map_layer_leaves(lambda spec: P(None, "pipe", *spec), specs, is_leaf=_is_spec)
+
+
+def canonical_specs(trainable: Trainable):
+    """Specs of the state in canonical layout: layers [L, ...] split in contiguous blocks over
+    `pipe` (for v = 1 exactly the executor's placement; for v > 1 one all-to-all away)."""
+    specs = state_specs(trainable)
+    if trainable.pipe == 1:
+        return specs
+    return map_layer_leaves(lambda spec: P("pipe", *spec[3:]), specs, is_leaf=_is_spec)
 
 
 def _init_boxed_params(trainable: Trainable, key: jax.Array):

@@ -91,14 +91,23 @@ def make_train_step(trainable: Trainable) -> Callable:
     def step(state, tokens, targets):
         loss, grads = loss_and_grads(state["params"], tokens, targets)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        # A non-finite loss or gradient leaves params and optimizer state as they were.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state["step"]),
+            "skipped": jnp.logical_not(finite).astype(jnp.int32),
         }
-        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        new_state = {
+            "step": state["step"] + 1,
+            "params": keep(params, state["params"]),
+            "opt_state": keep(opt_state, state["opt_state"]),
+        }
         return new_state, metrics
 
     batch = trainable.batch_sharding()

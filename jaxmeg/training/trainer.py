@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,9 +12,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmeg.config import Config, validate
+from jaxmeg.config import Config, to_dict, validate
 from jaxmeg.parallel import make_mesh
 from jaxmeg.training.flops import model_flops_per_step, peak_tflops_per_device
+from jaxmeg.training.run_log import RunLog, say
 from jaxmeg.training.state import Trainable, abstract_state, init_state
 from jaxmeg.training.step import make_train_step
 
@@ -105,108 +106,187 @@ def compile_only(cfg: Config) -> dict[str, Any]:
     return {"compile_seconds": round(seconds, 3), **memory_report(compiled)}
 
 
-def _print(*args: Any) -> None:
-    if jax.process_index() == 0:
-        print(*args, file=sys.stderr, flush=True)
+class TrainingStopped(RuntimeError):
+    """The run stopped on non-finite values (the message says which steps)."""
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT set a flag: the loop finishes its step, checkpoints and returns."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _local_scalars(metrics) -> dict[str, float]:
+    """Replicated scalar metrics as floats (each process reads its own copy)."""
+    return {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
 
 
 def train(
     cfg: Config,
     *,
+    out_dir: str | None = None,
+    resume: bool = True,
     metrics_file: str | None = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
-    """Trains for `cfg.train.steps` steps and returns a summary (also the per-step losses)."""
+    """Trains up to `cfg.train.steps` steps and returns a summary with the per-step losses.
+
+    With `out_dir`: resumes from its newest readable checkpoint (unless `resume` is False),
+    saves every `checkpoint.every` steps, at the end and on SIGTERM/SIGINT, and writes
+    TensorBoard event files and metrics.jsonl there.
+    """
     dataset = open_dataset(cfg, show_progress)
     trainable = prepare(cfg, dataset)
     cfg = trainable.cfg
     d, p, t = (trainable.mesh.shape[a] for a in ("data", "pipe", "tensor"))
-    _print(
-        f"jaxmeg: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh data={d} pipe={p} "
-        f"tensor={t}, vocab {cfg.model.vocab_size} (padded {trainable.vocab}), "
-        f"batch {cfg.train.global_batch} = {d} x {cfg.train.microbatches} x "
-        f"{cfg.train.microbatch_size}, {dataset.num_tokens:,} tokens"
+    say(
+        f"{jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} "
+        f"process(es), mesh data={d} pipe={p} tensor={t}, vocab {cfg.model.vocab_size} "
+        f"(padded {trainable.vocab}), batch {cfg.train.global_batch} = {d} x "
+        f"{cfg.train.microbatches} x {cfg.train.microbatch_size}, {dataset.num_tokens:,} tokens"
     )
     from jaxmeg.data import BatchLoader
 
     loader = BatchLoader(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)
-    with jax.set_mesh(trainable.mesh):
-        state = init_state(trainable, cfg.train.seed)
+    checkpointer = None
+    first_step = 0
+    state = None
+    if out_dir is not None:
+        from jaxmeg.training.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(Path(out_dir) / "checkpoints", trainable, cfg.checkpoint.keep)
+        if not resume and checkpointer.steps():
+            raise ValueError(
+                f"{out_dir} already holds checkpoints {checkpointer.steps()}; resume, or pass "
+                f"another --out (nothing is overwritten)"
+            )
+        restored = checkpointer.restore_latest() if resume else None
+        if restored is not None:
+            first_step, state, meta = restored
+            loader.restore(meta["loader"])
+            say(f"resumed from step {first_step} in {checkpointer.directory}")
+        if metrics_file is None:
+            metrics_file = str(Path(out_dir) / "metrics.jsonl")
+    if state is None:
+        with jax.set_mesh(trainable.mesh):
+            state = init_state(trainable, cfg.train.seed)
     compiled, compile_seconds = compile_step(trainable)
-    _print(f"jaxmeg: train step compiled in {compile_seconds:.1f} s")
+    say(f"train step compiled in {compile_seconds:.1f} s")
+
+    def meta(step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "loader": loader.state(),
+            "seed": cfg.train.seed,
+            "padded_vocab": trainable.vocab,
+            "mesh": {"data": d, "pipe": p, "tensor": t, "chunks": cfg.parallel.chunks},
+            "config": to_dict(cfg),
+        }
 
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     flops_per_step = model_flops_per_step(cfg.model, cfg.train.global_batch)
     peak = peak_tflops_per_device()
-    sink = open(metrics_file, "a") if metrics_file and jax.process_index() == 0 else None
-    losses: list[float] = []
-    progress = _progress_bar(cfg.train.steps, show_progress and jax.process_index() == 0)
+    log = RunLog(
+        cfg.train.steps, first_step, metrics_file,
+        Path(out_dir) / "tensorboard" if out_dir else None, show_progress, cfg.train.log_every,
+    )  # fmt: skip
+    losses, mfus, saved = [], [], []
+    skipped_total = skipped_in_row = 0
+    step = first_step
+    stopped_by = None
     start_time = time.perf_counter()
     try:
-        for step in range(cfg.train.steps):
-            inputs, targets = global_batch_arrays(loader, step, trainable.batch_sharding())
-            step_start = time.perf_counter()
-            with jax.set_mesh(trainable.mesh):
-                state, metrics = compiled(state, inputs, targets)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            seconds = time.perf_counter() - step_start
-            tflops = flops_per_step / seconds / jax.device_count() / 1e12
-            record = {
-                "step": step + 1,
-                **metrics,
-                "step_seconds": seconds,
-                "tokens_per_sec": tokens_per_step / seconds,
-                "tflops_per_device": tflops,
-                "mfu": tflops / peak if peak else None,
-            }
-            losses.append(metrics["loss"])
-            if sink and (step + 1) % cfg.train.log_every == 0:
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-            progress.update(record)
+        with _StopSignals() as signals:
+            while step < cfg.train.steps:
+                inputs, targets = global_batch_arrays(loader, step, trainable.batch_sharding())
+                step_start = time.perf_counter()
+                with jax.set_mesh(trainable.mesh):
+                    state, metrics = compiled(state, inputs, targets)
+                metrics = _local_scalars(metrics)
+                seconds = time.perf_counter() - step_start
+                step += 1
+                loader.step = step
+                skipped_in_row = skipped_in_row + 1 if metrics["skipped"] else 0
+                skipped_total += int(metrics["skipped"])
+                tflops = flops_per_step / seconds / jax.device_count() / 1e12
+                record = {
+                    "step": step,
+                    **metrics,
+                    "skipped_steps": skipped_total,
+                    "step_seconds": seconds,
+                    "tokens_per_sec": tokens_per_step / seconds,
+                    "tflops_per_device": tflops,
+                    "mfu": tflops / peak if peak else None,
+                }
+                losses.append(metrics["loss"])
+                if record["mfu"] is not None:
+                    mfus.append(record["mfu"])
+                log.record(record)
+                if metrics["skipped"]:
+                    _handle_nonfinite(cfg, step, metrics, skipped_in_row)
+                if signals.received is not None:
+                    stopped_by = signal.Signals(signals.received).name
+                    break
+                if checkpointer and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    checkpointer.save(step, state, meta(step))
+                    saved.append(step)
+        if checkpointer and step not in saved and step > first_step:
+            checkpointer.save(step, state, meta(step), wait=True)
+            saved.append(step)
     finally:
-        progress.close()
-        if sink:
-            sink.close()
+        log.close()
+        if checkpointer:
+            checkpointer.close()
     seconds = time.perf_counter() - start_time
     summary = {
-        "steps": cfg.train.steps,
-        "tokens": tokens_per_step * cfg.train.steps,
+        "first_step": first_step,
+        "steps": step - first_step,
+        "last_step": step,
+        "tokens": tokens_per_step * (step - first_step),
         "seconds": round(seconds, 2),
         "compile_seconds": round(compile_seconds, 2),
-        "first_loss": losses[0],
-        "final_loss": losses[-1],
+        "mean_mfu": float(np.mean(mfus)) if mfus else None,
+        "skipped_steps": skipped_total,
+        "checkpoints": saved,
+        "stopped_by": stopped_by,
         "losses": losses,
     }
-    _print(
-        f"jaxmeg: {summary['steps']} steps, {summary['tokens']:,} tokens in {seconds:.1f} s; "
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
-    )
+    if losses:
+        say(
+            f"{summary['steps']} steps ({first_step} -> {step}), {summary['tokens']:,} tokens in "
+            f"{seconds:.1f} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}, mean MFU "
+            + ("n/a" if not mfus else f"{100 * summary['mean_mfu']:.1f}%")
+            + f", {skipped_total} skipped, checkpoints {saved or 'none'}"
+            + (f", stopped by {stopped_by}" if stopped_by else "")
+        )
     return summary
 
 
-class _progress_bar:
-    """tqdm on the terminal (process 0 only), with loss, tokens/s and MFU in the postfix."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def update(self, record: dict[str, Any]) -> None:
-        if self.bar is None:
-            return
-        mfu = record["mfu"]
-        self.bar.set_postfix(
-            loss=f"{record['loss']:.3f}",
-            tok_s=f"{record['tokens_per_sec']:.0f}",
-            mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%",
-            refresh=False,
+def _handle_nonfinite(cfg: Config, step: int, metrics: dict, in_row: int) -> None:
+    what = (
+        f"non-finite loss or gradient at step {step} (loss {metrics['loss']}, grad norm "
+        f"{metrics['grad_norm']})"
+    )
+    if cfg.train.nonfinite == "stop":
+        raise TrainingStopped(f"{what}; train.nonfinite=stop")
+    if in_row >= cfg.train.max_nonfinite_in_row:
+        raise TrainingStopped(
+            f"{what}: {in_row} steps in a row skipped (train.max_nonfinite_in_row = "
+            f"{cfg.train.max_nonfinite_in_row}); stopping"
         )
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    say(f"{what}: update skipped")
