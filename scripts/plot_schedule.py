@@ -1,12 +1,13 @@
-"""Draw a pipeline schedule's tick timeline to a PNG.
+"""Draw a pipeline schedule's tick timeline to a PNG, or print the efficiency table.
 
   python scripts/plot_schedule.py --schedule interleaved_1f1b --stages 4 --microbatches 8 \
       --chunks 2 --out schedule.png
-  python scripts/plot_schedule.py --table      # efficiency vs bound, as in docs/schedules.md
+  python scripts/plot_schedule.py --table      # efficiency vs bound, as in docs/benchmarks.md
 
-Rows are stages, columns ticks; each tick is split into its F slot (light) and B slot (dark),
-coloured by microbatch and labelled microbatch.chunk; idle slots stay blank. The title gives the
-lockstep efficiency against Megatron's asynchronous bound.
+Rows are stages, columns ticks; each tick is split into its F slot (light) and B slot (dark,
+hatched), coloured by microbatch and labelled microbatch.chunk; idle slots stay blank. The title
+gives Megatron's bubble, the lockstep efficiency and the asynchronous bound 1 / (1 + bubble).
+Needs matplotlib (imported only when drawing).
 """
 
 from __future__ import annotations
@@ -17,41 +18,59 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jaxmeg.pipeline import schedules  # noqa: E402
 
-def plot(schedule, out: str) -> None:
+
+def _draw_slot(ax, corner, colour, alpha: float, hatch: str | None, label: str) -> None:
+    """One half-tick cell at (x, y): a coloured box (hatched for backwards) and its label."""
+    from matplotlib.patches import Rectangle
+
+    x, y = corner
+    ax.add_patch(Rectangle((x, y + 0.05), 0.5, 0.9, facecolor=colour, alpha=alpha))
+    if hatch:
+        box = Rectangle((x, y + 0.05), 0.5, 0.9, fill=False, hatch=hatch, edgecolor="white")
+        box.set_linewidth(0)
+        ax.add_patch(box)
+    white = {"facecolor": "white", "alpha": 0.7, "pad": 0.4, "linewidth": 0}
+    ax.text(x + 0.25, y + 0.5, label, ha="center", va="center", fontsize=6, bbox=white)
+
+
+def plot(schedule: schedules.Schedule, out: str) -> None:
+    """Draws `schedule.tick_table` (validated first) to the image file `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from jaxmeg.pipeline import validate
 
     table, report = schedule.tick_table, validate(schedule)
     p, ticks = schedule.num_stages, table.num_ticks
     colours = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * ticks + 1), 0.6 * p + 1.4))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * ticks + 1.5), 0.6 * p + 1.6))
+    halves = [(table.f_mb, table.f_chunk, 0.45, None), (table.b_mb, table.b_chunk, 1.0, "///")]
     for t in range(ticks):
         for s in range(p):
-            for half, (mbs, chunks, alpha) in enumerate(
-                [(table.f_mb, table.f_chunk, 0.45), (table.b_mb, table.b_chunk, 1.0)]
-            ):
+            for half, (mbs, chunks, alpha, hatch) in enumerate(halves):
                 mb = int(mbs[t, s])
                 if mb < 0:
                     continue
-                x = t + 0.5 * half
-                ax.add_patch(
-                    plt.Rectangle((x, p - 1 - s), 0.5, 0.9, color=colours(mb % 10), alpha=alpha)
-                )
+                x, y = t + 0.5 * half, p - 1 - s
                 label = f"{mb}" if schedule.num_chunks == 1 else f"{mb}.{int(chunks[t, s])}"
-                ax.text(x + 0.25, p - 0.55 - s, label, ha="center", va="center", fontsize=6)
+                _draw_slot(ax, (x, y), colours(mb % 10), alpha, hatch, label)
     ax.set_xlim(0, ticks)
     ax.set_ylim(0, p)
-    ax.set_yticks([p - 0.55 - s for s in range(p)], [f"stage {s}" for s in range(p)])
-    ax.set_xlabel("tick (each: F slot | B slot)")
+    ax.set_yticks([p - 0.5 - s for s in range(p)], [f"stage {s}" for s in range(p)])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    label = "microbatch" if schedule.num_chunks == 1 else "microbatch.chunk"
+    ax.set_xlabel(f"tick: F slot (light) | B slot (dark, hatched); cells: {label}")
+    variant = schedule.warmup if schedule.name == "1f1b" else "Megatron order"
     ax.set_title(
-        f"{schedule.name} p={p} v={schedule.num_chunks} m={schedule.num_microbatches} "
-        f"({schedule.warmup if schedule.name == '1f1b' else 'Megatron order'}): lockstep "
-        f"efficiency {report.lockstep_efficiency:.3f}, bound {report.async_bound:.3f}",
+        f"{schedule.name} ({variant}) p={p} v={schedule.num_chunks} "
+        f"m={schedule.num_microbatches}\nbubble {report.bubble:.3f}, lockstep efficiency "
+        f"{report.lockstep_efficiency:.3f} vs bound {report.async_bound:.3f}, "
+        f"{table.num_ticks} ticks, K={table.num_input_slots} J={table.num_cot_slots}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -63,29 +82,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
+    parser.add_argument("--schedule", default="1f1b", choices=list(schedules.NAMES))
     parser.add_argument("--stages", type=int)
     parser.add_argument("--microbatches", type=int)
     parser.add_argument("--chunks", type=int, default=1)
-    parser.add_argument("--warmup", default="min_bubble", choices=["min_memory", "min_bubble"])
+    parser.add_argument("--warmup", default="min_bubble", choices=list(schedules.WARMUPS))
     parser.add_argument("--out", default="schedule.png")
     parser.add_argument(
         "--table",
         action="store_true",
-        help="print the lockstep-efficiency table of docs/schedules.md and exit",
+        help="print the lockstep-efficiency tables of docs/benchmarks.md and exit",
     )
     args = parser.parse_args(argv)
-    from jaxmeg.pipeline import build
-
     if args.table:
-        from jaxmeg.pipeline.analysis import efficiency_table
+        from jaxmeg.pipeline.analysis import efficiency_tables
 
-        print(efficiency_table())
+        print(efficiency_tables())
         return 0
     if args.stages is None or args.microbatches is None:
         parser.error("--stages and --microbatches are required (or --table)")
     try:
-        schedule = build(args.schedule, args.stages, args.microbatches, args.chunks, args.warmup)
+        schedule = schedules.build(
+            args.schedule, args.stages, args.microbatches, args.chunks, args.warmup
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import numpy as np
@@ -53,9 +54,11 @@ CASES = [
 ]
 
 
-def config(data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=1, **parallel):
+def config(
+    data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=1, layers=MODEL.layers, **parallel
+):
     return C.Config(
-        model=MODEL,
+        model=dataclasses.replace(MODEL, layers=layers),
         parallel=C.ParallelConfig(
             data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, **parallel
         ),
@@ -64,10 +67,12 @@ def config(data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=1, **para
 
 
 @functools.cache
-def reference(global_batch: int):
+def reference(global_batch: int, layers: int = MODEL.layers):
     """Loss and gradients of the unpipelined model on one device, at the same init."""
     trainable = trainable_for(
-        dataclasses.replace(config(1, 1, 1), train=C.TrainConfig(global_batch=global_batch))
+        dataclasses.replace(
+            config(1, 1, 1, layers=layers), train=C.TrainConfig(global_batch=global_batch)
+        )
     )
     tokens = random_batch(trainable.cfg)
     with jax.set_mesh(trainable.mesh):
@@ -77,12 +82,33 @@ def reference(global_batch: int):
     return tokens, to_host(params), float(loss), to_host(grads)
 
 
+# Megatron's own 1F1B warm-up (the trainer defaults to min_bubble), and v = 3 on 12 layers.
+EXTRA_CASES = [
+    pytest.param((1, 4, 1), "1f1b", 1, 1, "min_memory", 8, id="d1p4t1-1f1b-min_memory-m1p"),
+    pytest.param((2, 2, 2), "1f1b", 1, 4, "min_memory", 8, id="d2p2t2-1f1b-min_memory-m4p"),
+    pytest.param((1, 2, 1), "interleaved_1f1b", 3, 2, "min_bubble", 12, id="d1p2t1-v3-m2p-L12"),
+    pytest.param((1, 4, 2), "interleaved_1f1b", 3, 1, "min_bubble", 12, id="d1p4t2-v3-m1p-L12"),
+]
+
+
 @pytest.mark.parametrize("mesh,schedule,chunks,factor", CASES)
 def test_pipeline_matches_single_device(mesh, schedule, chunks, factor):
+    check_against_single_device(mesh, schedule, chunks, factor)
+
+
+@pytest.mark.parametrize("mesh,schedule,chunks,factor,warmup,layers", EXTRA_CASES)
+def test_pipeline_matches_single_device_more_orders(mesh, schedule, chunks, factor, warmup, layers):
+    check_against_single_device(mesh, schedule, chunks, factor, warmup, layers)
+
+
+def check_against_single_device(
+    mesh, schedule, chunks, factor, warmup="min_bubble", layers=MODEL.layers
+):
     data, pipe, tensor = mesh
     microbatches = factor * pipe
-    trainable = trainable_for(config(data, pipe, tensor, schedule, chunks, microbatches))
-    tokens, ref_params, ref_loss, ref_grads = reference(data * microbatches)
+    cfg = config(data, pipe, tensor, schedule, chunks, microbatches, layers, pipeline_warmup=warmup)
+    trainable = trainable_for(cfg)
+    tokens, ref_params, ref_loss, ref_grads = reference(data * microbatches, layers)
     from jaxmeg.training.pipeline_step import make_pipeline_loss_and_grads
 
     # The same initial params, viewed in the pipeline layout and sharded for this mesh.
@@ -141,3 +167,34 @@ def test_gpipe_memory_grows_with_microbatches():
     small, large = temp_bytes("gpipe", 1, p), temp_bytes("gpipe", 1, 4 * p)
     # GPipe keeps every microbatch's stage input until its backward: 3p more of them.
     assert large - small >= 3 * p * STAGE_INPUT_BYTES, (small, large)
+
+
+def test_data_parallel_reduction_runs_once_per_step_outside_the_tick_loop():
+    """Manual `data` in the executor: the gradients are reduced over `data` after the tick loop,
+    not per microbatch inside it, so the number of data collectives does not grow with m."""
+    from jaxmeg.parallel.hlo import collectives
+
+    def data_collectives(microbatches):
+        trainable = trainable_for(config(2, 2, 2, "interleaved_1f1b", 2, microbatches))
+        batch = jax.ShapeDtypeStruct(
+            (trainable.cfg.train.global_batch, MODEL.seq_len),
+            np.int32,
+            sharding=trainable.batch_sharding(),
+        )
+        with jax.set_mesh(trainable.mesh):
+            compiled = (
+                make_train_step(trainable).lower(abstract_state(trainable), batch, batch).compile()
+            )
+        text = compiled.as_text()
+        found = collectives(text, trainable.mesh)
+        (entry,) = re.findall(r"^ENTRY %?([\w.\-]+)", text, re.MULTILINE)
+        # The pipe permutes run in the tick loop's body, not in the entry computation.
+        assert any(c.kind == "collective-permute" and c.computation != entry for c in found)
+        return [c for c in found if "data" in c.axes], entry
+
+    (few, entry_few), (many, entry_many) = data_collectives(2), data_collectives(8)
+    assert few and all(c.computation == entry_few for c in few)
+    assert all(c.computation == entry_many for c in many)
+    # Stage gradients and (pipe-summed) shared gradients: at most one all-reduce each.
+    assert len(few) == len(many) <= 2
+    assert {(c.kind, c.bytes) for c in few} == {(c.kind, c.bytes) for c in many}

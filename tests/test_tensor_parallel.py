@@ -113,6 +113,14 @@ def test_sequence_parallel_collectives_per_layer():
     assert (
         count(forward, "all-reduce", {"tensor"}) + count(forward, "reduce-scatter", {"tensor"}) == 2
     )
+    # Backward: the transposes swap the two (a gather's cotangent is reduce-scattered, a
+    # scatter's is gathered), plus the gathers of the recomputed forward; all activation-sized.
+    backward = [c for c in found if BACKWARD_LAYER in c.op_name]
+    activation = max(c.bytes for c in forward)
+    gathers = [c for c in backward if c.kind == "all-gather"]
+    reductions = [c for c in backward if c.kind in ("all-reduce", "reduce-scatter")]
+    assert len(gathers) >= 2 and all(c.bytes == activation for c in gathers)
+    assert sum(c.bytes >= activation for c in reductions) >= 2
     assert all(c.axes == {"tensor"} for c in found)
 
 

@@ -4,6 +4,10 @@ Device order: `tensor` varies fastest, so a tensor group is made of consecutive 
 host (NVLink); of `pipe` and `data`, the config's `outer_axis` varies slowest and so is the one
 that crosses hosts first (Megatron's default puts pipe outermost). All axes are Auto, so XLA
 places tensor-parallel collectives from the sharding rules.
+
+The mesh is a `jax.sharding.Mesh` over an explicit device grid rather than `jax.make_mesh`,
+because `make_mesh` chooses its own device order (and makes axes Explicit by default); the
+order above is what keeps a tensor group on one host's NVLink.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ class Report:
     """Megatron's asynchronous bubble fraction (p - 1) / (v m)."""
     lockstep_efficiency: float
     """Ideal compute / lockstep time, backward = 2 x forward."""
+    lockstep_efficiency_recompute: float
+    """The same with the recomputed forward counted in the backward (3 x forward)."""
     async_bound: float
     """1 / (1 + bubble)."""
 
@@ -134,6 +136,7 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
         num_ticks=table.num_ticks,
         bubble=bubble,
         lockstep_efficiency=lockstep_efficiency(schedule, table=table),
+        lockstep_efficiency_recompute=lockstep_efficiency(schedule, 3.0, table=table),
         async_bound=1.0 / (1.0 + bubble),
     )
 
@@ -154,25 +157,51 @@ def lockstep_efficiency(
     return ideal / lockstep_time(schedule, backward_cost, table)
 
 
-def efficiency_table(stage_counts=(2, 4, 8), chunks: int = 2) -> str:
-    """Markdown table: lockstep efficiency of 1F1B (both warm-ups) and interleaved 1F1B against
-    Megatron's asynchronous bound, with the stage-0 input ring size, for m in {p, 2p, 4p}."""
-    from jaxmeg.pipeline.schedules import build
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def efficiency_tables(stage_counts: tuple[int, ...] = (2, 4, 8), chunks=(2, 3, 4)) -> str:
+    """Markdown: lockstep efficiency (backward = 2 and 3 forwards) against Megatron's bound
+    1 / (1 + bubble) for every m in p..4p: 1F1B with both warm-ups (and the stage-0 stored
+    inputs each needs), then interleaved 1F1B for each v where m is a multiple of p."""
+    from jaxmeg.pipeline.schedules import async_efficiency, build
+
+    def eff(schedule, cost):
+        return f"{lockstep_efficiency(schedule, cost):.3f}"
 
     lines = [
-        "| p | m | bound 1F1B | 1f1b min_memory | 1f1b min_bubble | stage-0 inputs "
-        f"(min_memory / min_bubble) | bound v={chunks} | interleaved v={chunks} | stage-0 inputs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "1F1B (`1f1b`): lockstep efficiency with backward = 2 / 3 forwards",
+        "",
+        _row("p", "m", "bound", "min_memory (async)", "min_bubble", "bound, bwd 3",
+             "min_memory, bwd 3", "min_bubble, bwd 3", "stage-0 inputs lean / fast"),
+        _row(*["---"] * 9),
+    ]  # fmt: skip
+    for p in stage_counts:
+        for m in range(p, 4 * p + 1):
+            lean, fast = build("1f1b", p, m), build("1f1b", p, m, warmup="min_bubble")
+            r_lean, r_fast = validate(lean), validate(fast)
+            bound3 = 1 / (1 + r_fast.bubble)  # the bound does not depend on the cost ratio
+            lines.append(
+                _row(p, m, f"{r_fast.async_bound:.3f}",
+                     f"{eff(lean, 2)} ({async_efficiency(lean):.3f})", eff(fast, 2),
+                     f"{bound3:.3f}", eff(lean, 3), eff(fast, 3),
+                     f"{r_lean.input_slots[0]} / {r_fast.input_slots[0]}")
+            )  # fmt: skip
+    lines += [
+        "",
+        "Interleaved 1F1B (`interleaved_1f1b`, Megatron's order): bound / lockstep with "
+        "backward = 2 / lockstep with backward = 3",
+        "",
+        _row("p", "m", *[f"v={v}" for v in chunks]),
+        _row(*["---"] * (2 + len(chunks))),
     ]
     for p in stage_counts:
-        for m in (p, 2 * p, 4 * p):
-            lean, fast = build("1f1b", p, m, warmup="min_memory"), build("1f1b", p, m)
-            inter = build("interleaved_1f1b", p, m, num_chunks=chunks)
-            r_lean, r_fast, r_inter = validate(lean), validate(fast), validate(inter)
-            lines.append(
-                f"| {p} | {m} | {r_fast.async_bound:.3f} | {r_lean.lockstep_efficiency:.3f} | "
-                f"{r_fast.lockstep_efficiency:.3f} | {r_lean.input_slots[0]} / "
-                f"{r_fast.input_slots[0]} | {r_inter.async_bound:.3f} | "
-                f"{r_inter.lockstep_efficiency:.3f} | {r_inter.input_slots[0]} |"
-            )
+        for m in range(p, 4 * p + 1, p):
+            cells = []
+            for v in chunks:
+                inter = build("interleaved_1f1b", p, m, num_chunks=v)
+                report = validate(inter)
+                cells.append(f"{report.async_bound:.3f} / {eff(inter, 2)} / {eff(inter, 3)}")
+            lines.append(_row(p, m, *cells))
     return "\n".join(lines)

@@ -7,34 +7,61 @@ chunk 1, and so on; its backward runs the same path in reverse.
 
 Schedules (Narayanan et al., 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", section 2.2):
-  gpipe             all forwards, then all backwards (v = 1). Stores m stage inputs.
-  1f1b              PipeDream-Flush: stage s runs `warm-up` forwards, then one forward and one
+  gpipe             all forwards, then all backwards. One chunk per stage (v > 1 is refused:
+                    breadth-first interleaving is a different schedule). Stores m stage inputs.
+  1f1b              PipeDream-Flush: stage s runs w_s warm-up forwards, then one forward and one
                     backward alternately, then the remaining backwards. Warm-up:
-                      min_memory: p - s - 1 (Megatron's), at most p stored stage inputs;
-                      min_bubble: 2 (p - s - 1), so that the lockstep executor, where an
-                        activation needs one tick per hop, meets the asynchronous bubble; at
-                        most 2p - 1 stored stage inputs (docs/schedules.md).
-  interleaved_1f1b  Megatron's interleaved schedule: warm-up 2 (p - s - 1) + (v - 1) p forwards
-                    (at most m v), then 1F1B, then cool-down. Microbatches go in groups of p
-                    through the chunks: the k-th forward of a stage is chunk (k // p) % v of
-                    microbatch (k // (p v)) p + k % p; backwards walk the chunks in reverse.
+                      min_memory: w_s = min(p - s - 1, m), Megatron's; at most p stored inputs.
+                      min_bubble: w_s = min(2 (p - s - 1), m), the smallest warm-up with which the
+                        lockstep executor (one tick per hop) meets the bound 1 / (1 + (p-1)/m);
+                        at most 2p - 1 stored inputs (docs/schedules.md).
+  interleaved_1f1b  Megatron's interleaved schedule (`warmup` is ignored): w_s =
+                    min(2 (p - s - 1) + (v - 1) p, m v) warm-up forwards, then 1F1B, then
+                    cool-down. Microbatches go in groups of p through the chunks: the k-th
+                    forward of a stage is chunk (k mod pv) // p of microbatch
+                    (k // pv) p + k mod p; the k-th backward is the same with chunk v - 1 - that
+                    (m must be a multiple of p).
 
-The tick table that the executor runs is built from these orders in `tick_table.py`.
+`async_time` runs the orders event-driven (no ticks, zero latency); the tick table that the
+executor runs is built in `tick_table.py`, replayed and timed in `analysis.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import operator
+from typing import Any
 
 Action = tuple[str, int, int]
 NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 WARMUPS = ("min_memory", "min_bubble")
 
+# Names of the rest of the package that `from jaxmeg.pipeline.schedules import ...` also finds
+# (resolved lazily: those modules import this one).
+_ELSEWHERE = {
+    "TickTable": "jaxmeg.pipeline.tick_table",
+    "build_tick_table": "jaxmeg.pipeline.tick_table",
+    "ScheduleError": "jaxmeg.pipeline.analysis",
+    "validate": "jaxmeg.pipeline.analysis",
+    "lockstep_time": "jaxmeg.pipeline.analysis",
+    "lockstep_efficiency": "jaxmeg.pipeline.analysis",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ELSEWHERE:
+        return getattr(importlib.import_module(_ELSEWHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The per-stage action orders of one schedule; `.order(stage)` is what a stage runs."""
+    """The per-stage action orders of one schedule; `.order(stage)` is what a stage runs.
+
+    Every stage's order holds F and B of each (microbatch, chunk) exactly once, F before B.
+    """
 
     name: str
     num_stages: int
@@ -43,6 +70,9 @@ class Schedule:
     warmup: str
     orders: tuple[tuple[Action, ...], ...]
 
+    def __post_init__(self) -> None:
+        _check_orders(self)
+
     def order(self, stage: int) -> list[Action]:
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage must be in [0, {self.num_stages}), got {stage}")
@@ -50,19 +80,52 @@ class Schedule:
 
     @functools.cached_property
     def tick_table(self):
+        """The lockstep `TickTable` the executor runs (built once, on first use)."""
         from jaxmeg.pipeline.tick_table import build_tick_table
 
         return build_tick_table(self)
 
+    def validate(self):
+        """`analysis.validate(self)`: replays the tick table; returns buffer sizes, efficiency."""
+        from jaxmeg.pipeline.analysis import validate
+
+        return validate(self)
+
+
+def _check_orders(schedule: Schedule) -> None:
+    p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
+    if len(schedule.orders) != p:
+        raise ValueError(f"orders has {len(schedule.orders)} stages, num_stages is {p}")
+    expected = {(kind, mb, c) for kind in "FB" for mb in range(m) for c in range(v)}
+    for s, order in enumerate(schedule.orders):
+        if len(order) != len(expected) or set(order) != expected:
+            raise ValueError(
+                f"stage {s} order must run F and B of each of the {m} microbatches x {v} chunks "
+                f"once ({len(expected)} actions), got {len(order)} actions"
+            )
+        forward_done = set()
+        for kind, mb, c in order:
+            if kind == "F":
+                forward_done.add((mb, c))
+            elif (mb, c) not in forward_done:
+                raise ValueError(f"stage {s} order runs B(mb={mb}, chunk={c}) before its F")
+
 
 def check_layers(num_layers: int, num_stages: int, num_chunks: int = 1) -> int:
-    """Layers per chunk; raises unless num_layers is divisible by p * v."""
-    if num_layers % (num_stages * num_chunks):
+    """Layers per chunk, L / (p v); raises unless num_layers is divisible by p * v."""
+    if num_layers < 1 or num_layers % (num_stages * num_chunks):
         raise ValueError(
             f"layers ({num_layers}) must be divisible by stages * chunks = "
             f"{num_stages} * {num_chunks} = {num_stages * num_chunks}"
         )
     return num_layers // (num_stages * num_chunks)
+
+
+def _as_int(field: str, value: Any) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{field} must be an integer, got {value!r}") from None
 
 
 def _check(name: str, p: int, m: int, v: int, warmup: str) -> None:
@@ -83,32 +146,43 @@ def _check(name: str, p: int, m: int, v: int, warmup: str) -> None:
         )
 
 
-def _interleaved_action(kind: str, k: int, p: int, v: int) -> Action:
-    """Megatron's get_model_chunk_id / microbatch id for the k-th forward or backward."""
+def _grouped_action(kind: str, k: int, p: int, v: int) -> Action:
+    """The k-th forward (or backward) of a stage when microbatches go through the chunks in
+    groups of p: chunk (k mod p v) // p (reversed, v - 1 - chunk, for backwards), microbatch
+    (k // p v) p + k mod p. Megatron's get_schedule_table / get_model_chunk_id for m mod p = 0."""
     chunk = (k % (p * v)) // p
     if kind == "B":
         chunk = v - 1 - chunk
     return (kind, (k // (p * v)) * p + k % p, chunk)
 
 
-def _one_f_one_b(p: int, s: int, m: int, v: int, warmup: int) -> tuple[Action, ...]:
+def _warmup_then_alternate(p: int, m: int, v: int, warmup: int) -> tuple[Action, ...]:
+    """Megatron's three loops: `warmup` forwards; F(warmup + i), B(i) for the remaining
+    m v - warmup; then the last `warmup` backwards."""
     total = m * v
     warmup = min(warmup, total)
-    order = [_interleaved_action("F", k, p, v) for k in range(warmup)]
+    order = [_grouped_action("F", k, p, v) for k in range(warmup)]
     for i in range(total - warmup):
-        order.append(_interleaved_action("F", warmup + i, p, v))
-        order.append(_interleaved_action("B", i, p, v))
-    order += [_interleaved_action("B", k, p, v) for k in range(total - warmup, total)]
+        order.append(_grouped_action("F", warmup + i, p, v))
+        order.append(_grouped_action("B", i, p, v))
+    order += [_grouped_action("B", k, p, v) for k in range(total - warmup, total)]
     return tuple(order)
+
+
+def warmup_forwards(name: str, num_stages: int, stage: int, num_chunks: int, warmup: str) -> int:
+    """Warm-up forwards of `stage` before 1F1B starts (uncapped by m v; gpipe: all of them)."""
+    p, s, v = num_stages, stage, num_chunks
+    if name == "interleaved_1f1b":
+        return 2 * (p - s - 1) + (v - 1) * p
+    if name == "1f1b":
+        return p - s - 1 if warmup == "min_memory" else 2 * (p - s - 1)
+    raise ValueError(f"{name} has no warm-up phase")
 
 
 def _stage_order(name: str, p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
     if name == "gpipe":
         return tuple([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
-    if name == "1f1b":
-        steps = p - s - 1 if warmup == "min_memory" else 2 * (p - s - 1)
-        return _one_f_one_b(p, s, m, 1, steps)
-    return _one_f_one_b(p, s, m, v, 2 * (p - s - 1) + (v - 1) * p)
+    return _warmup_then_alternate(p, m, v, warmup_forwards(name, p, s, v, warmup))
 
 
 def build(
@@ -116,19 +190,81 @@ def build(
     num_stages: int,
     num_microbatches: int,
     num_chunks: int = 1,
-    warmup: str = "min_bubble",
+    warmup: str = "min_memory",
 ) -> Schedule:
     """The schedule `name` for p stages, m microbatches and v chunks per stage.
 
-    `warmup` applies to `1f1b` only (see the module docstring); the interleaved order is always
-    Megatron's.
+    `warmup` applies to `1f1b` only (see the module docstring); the default is Megatron's
+    PipeDream-Flush order. The trainer runs `parallel.pipeline_warmup` (default `min_bubble`,
+    the faster in jaxmeg's lockstep executor). The interleaved order is always Megatron's.
+    Raises ValueError naming the numbers for an impossible combination.
     """
-    p, m, v = num_stages, num_microbatches, num_chunks
+    p = _as_int("num_stages", num_stages)
+    m = _as_int("num_microbatches", num_microbatches)
+    v = _as_int("num_chunks", num_chunks)
     _check(name, p, m, v, warmup)
     orders = tuple(_stage_order(name, p, s, m, v, warmup) for s in range(p))
     return Schedule(name, p, m, v, warmup, orders)
 
 
-def bubble_fraction(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1):
-    """Megatron's asynchronous bubble: (p - 1) / (v m) (v = 1 for gpipe and 1f1b)."""
+def bubble_fraction(
+    schedule_or_name: Schedule | str,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    num_chunks: int = 1,
+) -> float:
+    """Megatron's asynchronous bubble, idle over compute time: (p - 1) / (v m), v = 1 for gpipe
+    and 1f1b. Takes a Schedule, or (name, p, m, v)."""
+    if isinstance(schedule_or_name, Schedule):
+        sch = schedule_or_name
+        return (sch.num_stages - 1) / (sch.num_chunks * sch.num_microbatches)
+    if num_stages is None or num_microbatches is None:
+        raise ValueError("bubble_fraction needs a Schedule or name, num_stages, num_microbatches")
     return (num_stages - 1) / (num_chunks * num_microbatches)
+
+
+def ideal_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
+    """One stage's compute with no bubble: m (1 + backward_cost), a stage's forward = 1."""
+    return schedule.num_microbatches * (1.0 + backward_cost)
+
+
+def _dependency(action: Action, stage: int, p: int, v: int) -> tuple[str, int, int] | None:
+    """(kind, virtual stage, microbatch) that `action` on `stage` waits for, None if none.
+    F on virtual stage u needs F on u - 1; B on u needs B on u + 1, or F on u if u is last."""
+    kind, mb, c = action
+    u = c * p + stage
+    if kind == "F":
+        return None if u == 0 else ("F", u - 1, mb)
+    return ("F", u, mb) if u == p * v - 1 else ("B", u + 1, mb)
+
+
+def async_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
+    """Makespan when every stage runs its order as soon as its input is there (no ticks, no
+    communication time): start = max(stage free, dependency finished); a chunk's forward costs
+    1/v, its backward backward_cost/v. Raises ValueError if the orders deadlock."""
+    p, v = schedule.num_stages, schedule.num_chunks
+    orders = [schedule.order(s) for s in range(p)]
+    finished: dict[tuple[str, int, int], float] = {}
+    free, position = [0.0] * p, [0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                action = orders[s][position[s]]
+                dependency = _dependency(action, s, p, v)
+                if dependency is not None and dependency not in finished:
+                    break
+                cost = (1.0 if action[0] == "F" else backward_cost) / v
+                free[s] = max(free[s], finished.get(dependency, 0.0)) + cost
+                finished[(action[0], action[2] * p + s, action[1])] = free[s]
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: orders[s][position[s]] for s in range(p) if position[s] < len(orders[s])}
+            raise ValueError(f"schedule {schedule.name} deadlocks; next actions by stage: {stuck}")
+    return max(free)
+
+
+def async_efficiency(schedule: Schedule, backward_cost: float = 2.0) -> float:
+    """ideal_time / async_time; Megatron's analysis says 1 / (1 + bubble_fraction)."""
+    return ideal_time(schedule, backward_cost) / async_time(schedule, backward_cost)

@@ -1,4 +1,4 @@
-"""The tick table the executor runs, built from a schedule's per-stage orders, and its checks.
+"""The tick table the executor runs, built from a schedule's per-stage orders.
 
 All stages advance in lockstep, one tick at a time. A tick is an F slot then a B slot:
   F slot  a stage may run one forward; then every stage ppermutes activations s -> s+1 (stage
@@ -9,37 +9,54 @@ All stages advance in lockstep, one tick at a time. A tick is an F slot then a B
 Latency: what is sent in tick t is usable from tick t+1. On the last virtual stage F(mb) and
 B(mb) may share a tick: the loss is local.
 
-Buffers per stage: `inputs`, a ring of stage inputs, written on arrival (on the first virtual
-stage, by its own forward: the embedded microbatch), read by F and again by B, freed after B;
-`cots`, a ring of received cotangents, freed after B. Slots are the lowest free index.
+Buffers per stage: `inputs`, stage inputs written on arrival (on the first virtual stage by its
+own forward: the embedded microbatch), read by F and again by B, freed after B; `cots`,
+received cotangents, freed after B. A new item takes the lowest free slot.
 
 Ring sizes depend on the schedule family (p, v, warm-up), not on m: for 1F1B-type schedules the
-rings are sized for the steady state (the peak at m = 2p), so a step's memory is the same for any
-m; GPipe keeps all m stage inputs, its rings grow with m.
+rings are sized for the steady state, the peak at m = 2p (the same at any larger m), so a step's
+memory is the same for any m; GPipe keeps all m stage inputs, its rings grow with m.
 
 Placement is greedy and keeps each stage's order: in every tick each stage runs its next action
 if its inputs have arrived, a forward in the F slot and then, if the next action is a backward
-whose cotangent is there, that backward in the B slot.
+whose cotangent is there, that backward in the B slot. A tick in which no stage can move means
+the orders deadlock (nothing changes by waiting): ValueError.
+
+The table is columns of int32 [num_ticks, p]; a later action kind (a W slot for zero-bubble
+weight gradients) or payload (compressed ppermute) adds columns, not a new format.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxmeg.pipeline.schedules import Schedule
 
 FIELDS = (
     "f_mb", "f_chunk", "f_slot",
     "b_mb", "b_chunk", "b_slot", "b_cot_slot",
     "recv_act_slot", "recv_cot_slot",
 )  # fmt: skip
+STEADY_STATE_MICROBATCHES_PER_STAGE = 2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TickTable:
-    """int32 arrays [num_ticks, p], -1 for none. f_*: the F slot's action and the input slot it
-    reads; b_*: the B slot's action, its saved-input slot and its cotangent slot (-1 on the last
-    virtual stage); recv_*: the slot an arriving activation / cotangent is written to."""
+    """int32 arrays [num_ticks, p], -1 for none.
+
+    f_mb, f_chunk: the forward in the F slot; f_slot: the `inputs` slot it reads (on the first
+        virtual stage, the slot the embedded microbatch is written to first).
+    b_mb, b_chunk: the backward in the B slot; b_slot: the `inputs` slot it recomputes from
+        (freed after); b_cot_slot: the `cots` slot of its output cotangent (-1 on the last
+        virtual stage, whose cotangent comes from the loss).
+    recv_act_slot: after the F slot's ppermute, the `inputs` slot the arriving activation goes to.
+    recv_cot_slot: after the B slot's ppermute, the `cots` slot the arriving cotangent goes to.
+    num_input_slots (K), num_cot_slots (J): ring sizes, max over stages.
+    """
 
     f_mb: np.ndarray
     f_chunk: np.ndarray
@@ -57,11 +74,15 @@ class TickTable:
     def num_ticks(self) -> int:
         return int(self.f_mb.shape[0])
 
+    @property
+    def num_stages(self) -> int:
+        return int(self.f_mb.shape[1])
+
 
 class _Slots:
     """Lowest-free-index slot allocator that remembers what each slot holds."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.held: dict[int, tuple[int, int]] = {}
         self.peak = 0
 
@@ -81,80 +102,150 @@ class _Slots:
 
 
 def _next_stage(s: int, c: int, p: int) -> tuple[int, int]:
+    """(stage, chunk) of virtual stage c p + s + 1."""
     return (s + 1, c) if s < p - 1 else (0, c + 1)
 
 
 def _prev_stage(s: int, c: int, p: int) -> tuple[int, int]:
+    """(stage, chunk) of virtual stage c p + s - 1."""
     return (s - 1, c) if s > 0 else (p - 1, c - 1)
 
 
-def build_tick_table(schedule) -> TickTable:
-    """Places each stage's order into ticks (greedy, order kept) and allocates buffer slots."""
-    p, v = schedule.num_stages, schedule.num_chunks
-    orders = [schedule.order(s) for s in range(p)]
-    position = [0] * p
-    forward_tick: dict[tuple[int, int, int], int] = {}  # (stage, chunk, mb) -> tick
-    backward_tick: dict[tuple[int, int, int], int] = {}
-    inputs, cots = [_Slots() for _ in range(p)], [_Slots() for _ in range(p)]
-    rows: list[dict[str, list[int]]] = []
-    limit = 4 * sum(len(o) for o in orders) + 4 * p
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        t = len(rows)
-        if t > limit:
-            raise RuntimeError(f"schedule {schedule.name} cannot be placed: stuck at tick {t}")
-        row = {f: [-1] * p for f in FIELDS}
-        sent = []
-        for s in range(p):
-            action = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            if action is None or action[0] != "F":
-                continue
-            _, mb, c = action
-            if s == 0 and c == 0:
-                slot = inputs[s].put((c, mb))
-            else:
-                ps, pc = _prev_stage(s, c, p)
-                if forward_tick.get((ps, pc, mb), t) >= t:
-                    continue
-                slot = inputs[s].find((c, mb))
-            row["f_mb"][s], row["f_chunk"][s], row["f_slot"][s] = mb, c, slot
-            forward_tick[(s, c, mb)] = t
-            position[s] += 1
-            if not (s == p - 1 and c == v - 1):
-                sent.append(_next_stage(s, c, p) + (mb,))
-        for ns, nc, mb in sent:
-            row["recv_act_slot"][ns] = inputs[ns].put((nc, mb))
-        sent = []
-        for s in range(p):
-            action = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            if action is None or action[0] != "B":
-                continue
-            _, mb, c = action
-            last = s == p - 1 and c == v - 1
-            if last:
-                if forward_tick.get((s, c, mb), t + 1) > t:
-                    continue
-                row["b_cot_slot"][s] = -1
-            else:
-                ns, nc = _next_stage(s, c, p)
-                if backward_tick.get((ns, nc, mb), t) >= t:
-                    continue
-                row["b_cot_slot"][s] = cots[s].pop((c, mb))
-            row["b_mb"][s], row["b_chunk"][s], row["b_slot"][s] = mb, c, inputs[s].pop((c, mb))
-            backward_tick[(s, c, mb)] = t
-            position[s] += 1
-            if not (s == 0 and c == 0):
-                sent.append(_prev_stage(s, c, p) + (mb,))
-        for ps, pc, mb in sent:
-            row["recv_cot_slot"][ps] = cots[ps].put((pc, mb))
-        rows.append(row)
-    arrays = {f: np.array([r[f] for r in rows], np.int32).reshape(len(rows), p) for f in FIELDS}
-    input_slots = max(max(b.peak for b in inputs), 1)
-    cot_slots = max(max(b.peak for b in cots), 1)
-    steady = 2 * p
-    if schedule.name != "gpipe" and schedule.num_microbatches < steady:
-        from jaxmeg.pipeline.schedules import build
+class _Packer:
+    """State of the greedy placement: each stage's position in its order, the tick at which
+    every (kind, virtual stage, microbatch) ran, and the slot allocators."""
 
-        ref = build(schedule.name, p, steady, v, schedule.warmup).tick_table
-        input_slots = max(input_slots, ref.num_input_slots)
-        cot_slots = max(cot_slots, ref.num_cot_slots)
-    return TickTable(**arrays, num_input_slots=input_slots, num_cot_slots=cot_slots)
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.p, self.v = schedule.num_stages, schedule.num_chunks
+        self.orders = [schedule.order(s) for s in range(self.p)]
+        self.position = [0] * self.p
+        self.ran_at: dict[tuple[str, int, int], int] = {}
+        self.inputs = [_Slots() for _ in range(self.p)]
+        self.cots = [_Slots() for _ in range(self.p)]
+        self.rows: list[dict[str, list[int]]] = []
+
+    def done(self) -> bool:
+        return all(pos == len(order) for pos, order in zip(self.position, self.orders, strict=True))
+
+    def next_action(self, s: int, kind: str) -> tuple[int, int] | None:
+        """(microbatch, chunk) of stage s's next action if it is of `kind`."""
+        if self.position[s] == len(self.orders[s]):
+            return None
+        action_kind, mb, c = self.orders[s][self.position[s]]
+        return (mb, c) if action_kind == kind else None
+
+    def ran_before(self, kind: str, virtual_stage: int, mb: int, t: int) -> bool:
+        return self.ran_at.get((kind, virtual_stage, mb), t) < t
+
+    def run(self, kind: str, s: int, mb: int, c: int, t: int) -> None:
+        self.ran_at[(kind, c * self.p + s, mb)] = t
+        self.position[s] += 1
+
+    def forward_slot(self, t: int, row: dict[str, list[int]]) -> None:
+        """F(mb, virtual stage u) runs if F(mb, u - 1) ran before tick t; then sends."""
+        p, v = self.p, self.v
+        sent = []
+        for s in range(p):
+            action = self.next_action(s, "F")
+            if action is None:
+                continue
+            mb, c = action
+            u = c * p + s
+            if u == 0:
+                slot = self.inputs[s].put((c, mb))
+            elif self.ran_before("F", u - 1, mb, t):
+                slot = self.inputs[s].find((c, mb))
+            else:
+                continue
+            row["f_mb"][s], row["f_chunk"][s], row["f_slot"][s] = mb, c, slot
+            self.run("F", s, mb, c, t)
+            if u != p * v - 1:
+                sent.append((*_next_stage(s, c, p), mb))
+        for ns, nc, mb in sent:
+            row["recv_act_slot"][ns] = self.inputs[ns].put((nc, mb))
+
+    def backward_slot(self, t: int, row: dict[str, list[int]]) -> None:
+        """B(mb, u) runs if B(mb, u + 1) ran before tick t (u last: if F(mb, u) ran by t)."""
+        p, v = self.p, self.v
+        sent = []
+        for s in range(p):
+            action = self.next_action(s, "B")
+            if action is None:
+                continue
+            mb, c = action
+            u = c * p + s
+            if u == p * v - 1:
+                if not self.ran_before("F", u, mb, t + 1):
+                    continue
+                cot_slot = -1
+            elif self.ran_before("B", u + 1, mb, t):
+                cot_slot = self.cots[s].pop((c, mb))
+            else:
+                continue
+            row["b_mb"][s], row["b_chunk"][s] = mb, c
+            row["b_slot"][s], row["b_cot_slot"][s] = self.inputs[s].pop((c, mb)), cot_slot
+            self.run("B", s, mb, c, t)
+            if u != 0:
+                sent.append((*_prev_stage(s, c, p), mb))
+        for ps, pc, mb in sent:
+            row["recv_cot_slot"][ps] = self.cots[ps].put((pc, mb))
+
+    def tick(self) -> None:
+        t = len(self.rows)
+        row = {field: [-1] * self.p for field in FIELDS}
+        before = list(self.position)
+        self.forward_slot(t, row)
+        self.backward_slot(t, row)
+        if self.position == before:
+            raise self.deadlock(t)
+        self.rows.append(row)
+
+    def deadlock(self, t: int) -> ValueError:
+        sch = self.schedule
+        waiting = {
+            s: self.orders[s][self.position[s]]
+            for s in range(self.p)
+            if self.position[s] < len(self.orders[s])
+        }
+        return ValueError(
+            f"schedule {sch.name} (p={sch.num_stages}, m={sch.num_microbatches}, "
+            f"v={sch.num_chunks}) deadlocks at tick {t}: no stage can run its next action "
+            f"{waiting}"
+        )
+
+
+def _pack(schedule: Schedule) -> _Packer:
+    packer = _Packer(schedule)
+    while not packer.done():
+        packer.tick()
+    return packer
+
+
+def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int]:
+    """(K, J) of the same schedule at m = 2p, where 1F1B-type rings reach their steady state."""
+    from jaxmeg.pipeline.schedules import build
+
+    m = STEADY_STATE_MICROBATCHES_PER_STAGE * schedule.num_stages
+    steady = build(schedule.name, schedule.num_stages, m, schedule.num_chunks, schedule.warmup)
+    packer = _pack(steady)
+    return max(b.peak for b in packer.inputs), max(b.peak for b in packer.cots)
+
+
+def build_tick_table(schedule: Schedule) -> TickTable:
+    """Places each stage's order into ticks (greedy, order kept) and allocates buffer slots.
+
+    K = max over stages of stage inputs held at once, J likewise for cotangents (at least 1);
+    for 1F1B-type schedules with m < 2p, the steady-state sizes at m = 2p, so K and J do not
+    depend on m.
+    """
+    packer = _pack(schedule)
+    p, rows = schedule.num_stages, packer.rows
+    arrays = {f: np.array([r[f] for r in rows], np.int32).reshape(len(rows), p) for f in FIELDS}
+    input_slots = max(b.peak for b in packer.inputs)
+    cot_slots = max(b.peak for b in packer.cots)
+    steady_m = STEADY_STATE_MICROBATCHES_PER_STAGE * p
+    if schedule.name in ("1f1b", "interleaved_1f1b") and schedule.num_microbatches < steady_m:
+        steady_k, steady_j = _steady_state_ring_sizes(schedule)
+        input_slots, cot_slots = max(input_slots, steady_k), max(cot_slots, steady_j)
+    return TickTable(**arrays, num_input_slots=max(input_slots, 1), num_cot_slots=max(cot_slots, 1))
