@@ -1,0 +1,29 @@
+"""Performance model (parameters, FLOPs, memory, communication, time) and the planner."""
+
+from jaxmeg.perf.hardware import Hardware, load_hardware
+from jaxmeg.perf.model import (
+    Layout,
+    Shape,
+    bytes_per_step,
+    flops_per_iteration,
+    memory_per_gpu,
+    parameter_count,
+    step_time,
+    tflops_per_gpu,
+)
+from jaxmeg.perf.planner import Plan, plan
+
+__all__ = [
+    "Hardware",
+    "Layout",
+    "Plan",
+    "Shape",
+    "bytes_per_step",
+    "flops_per_iteration",
+    "load_hardware",
+    "memory_per_gpu",
+    "parameter_count",
+    "plan",
+    "step_time",
+    "tflops_per_gpu",
+]

@@ -17,9 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig
+from jaxmeg.perf.model import Shape, flops_per_iteration
 
 # Dense bf16 tensor-core peak per device, TFLOP/s, from the vendor datasheets.
+# Matched as substrings of the upper-cased, space-free device kind, first match wins.
 PEAK_TFLOPS_BF16 = {
+    "H100PCIE": 756.0,
+    "H100NVL": 835.0,
     "H100": 989.0,
     "H200": 989.0,
     "A100": 312.0,
@@ -29,10 +33,12 @@ PEAK_TFLOPS_BF16 = {
 
 
 def model_flops_per_step(model: ModelConfig, sequences: int, recompute: bool = False) -> float:
-    b, s, l, h, v = sequences, model.seq_len, model.layers, model.hidden, model.vocab_size
-    if recompute:
-        return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    """Eq. 3 of the paper for this model config (`jaxmeg.perf.model.flops_per_iteration`)."""
+    shape = Shape(
+        hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
+        vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
+    )  # fmt: skip
+    return flops_per_iteration(shape, sequences, recompute)
 
 
 @functools.cache
