@@ -13,14 +13,13 @@ import pytest
 
 from jaxmeg import config as C
 from jaxmeg.training.state import (
-    abstract_state,
     init_state,
     state_shardings,
     to_canonical_layout,
     to_pipeline_layout,
 )
-from jaxmeg.training.step import make_loss_and_grads, make_train_step
-from jaxmeg.training.trainer import memory_report
+from jaxmeg.training.step import make_loss_and_grads
+from jaxmeg.training.trainer import compile_step, memory_report
 from tests.helpers import put_batch, random_batch, trainable_for
 
 pytestmark = pytest.mark.timeout(300)  # a deadlocked pipe collective aborts, never hangs
@@ -140,16 +139,7 @@ STAGE_INPUT_BYTES = 1 * 256 * 32 * 4
 
 def temp_bytes(schedule: str, chunks: int, microbatches: int, pipe: int = 4) -> int:
     cfg = config(1, pipe, 1, schedule, chunks, microbatches)
-    trainable = trainable_for(dataclasses.replace(cfg, model=MEMORY_MODEL))
-    batch = jax.ShapeDtypeStruct(
-        (trainable.cfg.train.global_batch, MEMORY_MODEL.seq_len),
-        np.int32,
-        sharding=trainable.batch_sharding(),
-    )
-    with jax.set_mesh(trainable.mesh):
-        compiled = (
-            make_train_step(trainable).lower(abstract_state(trainable), batch, batch).compile()
-        )
+    compiled, _ = compile_step(trainable_for(dataclasses.replace(cfg, model=MEMORY_MODEL)))
     return memory_report(compiled)["temp_bytes"]
 
 
@@ -176,16 +166,7 @@ def test_data_parallel_reduction_runs_once_per_step_outside_the_tick_loop():
 
     def data_collectives(microbatches):
         trainable = trainable_for(config(2, 2, 2, "interleaved_1f1b", 2, microbatches))
-        batch = jax.ShapeDtypeStruct(
-            (trainable.cfg.train.global_batch, MODEL.seq_len),
-            np.int32,
-            sharding=trainable.batch_sharding(),
-        )
-        with jax.set_mesh(trainable.mesh):
-            compiled = (
-                make_train_step(trainable).lower(abstract_state(trainable), batch, batch).compile()
-            )
-        text = compiled.as_text()
+        text = compile_step(trainable)[0].as_text()
         found = collectives(text, trainable.mesh)
         (entry,) = re.findall(r"^ENTRY %?([\w.\-]+)", text, re.MULTILINE)
         # The pipe permutes run in the tick loop's body, not in the entry computation.
