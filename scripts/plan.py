@@ -79,10 +79,14 @@ def main(argv=None) -> int:
     pins = {k: getattr(args, k) for k in ("tensor", "pipe", "chunks", "microbatch")}
     if args.recompute:
         pins["recompute"] = (args.recompute,)
-    plans = plan(
-        shape, args.gpus, args.batch, hw, args.tokens, sequence_parallel=args.sequence_parallel,
-        **pins,
-    )  # fmt: skip
+    try:
+        plans = plan(
+            shape, args.gpus, args.batch, hw, args.tokens,
+            sequence_parallel=args.sequence_parallel, **pins,
+        )  # fmt: skip
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not plans:
         print(
             f"error: no layout of {args.gpus} GPUs with batch {args.batch} fits in "

@@ -176,3 +176,18 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
         assert traffic["pipe"] == sum(c.bytes for c in permutes) * ticks  # each runs every tick
     else:
         assert not permutes
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(gpus=0, batch=8), "gpus must be >= 1, got 0"),
+        (dict(gpus=8, batch=8, tensor=0), "tensor must be >= 1, got 0"),
+        (dict(gpus=8, batch=8, shape=Shape(hidden=1000, layers=2, heads=16, seq_len=8, vocab=64)),
+         r"hidden \(1000\) must be divisible by heads \(16\)"),
+    ],
+)  # fmt: skip
+def test_impossible_planner_inputs_name_the_field(kwargs, message):
+    shape = kwargs.pop("shape", GPT3)
+    with pytest.raises(ValueError, match=message):
+        plan(shape, hw=load_hardware("a100_dgx"), **kwargs)

@@ -124,10 +124,22 @@ def evaluate(shape: Shape, layout: Layout, hw: Hardware, tokens: float | None = 
     )
 
 
+def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
+    """Raises ValueError naming the field and value of the first impossible input."""
+    fields = {"gpus": gpus, "batch": batch, **{f"shape.{k}": v for k, v in vars(shape).items()}}
+    fields.update({k: v for k, v in pins.items() if type(v) is int})
+    for name, value in fields.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if shape.hidden % shape.heads:
+        raise ValueError(f"hidden ({shape.hidden}) must be divisible by heads ({shape.heads})")
+
+
 def plan(
     shape: Shape, gpus: int, batch: int, hw: Hardware, tokens: float | None = None, **pins
 ) -> list[Plan]:
     """Plans that fit in memory, fastest step first (same global batch, so same tokens)."""
+    check_inputs(shape, gpus, batch, **pins)
     plans = [
         evaluate(shape, layout, hw, tokens)
         for layout in candidate_layouts(shape, gpus, batch, hw, **pins)
