@@ -112,7 +112,9 @@ class OptimizerConfig:
     warmup_steps: int = 20
     """Linear warm-up steps from 0 to `lr`."""
     decay_steps: int = -1
-    """Steps of cosine decay after warm-up; -1 = until `train.steps`."""
+    """Steps of cosine decay after warm-up; -1 = until `train.steps` as the config file and
+    `--set` give it (`scripts/train.py --steps N` only says where to stop, so a run stopped early
+    and resumed follows the same schedule)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not applied to biases and norm scales)."""
     beta1: float = 0.9
@@ -285,6 +287,25 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     return apply_overrides(cfg, overrides or [])
 
 
+def resolve_decay_steps(cfg: Config) -> Config:
+    """Fixes `optimizer.decay_steps = -1` to "until train.steps" for the current train.steps.
+
+    Call it before changing train.steps to stop a run early: the schedule then stays that of
+    the whole run, and resuming past warm-up reproduces the uninterrupted run's learning rates.
+    """
+    opt = cfg.optimizer
+    if opt.decay_steps != -1:
+        return cfg
+    decay = max(cfg.train.steps - opt.warmup_steps, 1)
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, decay_steps=decay))
+
+
+def with_steps(cfg: Config, steps: int) -> Config:
+    """The config with train.steps = `steps` and the learning-rate schedule left as it was."""
+    cfg = resolve_decay_steps(cfg)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+
+
 def padded_vocab_size(model: ModelConfig, tensor: int) -> int:
     """Vocabulary rounded up to a multiple of `vocab_multiple * tensor` (Megatron's padding)."""
     multiple = model.vocab_multiple * tensor
@@ -439,10 +460,10 @@ def validate(cfg: Config, num_devices: int) -> Config:
         raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {opt.warmup_steps}")
     if opt.grad_clip < 0:
         raise ConfigError(f"optimizer.grad_clip must be >= 0, got {opt.grad_clip}")
-    decay = opt.decay_steps if opt.decay_steps != -1 else max(tr.steps - opt.warmup_steps, 1)
-    return dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(par, data=data, pipe=pipe, tensor=tensor),
-        train=dataclasses.replace(tr, microbatch_size=b, microbatches=micro),
-        optimizer=dataclasses.replace(opt, decay_steps=decay),
+    return resolve_decay_steps(
+        dataclasses.replace(
+            cfg,
+            parallel=dataclasses.replace(par, data=data, pipe=pipe, tensor=tensor),
+            train=dataclasses.replace(tr, microbatch_size=b, microbatches=micro),
+        )
     )

@@ -5,7 +5,11 @@
 #
 #   scripts/launch_local.sh 2 --config configs/gpt_tiny.yaml --set parallel.pipe=2 --out runs/a
 #
-# Exits with the first non-zero exit code of any process (the others are then stopped).
+# SIGTERM / SIGINT to this script are forwarded to every process as one TERM (they finish the
+# step, checkpoint and exit 0), and the script waits until all of them have exited; sending it
+# again forwards another TERM, which stops them at once. If a process fails, the others get TERM
+# and, JAXMEG_KILL_GRACE seconds later (default 30), KILL: they may be stuck in a collective
+# waiting for the failed one. Exit code: the first non-zero exit code of a process, else 0.
 set -uo pipefail
 if [ $# -lt 1 ] || ! [[ "$1" =~ ^[0-9]+$ ]] || [ "$1" -lt 1 ]; then
   echo "usage: $0 NUM_PROCESSES [scripts/train.py arguments...]" >&2
@@ -13,6 +17,7 @@ if [ $# -lt 1 ] || ! [[ "$1" =~ ^[0-9]+$ ]] || [ "$1" -lt 1 ]; then
 fi
 n=$1; shift
 total=${JAXMEG_CPU_DEVICES:-8}
+grace=${JAXMEG_KILL_GRACE:-30}
 if (( total % n )); then
   echo "$total CPU devices cannot be split evenly over $n processes" >&2
   exit 2
@@ -20,20 +25,51 @@ fi
 here="$(cd "$(dirname "$0")" && pwd)"
 python=${PYTHON:-python}
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-pids=()
+
+# Each process in its own session, so a Ctrl-C in the terminal reaches only this script, which
+# forwards exactly one TERM (two signals would tell the processes to stop without a checkpoint).
+detach=()
+if command -v setsid >/dev/null; then detach=(setsid); fi
+
+declare -A running  # pid -> process id
 for ((i = 0; i < n; i++)); do
-  "$python" "$here/train.py" --cpu-devices $((total / n)) --coordinator "127.0.0.1:$port" \
-    --num-processes "$n" --process-id "$i" "$@" &
-  pids+=($!)
+  ${detach[@]+"${detach[@]}"} "$python" "$here/train.py" --cpu-devices $((total / n)) \
+    --coordinator "127.0.0.1:$port" --num-processes "$n" --process-id "$i" "$@" &
+  running[$!]=$i
 done
-trap 'kill "${pids[@]}" 2>/dev/null' TERM INT
+
+terminate_running() {
+  local pid
+  for pid in "${!running[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+}
+on_signal() {
+  echo "launch_local: $1: forwarding TERM to the training processes, waiting for them to exit" >&2
+  terminate_running
+}
+trap 'on_signal TERM' TERM
+trap 'on_signal INT' INT
+
 status=0
-for pid in "${pids[@]}"; do
-  wait "$pid"
-  code=$?
-  if [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then
-    status=$code
-    kill "${pids[@]}" 2>/dev/null
+kill_at=0
+while (( ${#running[@]} )); do
+  for pid in "${!running[@]}"; do
+    kill -0 "$pid" 2>/dev/null && continue  # bash reaps exited children, then kill -0 fails
+    wait "$pid"
+    code=$?
+    process=${running[$pid]}
+    unset "running[$pid]"
+    if (( code != 0 && status == 0 )); then
+      status=$code
+      echo "launch_local: process $process exited with $code; stopping the others" >&2
+      terminate_running
+      kill_at=$((SECONDS + grace))
+    fi
+  done
+  if (( kill_at && SECONDS >= kill_at && ${#running[@]} )); then
+    echo "launch_local: processes still running ${grace} s after TERM; sending KILL" >&2
+    for pid in "${!running[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+    kill_at=0
   fi
+  sleep 0.2
 done
 exit "$status"

@@ -1,9 +1,9 @@
 """Train a GPT with jaxmeg.
 
-  python scripts/train.py --config configs/gpt_tiny.yaml [--set section.key=value ...]
-  python scripts/train.py --config configs/gpt_tiny.yaml --cpu-devices 8 \
-      --set parallel.data=2 --set parallel.tensor=4
-  python scripts/train.py --config configs/gpt_1.3b.yaml --compile-only
+python scripts/train.py [--config configs/gpt_tiny.yaml] [--set section.key=value ...]
+python scripts/train.py --cpu-devices 8 --set parallel.data=2 --set parallel.tensor=4
+python scripts/train.py --config configs/gpt_1.3b.yaml --compile-only
+python scripts/train.py --out runs/a --steps 100    # later: --steps 300 resumes at 100
 """
 
 from __future__ import annotations
@@ -13,14 +13,18 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DEFAULT_CONFIG = ROOT / "configs" / "gpt_tiny.yaml"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), help="YAML config file (default: %(default)s)"
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -29,7 +33,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="override a config value (repeatable)",
     )
-    parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="train until step N (default: train.steps). Only where to stop: the learning-rate\n"
+        "schedule still decays over train.steps from the config and --set, so a run stopped\n"
+        "with --steps and resumed later follows the same schedule as one uninterrupted run",
+    )
     parser.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
     parser.add_argument("--metrics-file", help="append one JSON line of metrics per step")
     parser.add_argument(
@@ -54,28 +65,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def load_config(args: argparse.Namespace):
+    """The config from the file and --set; --steps changes where to stop, not the schedule."""
+    from jaxmeg import config
+
+    cfg = config.resolve_decay_steps(config.load(args.config, args.overrides))
+    return cfg if args.steps is None else config.with_steps(cfg, args.steps)
+
+
+def is_lead() -> bool:
+    """Process 0 prints results and errors (every process of a job has the same ones)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def report_error(message: str) -> None:
+    if is_lead():
+        print(message, file=sys.stderr, flush=True)
+
+
+def join_process_group(args: argparse.Namespace) -> None:
+    from jaxmeg.parallel import distributed
+
+    spec = distributed.cluster_spec(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(spec, args.init_timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu_devices:
         from jaxmeg.parallel import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
-    from jaxmeg.parallel import distributed
-
-    distributed.initialize(
-        distributed.cluster_spec(args.coordinator, args.num_processes, args.process_id),
-        args.init_timeout,
-    )
-    from jaxmeg import config
-    from jaxmeg.training import trainer
-
-    overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
     try:
-        cfg = config.load(args.config, overrides)
+        join_process_group(args)
+    except ValueError as err:  # before the group exists, each process reports its own error
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from jaxmeg import config
+    from jaxmeg.training import checkpoint, trainer
+
+    try:
+        cfg = load_config(args)
         if args.compile_only:
-            print(json.dumps(trainer.compile_only(cfg)))
+            report = trainer.compile_only(cfg)
+            if is_lead():
+                print(json.dumps(report))
             return 0
         trainer.train(
             cfg,
@@ -85,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=not args.no_progress,
         )
     except config.ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        report_error(f"config error: {err}")
         return 2
     except trainer.TrainingStopped as err:
-        print(f"jaxmeg: stopped: {err}", file=sys.stderr)
+        report_error(f"jaxmeg: stopped: {err}")
         return 1
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, checkpoint.UnreadableCheckpoint) as err:
+        report_error(f"error: {err}")
         return 2
     return 0
 

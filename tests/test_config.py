@@ -125,3 +125,15 @@ def _devices(cfg: C.Config) -> int:
 def test_missing_config_file():
     with pytest.raises(C.ConfigError, match="does not exist"):
         C.load("configs/nope.yaml")
+
+
+def test_steps_override_keeps_the_schedule():
+    cfg = C.apply_overrides(C.Config(), ["train.steps=300", "optimizer.warmup_steps=20"])
+    stopped_early = C.with_steps(cfg, 3)
+    assert stopped_early.train.steps == 3
+    assert stopped_early.optimizer.decay_steps == 280  # from train.steps = 300, not 3
+    assert C.resolve_decay_steps(cfg).optimizer.decay_steps == 280
+    fixed = C.apply_overrides(cfg, ["optimizer.decay_steps=50"])
+    assert C.with_steps(fixed, 3).optimizer.decay_steps == 50
+    validated = C.validate(C.apply_overrides(stopped_early, ["model.vocab_size=512"]), 1)
+    assert validated.optimizer.decay_steps == 280

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,8 +19,10 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.training.checkpoint import Checkpointer
-from jaxmeg.training.state import init_state, to_canonical_layout
+from jaxmeg.parallel import distributed
+from jaxmeg.training.checkpoint import Checkpointer, schedule_changes, schedule_of
+from jaxmeg.training.run_log import drop_records_after
+from jaxmeg.training.state import NO_VOCAB_DIM, init_state, to_canonical_layout, vocab_dims
 from jaxmeg.training.step import make_train_step
 from jaxmeg.training.trainer import TrainingStopped, _handle_nonfinite
 from tests.helpers import put_batch, random_batch, tiny_config, trainable_for
@@ -30,19 +33,35 @@ FAST = ["--set", "model.layers=4", "--set", "train.global_batch=8"]
 
 
 def test_exact_resume(tmp_path, small_corpus):
-    whole = run_train([*small_corpus, *FAST, "--steps", "6", "--metrics-file", str(tmp_path / "a")])
+    # Warm-up ends at step 2, so steps 3-6 run on the cosine decay: `--steps 3` must not shorten
+    # the schedule of the first half.
+    args = [*small_corpus, *FAST, "--set", "optimizer.warmup_steps=2"]
+    whole = run_train([*args, "--steps", "6", "--metrics-file", str(tmp_path / "a")])
     assert whole.returncode == 0, whole.stderr[-2000:]
     out = tmp_path / "run"
-    first = run_train([*small_corpus, *FAST, "--steps", "3", "--out", str(out)])
+    first = run_train([*args, "--steps", "3", "--out", str(out)])
     assert first.returncode == 0, first.stderr[-2000:]
-    second = run_train([*small_corpus, *FAST, "--steps", "6", "--out", str(out)])
+    second = run_train([*args, "--steps", "6", "--out", str(out)])
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from step 3" in second.stderr
-    expected = [r["loss"] for r in read_metrics(tmp_path / "a")]
+    assert "learning-rate schedule differs" not in second.stderr
+    expected = read_metrics(tmp_path / "a")
     resumed = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert [r["loss"] for r in resumed] == expected  # bit-exact, same mesh
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in expected]
+    assert expected[3]["lr"] < expected[2]["lr"]  # past warm-up: decaying
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]  # bit-exact, same mesh
     assert (out / "tensorboard").is_dir() and list((out / "tensorboard").iterdir())
+
+
+def test_schedule_change_on_resume_is_named():
+    cfg = C.validate(C.Config(model=C.ModelConfig(vocab_size=512)), 1)
+    meta = {"schedule": schedule_of(cfg)}
+    assert schedule_changes(meta, cfg) == []
+    other = C.with_steps(C.apply_overrides(cfg, ["optimizer.lr=0.5"]), 10)
+    longer = C.validate(C.Config(model=cfg.model, train=C.TrainConfig(steps=600)), 1)
+    assert schedule_changes(meta, other) == ["optimizer.lr 0.001 -> 0.5"]
+    assert schedule_changes(meta, longer) == ["optimizer.decay_steps 280 -> 580"]
 
 
 def reshard_config(data, pipe, tensor, schedule="1f1b", chunks=1):
@@ -60,16 +79,22 @@ def one_step(trainable, state, tokens):
     return float(metrics["loss"]), jax.tree.map(np.asarray, canonical)
 
 
-def test_checkpoint_reshards_to_any_mesh(tmp_path):
-    source = trainable_for(reshard_config(2, 2, 2, "interleaved_1f1b", 2))
+def train_one_step_and_save(source, directory, meta):
+    """Init, one train step, a checkpoint of step 1; returns (state, tokens, host canonical)."""
     tokens = random_batch(source.cfg)
     with jax.set_mesh(source.mesh):
         state = init_state(source, seed=0)
         state, _ = make_train_step(source)(state, *put_batch(source, tokens))
     saved = jax.tree.map(np.asarray, to_canonical_layout(state, source.pipe))
-    writer = Checkpointer(tmp_path, source)
-    writer.save(1, state, {"padded_vocab": source.vocab}, wait=True)
+    writer = Checkpointer(directory, source)
+    writer.save(1, state, meta, wait=True)
     writer.close()
+    return state, tokens, saved
+
+
+def test_checkpoint_reshards_to_any_mesh(tmp_path):
+    source = trainable_for(reshard_config(2, 2, 2, "interleaved_1f1b", 2))
+    state, tokens, saved = train_one_step_and_save(source, tmp_path, {"padded_vocab": source.vocab})
     ref_loss, ref_params = one_step(source, state, tokens)
 
     for mesh in [(1, 1, 8), (1, 4, 2), (8, 1, 1)]:
@@ -88,6 +113,103 @@ def test_checkpoint_reshards_to_any_mesh(tmp_path):
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_incompatible_config_is_refused_and_checkpoint_kept(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    first = run_train([*small_corpus, *FAST, "--steps", "1", "--out", str(out)])
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = sorted(os.listdir(out / "checkpoints"))
+    again = run_train([*small_corpus, *FAST, "--set", "model.layers=2", "--out", str(out)])
+    assert again.returncode == 2
+    assert f"checkpoint {out / 'checkpoints' / '1'} was written for another model" in again.stderr
+    assert "model.layers is 4 there, 2 here" in again.stderr
+    assert "unreadable" not in again.stderr
+    assert sorted(os.listdir(out / "checkpoints")) == before  # nothing moved or deleted
+
+
+def corrupt(step_dir: Path) -> None:
+    for path in step_dir.rglob("manifest.ocdbt"):
+        path.write_bytes(b"not a manifest")
+
+
+def padded_vocab_config(data, pipe, tensor, schedule="1f1b", chunks=1):
+    """V = 500 pads to 512 rows at tensor <= 4 and to 1024 at tensor = 8; untied, so both the
+    embedding rows and the unembedding columns change."""
+    cfg = reshard_config(data, pipe, tensor, schedule, chunks)
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, vocab_size=500, tie_embeddings=False)
+    )
+
+
+def test_checkpoint_reshards_across_vocab_padding(tmp_path):
+    source = trainable_for(padded_vocab_config(2, 2, 2, "interleaved_1f1b", 2))
+    target = trainable_for(padded_vocab_config(1, 1, 8))
+    assert (source.vocab, target.vocab) == (512, 1024)
+    state, tokens, saved = train_one_step_and_save(
+        source, tmp_path, {"config": C.to_dict(source.cfg)}
+    )
+    ref_loss, _ = one_step(source, state, tokens)
+
+    reader = Checkpointer(tmp_path, target)
+    _, restored, _ = reader.restore_latest()
+    reader.close()
+    got = jax.tree.map(np.asarray, restored)
+    dims = vocab_dims(target)
+    for a, b, dim in zip(
+        jax.tree.leaves(got), jax.tree.leaves(saved), jax.tree.leaves(dims), strict=True
+    ):
+        if dim == NO_VOCAB_DIM:
+            np.testing.assert_array_equal(a, b)
+            continue
+        # params and Adam moments: the real rows bit-identical, the new padding zero
+        np.testing.assert_array_equal(np.take(a, range(500), dim), np.take(b, range(500), dim))
+        assert not np.take(a, range(500, 1024), dim).any()
+    loss, _ = one_step(target, restored, tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+
+
+def test_nonfinite_run_counts_skips_across_resume_and_stops(tmp_path, small_corpus):
+    # A learning rate of 1e30 blows the weights up in the first update: every later loss is NaN.
+    out = tmp_path / "run"
+    args = [*small_corpus, *FAST, "--set", "optimizer.lr=1e30", "--set", "optimizer.warmup_steps=0",
+            "--set", "train.max_nonfinite_in_row=2", "--out", str(out)]  # fmt: skip
+    first = run_train([*args, "--steps", "2"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "non-finite loss or gradient at step 2" in first.stderr
+    # resumed with one skip in a row already counted: the next skip is the second in a row
+    second = run_train([*args, "--steps", "10"])
+    assert second.returncode == 1, second.stderr[-2000:]
+    assert "at step 3" in second.stderr and "2 steps in a row skipped" in second.stderr
+    records = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 0), (2, 1), (3, 2)]
+    stop = run_train([*args, "--steps", "10", "--set", "train.nonfinite=stop"])
+    assert stop.returncode == 1, stop.stderr[-2000:]
+    assert "non-finite loss or gradient at step 3" in stop.stderr
+    assert "train.nonfinite=stop" in stop.stderr
+
+
+MESH_222 = [
+    "--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2",
+    "--set", "parallel.schedule=interleaved_1f1b", "--set", "parallel.chunks=2",
+]  # fmt: skip
+
+
+def test_resume_on_a_mesh_with_another_vocab_padding(tmp_path, small_corpus):
+    # tokenizer_vocab = 512 pads to 512 rows at tensor = 2 and to 1024 at tensor = 8
+    out = tmp_path / "run"
+    common = [*small_corpus, *FAST, "--set", "model.heads=8", "--set", "train.microbatches=4",
+              "--cpu-devices", "8", "--out", str(out)]  # fmt: skip
+    first = run_train([*common, *MESH_222, "--steps", "2"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "(padded 512)" in first.stderr
+    eight = ["--set", "parallel.tensor=8", "--set", "parallel.schedule=1f1b"]
+    again = run_train([*common, *eight, "--steps", "3"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "(padded 1024)" in again.stderr and "resumed from step 2" in again.stderr
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert np.isfinite(records[-1]["loss"])
 
 
 def start_train(args: list[str]) -> subprocess.Popen:
@@ -124,6 +246,61 @@ def test_sigterm_checkpoints_current_step_and_exits_zero(tmp_path, small_corpus)
     )
 
 
+class StderrLines:
+    """Collects a child's stderr lines as they come (a pipe that nobody reads can fill up)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+    def text(self) -> str:
+        self._thread.join(timeout=60)
+        return "".join(self.lines)
+
+
+def checkpoint_names(out: Path) -> list[str]:
+    return sorted(os.listdir(out / "checkpoints"))
+
+
+def test_sigterm_during_start_up_exits_zero_and_keeps_checkpoints(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    first = run_train([*small_corpus, *FAST, "--steps", "1", "--out", str(out)])
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = checkpoint_names(out)
+    proc = start_train([*small_corpus, *FAST, "--steps", "1000", "--out", str(out)])
+    stderr = StderrLines(proc)
+    wait_for(lambda: stderr.has("mesh data=") or proc.poll() is not None, interval=0.01)
+    proc.send_signal(signal.SIGTERM)  # while it restores and compiles: before the first step
+    assert proc.wait(timeout=300) == 0, stderr.text()[-2000:]
+    assert "stopped by SIGTERM" in stderr.text()
+    assert checkpoint_names(out) == before
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+def test_second_sigterm_stops_at_once(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    # Long steps (a big batch), so that both signals arrive while XLA runs one: the main thread
+    # is busy in C++ then, and only the watcher of the signal wake-up fd sees the second signal.
+    proc = start_train([*small_corpus, *FAST, "--set", "train.global_batch=64", "--steps", "1000",
+                        "--out", str(out)])  # fmt: skip
+    stderr = StderrLines(proc)
+    wait_for(lambda: metric_steps(out / "metrics.jsonl") >= 1 or proc.poll() is not None)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), stderr.text()[-2000:]
+    assert "stopped by SIGTERM" not in stderr.text()
+
+
 def test_kill_during_async_save_resumes_from_complete_checkpoint(tmp_path, small_corpus):
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
@@ -155,14 +332,35 @@ def test_corrupt_latest_checkpoint_falls_back_with_message(tmp_path, small_corpu
     args = [*small_corpus, *FAST, "--set", "checkpoint.every=2", "--out", str(out)]
     first = run_train([*args, "--steps", "4"])
     assert first.returncode == 0, first.stderr[-2000:]
-    for path in (out / "checkpoints" / "4").rglob("manifest.ocdbt"):
-        path.write_bytes(b"not a manifest")
+    corrupt(out / "checkpoints" / "4")
     again = run_train([*args, "--steps", "5"])
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"checkpoint of step 4 at {out / 'checkpoints' / '4'} is unreadable" in again.stderr
     assert "resumed from step 2" in again.stderr
     names = os.listdir(out / "checkpoints")
     assert any(n.startswith("4.unreadable") for n in names)  # kept for inspection, not deleted
+    # steps 3 and 4 were trained again: metrics.jsonl holds each step once
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    # With every checkpoint unreadable: the newest is moved aside, the oldest is kept in place,
+    # and the run stops with an error instead of starting again from step 0.
+    steps = sorted(int(n) for n in checkpoint_names(out) if n.isdigit())
+    assert steps == [2, 4, 5]
+    for step in steps:
+        corrupt(out / "checkpoints" / str(step))
+    last = run_train([*args, "--steps", "6"])
+    assert last.returncode == 2
+    assert f"step 2 at {out / 'checkpoints' / '2'} is unreadable" in last.stderr
+    assert "no older checkpoint to fall back to; it was left in place" in last.stderr
+    assert sorted(int(n) for n in checkpoint_names(out) if n.isdigit()) == [2]
+
+
+def test_resumed_metrics_drop_later_steps_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {i}, "loss": 1.0}}\n' for i in range(1, 6)) + '{"st')
+    drop_records_after(path, 3)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    drop_records_after(path, 0)
+    assert path.read_text() == ""
 
 
 def test_nonfinite_step_is_skipped_and_counted():
@@ -187,12 +385,6 @@ def test_nonfinite_step_is_skipped_and_counted():
         _handle_nonfinite(stop, 1, {"loss": float("inf"), "grad_norm": 1.0}, in_row=1)
 
 
-MESH_222 = [
-    "--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2",
-    "--set", "parallel.schedule=interleaved_1f1b", "--set", "parallel.chunks=2",
-]  # fmt: skip
-
-
 def test_two_processes_match_one_process(tmp_path, small_corpus):
     common = [*small_corpus, *MESH_222, "--steps", "3", "--no-progress"]
     one = run_train(["--cpu-devices", "8", *common, "--metrics-file", str(tmp_path / "one")])
@@ -212,6 +404,33 @@ def test_two_processes_match_one_process(tmp_path, small_corpus):
     )
 
 
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml",
+         *small_corpus, *MESH_222, "--steps", "1000", "--no-progress", "--out", str(out)],
+        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stderr = StderrLines(launcher)
+    wait_for(lambda: metric_steps(out / "metrics.jsonl") >= 2 or launcher.poll() is not None)
+    second = [
+        pid
+        for pid in child_pids(launcher.pid)
+        if "--process-id\x001\x00" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    assert len(second) == 1
+    os.kill(second[0], signal.SIGTERM)  # process 1 only: process 0 must stop with it
+    assert launcher.wait(timeout=300) == 0, stderr.text()[-3000:]
+    assert "stopped by a signal to another process" in stderr.text()
+    last = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert max(int(n) for n in checkpoint_names(out) if n.isdigit()) == last
+
+
 def test_missing_peer_fails_within_timeout(small_corpus):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -225,3 +444,108 @@ def test_missing_peer_fails_within_timeout(small_corpus):
     assert result.returncode != 0
     assert time.monotonic() - start < 60
     assert "gave up after 5 s waiting for 2 processes to join at 127.0.0.1" in result.stderr
+
+
+FAKE_TRAIN = """\
+import os, signal, sys, time
+if sys.argv[1] == "-c":  # the launcher's free-port probe
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+rank = int(sys.argv[sys.argv.index("--process-id") + 1])
+mode, log = os.environ["FAKE_MODE"], os.environ["FAKE_LOG"]
+
+def note(text):
+    with open(log, "a") as f:
+        f.write(f"{rank} {text}\\n")
+
+def checkpoint_and_exit(*_):
+    time.sleep(1)  # a checkpoint takes a while: the launcher must wait for it
+    note("exited")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, checkpoint_and_exit)
+if mode == "stubborn" and rank == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # e.g. stuck in a collective
+note("started")
+if mode in ("fail", "stubborn") and rank == 1:
+    time.sleep(0.5)
+    sys.exit(3)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def launch_fake(tmp_path: Path, mode: str, grace: int) -> tuple[subprocess.Popen, Path]:
+    """scripts/launch_local.sh 2 with a stand-in for python that plays a training process."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_TRAIN}")
+    fake.chmod(0o755)
+    log = tmp_path / "log"
+    env = {**CLEAN_ENV, "PYTHON": str(fake), "FAKE_MODE": mode, "FAKE_LOG": str(log),
+           "JAXMEG_KILL_GRACE": str(grace)}  # fmt: skip
+    proc = subprocess.Popen(["bash", "scripts/launch_local.sh", "2"], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return proc, log
+
+
+def logged(log: Path) -> list[str]:
+    return sorted(log.read_text().splitlines()) if log.exists() else []
+
+
+def test_launch_local_forwards_sigterm_and_waits_for_the_processes(tmp_path):
+    proc, log = launch_fake(tmp_path, "graceful", grace=1)
+    wait_for(lambda: len(logged(log)) == 2, timeout=30)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert logged(log) == ["0 exited", "0 started", "1 exited", "1 started"]  # no KILL
+
+
+def test_launch_local_stops_the_others_when_one_fails(tmp_path):
+    proc, log = launch_fake(tmp_path, "fail", grace=20)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 3, stderr
+    assert "process 1 exited with 3; stopping the others" in stderr
+    assert "0 exited" in logged(log)  # got TERM and finished
+
+
+def test_launch_local_kills_a_process_that_ignores_term(tmp_path):
+    proc, _ = launch_fake(tmp_path, "stubborn", grace=1)
+    start = time.monotonic()
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 3, stderr
+    assert "sending KILL" in stderr
+    assert time.monotonic() - start < 15
+
+
+def test_cluster_spec_sources():
+    env = {"JAXMEG_COORDINATOR": "h:1", "JAXMEG_NUM_PROCESSES": "2", "JAXMEG_PROCESS_ID": "1"}
+    assert distributed.cluster_spec(env=env).process_id == 1
+    with pytest.raises(ValueError, match="missing JAXMEG_PROCESS_ID"):
+        distributed.cluster_spec(env={k: v for k, v in env.items() if k != "JAXMEG_PROCESS_ID"})
+    with pytest.raises(ValueError, match="missing --num-processes, --process-id"):
+        distributed.cluster_spec("h:1", env={})
+    slurm_job = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}
+    assert distributed.cluster_spec(env=slurm_job) is None  # the batch script: one process
+    step = {**slurm_job, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # fmt: skip
+    spec = distributed.cluster_spec(env=step)
+    assert (spec.num_processes, spec.process_id, spec.source) == (2, 1, "slurm")
+    assert spec.local_device_ids == (0, 1, 2, 3)  # one task per node drives all its GPUs
+    per_gpu = distributed.cluster_spec(env={**step, "SLURM_STEP_TASKS_PER_NODE": "4"})
+    assert per_gpu.local_device_ids is None  # jax's own choice: one GPU per task
+
+
+def test_missing_peer_under_slurm_names_the_process(small_corpus):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_STEP_NODELIST": "127.0.0.1", "JAX_COORDINATOR_PORT": str(port)}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--cpu-devices", "4", "--init-timeout", "5",
+         "--no-progress", *small_corpus],
+        cwd=ROOT, env={**CLEAN_ENV, **slurm}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "process 0 gave up after 5 s waiting for 2 processes" in result.stderr

@@ -83,3 +83,35 @@ def test_bad_config_is_reported_before_compiling(small_corpus):
     )  # fmt: skip
     assert result.returncode == 2
     assert "parallel.data * parallel.pipe * parallel.tensor = 1 * 1 * 3 = 3" in result.stderr
+
+
+def test_config_defaults_to_gpt_tiny(tmp_path):
+    # from another directory, without --config: gpt_tiny's lr (3e-3) bounds min_lr
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--compile-only",
+         "--set", "optimizer.min_lr=0.005"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=CLEAN_ENV,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "optimizer.min_lr must be in [0, lr=0.003]" in result.stderr
+
+
+def test_incomplete_process_group_is_one_clean_line():
+    result = run_train(["--coordinator", "127.0.0.1:1"], timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: multi-process runs need all three flags; missing --num-processes, --process-id"
+    ]
+
+
+def test_compile_only_prints_once_from_two_processes():
+    result = subprocess.run(
+        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml",
+         "--compile-only", "--set", "model.vocab_size=512", "--set", "parallel.data=2",
+         "--set", "parallel.tensor=4"],
+        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and json.loads(reports[0])["compile_seconds"] > 0

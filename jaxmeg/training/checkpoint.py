@@ -1,20 +1,36 @@
-"""Checkpoints that any mesh can read, written atomically, with a fallback past bad ones.
+"""Checkpoints that any mesh can read, written atomically, with a fallback past corrupt ones.
 
-What is saved (orbax `CheckpointManager`, one directory per step): the train state (params,
-optimizer state, step) in CANONICAL layout -- layer stacks as [layers, ...], whatever the pipe
-size and chunks of the run that wrote them -- and a JSON item with the data-loader state, the
-seed, the config and the mesh. Orbax writes each step to a temporary directory and renames it
-when complete, so a crash or `kill -9` mid-save leaves no half-written step behind that the
-next start would read.
+What is saved (orbax `CheckpointManager`, one directory per step):
+- `state`: params, optimizer state (AdamW moments and counts) and the step, in a CANONICAL layout
+  that no mesh choice changes. Layer stacks are [layers, ...] whatever the pipe size and chunks.
+  Vocabulary dims (embedding rows, unembedding columns and their Adam moments) are trimmed to
+  `model.vocab_size`, because the padding up to a multiple of `vocab_multiple * tensor` depends on
+  the tensor size. Restore zero-pads them again: no input token selects a padded row and padded
+  logits are masked out of the loss (`cross_entropy`), so those rows carry no information.
+- `meta` (JSON): the data-loader state, the seed, the resolved config and learning-rate schedule,
+  the mesh, and the non-finite-step counters.
 
-Restore walks the steps newest first. A step that fails to read is reported (step and path),
-moved aside to `<step>.unreadable` (kept for inspection, never deleted) and the next older step
-is tried. Restoring onto another mesh is orbax resharding the canonical arrays onto the new
-shardings, then a reshape into the new run's pipeline layout.
+RNG: nothing draws random numbers after initialisation (dropout is not implemented, see
+`model.dropout`). The parameter init uses `train.seed` once, and the loader derives each epoch's
+order from (seed, epoch), so the seed and the loader step in `meta` are the whole random state of
+a run; no PRNG key is saved because none is used.
+
+Orbax writes each step to a temporary directory and renames it when complete, so a crash or
+`kill -9` mid-save leaves no half-written step behind that the next start would read.
+
+Restore reads a step's small `meta` first and refuses, touching nothing, a checkpoint written for
+another model shape (`IncompatibleCheckpoint` names the field, both values and the path). A step
+that cannot be read is reported (step and path), moved aside to `<step>.unreadable-<time>` (kept
+for inspection, never deleted) and the next older step is tried -- but only while an older step
+exists: the oldest is never moved, and if it cannot be read either the run stops with
+`UnreadableCheckpoint` instead of silently starting again from step 0. Restoring onto another
+mesh is orbax resharding the canonical arrays onto the new shardings, then zero-padding and a
+reshape into the new run's pipeline layout.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -22,22 +38,151 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import named
 from jaxmeg.training.state import (
+    NO_VOCAB_DIM,
     Trainable,
     abstract_state,
     canonical_specs,
     state_shardings,
     to_canonical_layout,
     to_pipeline_layout,
+    vocab_dims,
 )
+
+# Config fields that fix the shapes or the tree of the saved arrays.
+SHAPE_FIELDS = (
+    "model.block",
+    "model.vocab_size",
+    "model.hidden",
+    "model.layers",
+    "model.heads",
+    "model.mlp_ratio",
+    "model.seq_len",
+    "model.tie_embeddings",
+    "model.param_dtype",
+)
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_steps")
+
+
+class IncompatibleCheckpoint(ValueError):
+    """A readable checkpoint that this run's configuration cannot take."""
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """No checkpoint in the directory can be read, and none is left to fall back to."""
 
 
 def _say(message: str) -> None:
     if jax.process_index() == 0:
         print(f"jaxmeg: {message}", file=sys.stderr, flush=True)
+
+
+def _drop_closed_event_loop_reports() -> None:
+    """When one array of a step fails to read, orbax's asyncio loop closes while tensorstore still
+    finishes the step's other reads, and each of those reports 'Event loop is closed' as an
+    unraisable exception: dozens of tracebacks that bury the line saying which checkpoint was
+    unreadable. Drops exactly those reports; everything else still reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_event_loop", False):
+        return
+
+    def hook(unraisable) -> None:
+        err = unraisable.exc_value
+        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.drops_closed_event_loop = True
+    sys.unraisablehook = hook
+
+
+def schedule_of(cfg: Config) -> dict[str, Any]:
+    """The resolved learning-rate schedule, as stored in a checkpoint's meta."""
+    return {name: getattr(cfg.optimizer, name) for name in SCHEDULE_FIELDS}
+
+
+def schedule_changes(meta: dict, cfg: Config) -> list[str]:
+    """'optimizer.FIELD saved -> now' for each schedule field that differs from the checkpoint's."""
+    saved = meta.get("schedule") or meta.get("config", {}).get("optimizer", {})
+    now = schedule_of(cfg)
+    return [
+        f"optimizer.{name} {saved[name]} -> {now[name]}"
+        for name in SCHEDULE_FIELDS
+        if name in saved and saved[name] != now[name]
+    ]
+
+
+def _field(config: dict, name: str) -> Any:
+    section, key = name.split(".")
+    return config.get(section, {}).get(key)
+
+
+def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(field, checkpoint's value, this run's value) for each field that changes array shapes."""
+    saved, now = meta.get("config", {}), to_dict(cfg)
+    mismatches = [
+        (name, _field(saved, name), _field(now, name))
+        for name in SHAPE_FIELDS
+        if _field(saved, name) is not None and _field(saved, name) != _field(now, name)
+    ]
+    # Clipping on or off adds or removes a state in the optimizer chain.
+    saved_clip = _field(saved, "optimizer.grad_clip")
+    if saved_clip is not None and (saved_clip > 0) != (cfg.optimizer.grad_clip > 0):
+        mismatches.append(("optimizer.grad_clip", saved_clip, cfg.optimizer.grad_clip))
+    return mismatches
+
+
+def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
+    mismatches = shape_mismatches(meta, cfg)
+    if mismatches:
+        fields = "; ".join(f"{name} is {was} there, {now} here" for name, was, now in mismatches)
+        raise IncompatibleCheckpoint(
+            f"checkpoint {path} was written for another model: {fields}. Nothing was changed; "
+            f"resume with the checkpoint's values, or pass another --out"
+        )
+
+
+def _trim_vocab(tree, dims, vocab_size: int):
+    def trim(x, dim):
+        if dim == NO_VOCAB_DIM:
+            return x
+        return jax.lax.slice_in_dim(x, 0, vocab_size, axis=dim)
+
+    return jax.tree.map(trim, tree, dims)
+
+
+def _pad_vocab(tree, dims, padded_vocab: int):
+    def pad(x, dim):
+        if dim == NO_VOCAB_DIM:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[dim] = (0, padded_vocab - x.shape[dim])
+        return jnp.pad(x, widths)
+
+    return jax.tree.map(pad, tree, dims)
+
+
+def _unsplit_vocab_spec(spec: P, dim: int, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """`spec` with the vocab dim unsharded, since a trimmed vocabulary rarely divides the tensor
+    size. Its mesh axes move to another unsharded dim that they divide (so a save stays spread
+    over the devices), or are dropped if there is none."""
+    if dim == NO_VOCAB_DIM:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    axes, entries[dim] = entries[dim], None
+    if axes is not None:
+        size = math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+        free = [i for i, e in enumerate(entries) if i != dim and e is None and shape[i] % size == 0]
+        if free:
+            entries[free[0]] = axes
+    return P(*entries)
 
 
 class Checkpointer:
@@ -48,18 +193,32 @@ class Checkpointer:
         self.trainable = trainable
         self.keep = keep
         self.manager = self._open_manager()
-        canonical = named(trainable.mesh, canonical_specs(trainable))
-        pipe, chunks = trainable.pipe, trainable.chunks
-        self._to_canonical = jax.jit(
-            lambda s: to_canonical_layout(s, pipe), out_shardings=canonical
+        pipe, chunks, dims = trainable.pipe, trainable.chunks, vocab_dims(trainable)
+        vocab_size, padded = trainable.cfg.model.vocab_size, trainable.vocab
+
+        def to_stored(state):
+            return _trim_vocab(to_canonical_layout(state, pipe), dims, vocab_size)
+
+        stored = jax.eval_shape(to_stored, abstract_state(trainable))
+        stored_shardings = named(
+            trainable.mesh,
+            jax.tree.map(
+                lambda spec, s, dim: _unsplit_vocab_spec(spec, dim, s.shape, trainable.mesh),
+                canonical_specs(trainable),
+                stored,
+                dims,
+                is_leaf=lambda x: isinstance(x, P),
+            ),
         )
-        self._to_pipeline = jax.jit(
-            lambda s: to_pipeline_layout(s, pipe, chunks), out_shardings=state_shardings(trainable)
+        self._to_stored = jax.jit(to_stored, out_shardings=stored_shardings)
+        self._from_stored = jax.jit(
+            lambda s: to_pipeline_layout(_pad_vocab(s, dims, padded), pipe, chunks),
+            out_shardings=state_shardings(trainable),
         )
         self._abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            jax.eval_shape(lambda s: to_canonical_layout(s, pipe), abstract_state(trainable)),
-            canonical,
+            stored,
+            stored_shardings,
         )
 
     def _open_manager(self) -> ocp.CheckpointManager:
@@ -71,9 +230,8 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict[str, Any], wait: bool = False) -> None:
         """Starts an asynchronous save of `state` at `step` (waits for it if `wait`)."""
-        canonical = self._to_canonical(state)
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)
+            state=ocp.args.StandardSave(self._to_stored(state)), meta=ocp.args.JsonSave(meta)
         )
         self.manager.save(step, args=args, force=True)
         if wait:
@@ -83,38 +241,50 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def restore_latest(self) -> tuple[int, Any, dict] | None:
-        """(step, state in this run's layout, meta) of the newest readable step, or None."""
-        for step in reversed(self.steps()):
+        """(step, state in this run's layout, meta) of the newest readable step; None when the
+        directory holds no checkpoint."""
+        steps = self.steps()
+        for age, step in enumerate(reversed(steps)):
             path = self.directory / str(step)
             try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(self._abstract), meta=ocp.args.JsonRestore()
-                    ),
-                )
-                meta = dict(restored["meta"])
-                self._check_compatible(meta, path)
-                return step, self._to_pipeline(restored["state"]), meta
-            except (IncompatibleCheckpoint, KeyboardInterrupt):
+                return step, *self._restore(step, path)
+            except IncompatibleCheckpoint:
                 raise
-            except Exception as err:  # noqa: BLE001 - any failure to read means "unreadable"
+            except Exception as err:  # noqa: BLE001 - any other failure to read is "unreadable"
+                _drop_closed_event_loop_reports()
+                why = f"{type(err).__name__}: {str(err)[:300]}"
+                if age == len(steps) - 1:
+                    raise UnreadableCheckpoint(
+                        f"checkpoint of step {step} at {path} is unreadable ({why}) and there is "
+                        f"no older checkpoint to fall back to; it was left in place. Move it "
+                        f"aside to start from scratch, or pass another --out"
+                    ) from err
                 _say(
-                    f"checkpoint of step {step} at {path} is unreadable "
-                    f"({type(err).__name__}: {str(err)[:300]}); moving it aside and falling "
-                    f"back to the previous checkpoint"
+                    f"checkpoint of step {step} at {path} is unreadable ({why}); moving it aside "
+                    f"and falling back to the previous checkpoint"
                 )
                 self._move_aside(path)
         return None
 
-    def _check_compatible(self, meta: dict, path: Path) -> None:
-        saved = meta.get("padded_vocab")
-        if saved is not None and saved != self.trainable.vocab:
-            raise IncompatibleCheckpoint(
-                f"checkpoint {path} has a padded vocabulary of {saved} rows, this run pads to "
-                f"{self.trainable.vocab} (model.vocab_multiple * parallel.tensor); choose a "
-                f"tensor size that pads the same"
-            )
+    def _restore(self, step: int, path: Path) -> tuple[Any, dict]:
+        meta = self._read_meta(step)
+        check_compatible(meta, self.trainable.cfg, path)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(self._abstract))
+        try:
+            restored = self.manager.restore(step, args=args)
+        except ValueError as err:
+            # A checkpoint whose meta predates the shape fields: still not a corrupt one.
+            if "not compatible with the stored shape" in str(err):
+                raise IncompatibleCheckpoint(
+                    f"checkpoint {path} holds arrays of other shapes than this run's model "
+                    f"({err}). Nothing was changed; resume with the config it was written with"
+                ) from err
+            raise
+        return self._from_stored(restored["state"]), meta
+
+    def _read_meta(self, step: int) -> dict:
+        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"])
 
     def _move_aside(self, path: Path) -> None:
         if jax.process_index() == 0 and path.exists():
@@ -128,7 +298,3 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-class IncompatibleCheckpoint(ValueError):
-    """A readable checkpoint that this run's configuration cannot take."""

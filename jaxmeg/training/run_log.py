@@ -1,9 +1,14 @@
 """Where a run's metrics go: the terminal progress bar, JSON lines and TensorBoard event files.
-Only process 0 writes anything."""
+Only process 0 writes anything.
+
+A resumed run first drops what the interrupted run recorded after the step it resumes from
+(those steps are trained again), so metrics.jsonl and TensorBoard hold each step once.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,30 @@ def say(message: str) -> None:
         print(f"jaxmeg: {message}", file=sys.stderr, flush=True)
 
 
+def _recorded_at_or_before(line: str, step: int) -> bool:
+    """Whether `line` is a complete record of a step <= `step` (a torn last line is not)."""
+    if not line.endswith("\n"):
+        return False
+    try:
+        return int(json.loads(line)["step"]) <= step
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def drop_records_after(path: str | Path, step: int) -> None:
+    """Keeps the JSON lines of steps <= `step`; drops later ones and a torn last line."""
+    path = Path(path)
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _recorded_at_or_before(line, step)]
+    if kept == lines:
+        return
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(kept))
+    os.replace(temporary, path)  # atomic: a crash here leaves the old or the new file
+
+
 class RunLog:
     def __init__(
         self,
@@ -25,15 +54,22 @@ class RunLog:
         tensorboard_dir: str | Path | None,
         progress: bool,
         log_every: int = 1,
+        resumed: bool = False,
     ):
+        """With `resumed`, records of steps after `first_step` (left by the interrupted run,
+        about to be trained again) are dropped from the metrics file and TensorBoard."""
         self.log_every = log_every
         lead = jax.process_index() == 0
+        if metrics_file and lead and resumed:
+            drop_records_after(metrics_file, first_step)
         self.sink = open(metrics_file, "a") if metrics_file and lead else None
         self.writer = None
         if tensorboard_dir is not None and lead:
             from tensorboardX import SummaryWriter
 
-            self.writer = SummaryWriter(str(tensorboard_dir))
+            # purge_step makes TensorBoard discard earlier events of steps >= first_step + 1.
+            purge_step = first_step + 1 if resumed else None
+            self.writer = SummaryWriter(str(tensorboard_dir), purge_step=purge_step)
         self.bar = None
         if progress and lead:
             from tqdm import tqdm

@@ -110,6 +110,30 @@ def _init_boxed_params(trainable: Trainable, key: jax.Array):
     return trainable.model().init(key, tokens)["params"]
 
 
+NO_VOCAB_DIM = -1
+
+
+def _vocab_dim(boxed: nn.Partitioned) -> int:
+    return boxed.names.index("vocab") if "vocab" in boxed.names else NO_VOCAB_DIM
+
+
+def vocab_dims(trainable: Trainable) -> TrainState:
+    """For each leaf of the train state in canonical layout, the dim that runs over the padded
+    vocabulary (embedding rows, unembedding columns and their Adam moments), else NO_VOCAB_DIM.
+    The padding depends on the tensor size, so checkpoints trim these dims to the vocabulary."""
+    boxed = jax.eval_shape(lambda key: _init_boxed_params(trainable, key), jax.random.key(0))
+    param_dims = jax.tree.map(_vocab_dim, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    abstract_opt = jax.eval_shape(trainable.tx.init, nn.meta.unbox(boxed))
+    opt_dims = optax.tree_map_params(
+        trainable.tx,
+        lambda _, dim: dim,
+        abstract_opt,
+        param_dims,
+        transform_non_params=lambda _: NO_VOCAB_DIM,
+    )
+    return {"step": NO_VOCAB_DIM, "params": param_dims, "opt_state": opt_dims}
+
+
 def state_specs(trainable: Trainable) -> TrainState:
     """PartitionSpecs of the train state, derived from the params' logical axes."""
     boxed = jax.eval_shape(lambda key: _init_boxed_params(trainable, key), jax.random.key(0))
