@@ -97,6 +97,18 @@ BAD = [
     (["parallel.sequence_parallel=maybe"], "parallel.sequence_parallel must be true or false"),
     (["parallel.data=-1", "parallel.tensor=3"], "cannot infer parallel.data: 8 devices"),
     (["optimizer.min_lr=1.0"], r"optimizer.min_lr must be in \[0, lr="),
+    (
+        ["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=6"],
+        r"sequence parallelism needs model.seq_len \(6\) divisible by parallel.tensor \(4\)",
+    ),
+    (
+        ["parallel.schedule=interleaved_1f1b", "parallel.chunks=2"],
+        r"parallel.chunks = 2 needs parallel.pipe > 1, got 1",
+    ),
+    (["model.vocab_size=-1"], r"model.vocab_size must be set \(>= 1\), got -1"),
+    (["model.dropout=0.1"], r"model.dropout must be 0.0 \(dropout is not implemented\), got 0.1"),
+    (["parallel.pipeline_warmup=eager"], "parallel.pipeline_warmup must be one of"),
+    (["checkpoint.keep=0"], r"checkpoint.keep >= 1, got 0 and 0"),
 ]
 
 

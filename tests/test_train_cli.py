@@ -75,14 +75,16 @@ def test_compile_only_reports_memory(small_corpus):
         assert report[key] > 0
 
 
-def test_bad_config_is_reported_before_compiling(small_corpus):
+def test_bad_config_is_reported_before_building_the_corpus(tmp_path):
+    cache = tmp_path / "corpus-cache"
     result = subprocess.run(
         [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml",
-         "--cpu-devices", "8", "--set", "parallel.tensor=3", *small_corpus],
+         "--cpu-devices", "8", "--set", "parallel.tensor=3", "--set", f"data.cache_dir={cache}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=CLEAN_ENV,
     )  # fmt: skip
     assert result.returncode == 2
     assert "parallel.data * parallel.pipe * parallel.tensor = 1 * 1 * 3 = 3" in result.stderr
+    assert not cache.exists()  # no tokenizer trained, no corpus tokenized
 
 
 def test_config_defaults_to_gpt_tiny(tmp_path):

@@ -89,13 +89,18 @@ def compile_step(trainable: Trainable):
     return compiled, time.perf_counter() - start
 
 
+def _expected_vocab(cfg: Config) -> Config:
+    """The config with the vocabulary it will train with when no dataset says otherwise: its
+    own, else the default corpus's BPE size."""
+    if cfg.model.vocab_size == -1:
+        return with_vocab(cfg, cfg.data.tokenizer_vocab)
+    return cfg
+
+
 def prepare(cfg: Config, dataset=None) -> Trainable:
     """Validated config (vocabulary from the dataset, else the config, else the default
     corpus's BPE size) -> mesh -> Trainable."""
-    if dataset is not None:
-        cfg = with_vocab(cfg, dataset.vocab_size)
-    elif cfg.model.vocab_size == -1:
-        cfg = with_vocab(cfg, cfg.data.tokenizer_vocab)
+    cfg = with_vocab(cfg, dataset.vocab_size) if dataset is not None else _expected_vocab(cfg)
     cfg = validate(cfg, jax.device_count())
     return Trainable.create(cfg, make_mesh(cfg.parallel))
 
@@ -304,6 +309,9 @@ def train(
 def _train(cfg, signals, out_dir, resume, metrics_file, show_progress) -> dict[str, Any]:
     from jaxmeg.data import BatchLoader
 
+    # Bad layouts and batches are reported before the dataset is built (minutes of tokenizing on
+    # a first run), with the vocabulary the data is expected to have; the real one follows.
+    validate(_expected_vocab(cfg), jax.device_count())
     dataset = open_dataset(cfg, show_progress)
     trainable = prepare(cfg, dataset)
     cfg = trainable.cfg
