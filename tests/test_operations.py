@@ -363,6 +363,17 @@ def test_resumed_metrics_drop_later_steps_and_a_torn_line(tmp_path):
     assert path.read_text() == ""
 
 
+def test_a_fresh_run_starts_its_metrics_file_empty(tmp_path):
+    from jaxmeg.training.run_log import RunLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 9.0}\n')
+    log = RunLog(2, 0, str(path), None, progress=False)
+    log.record({"step": 1, "loss": 1.0})
+    log.close()
+    assert read_metrics(path) == [{"step": 1, "loss": 1.0}]
+
+
 def test_nonfinite_step_is_skipped_and_counted():
     trainable = trainable_for(tiny_config())
     tokens = random_batch(trainable.cfg)

@@ -57,12 +57,14 @@ class RunLog:
         resumed: bool = False,
     ):
         """With `resumed`, records of steps after `first_step` (left by the interrupted run,
-        about to be trained again) are dropped from the metrics file and TensorBoard."""
+        about to be trained again) are dropped from the metrics file and TensorBoard, and the
+        rest kept; otherwise the metrics file starts empty, so it never mixes two runs."""
         self.log_every = log_every
         lead = jax.process_index() == 0
         if metrics_file and lead and resumed:
             drop_records_after(metrics_file, first_step)
-        self.sink = open(metrics_file, "a") if metrics_file and lead else None
+        mode = "a" if resumed else "w"
+        self.sink = open(metrics_file, mode) if metrics_file and lead else None
         self.writer = None
         if tensorboard_dir is not None and lead:
             from tensorboardX import SummaryWriter
