@@ -32,12 +32,6 @@ detach=()
 if command -v setsid >/dev/null; then detach=(setsid); fi
 
 declare -A running  # pid -> process id
-for ((i = 0; i < n; i++)); do
-  ${detach[@]+"${detach[@]}"} "$python" "$here/train.py" --cpu-devices $((total / n)) \
-    --coordinator "127.0.0.1:$port" --num-processes "$n" --process-id "$i" "$@" &
-  running[$!]=$i
-done
-
 terminate_running() {
   local pid
   for pid in "${!running[@]}"; do kill -TERM "$pid" 2>/dev/null; done
@@ -48,6 +42,16 @@ on_signal() {
 }
 trap 'on_signal TERM' TERM
 trap 'on_signal INT' INT
+# The processes run in their own sessions, so a closed terminal (HUP) reaches only this script;
+# and whatever ends it, no process is left behind as an orphan.
+trap 'on_signal HUP' HUP
+trap terminate_running EXIT
+
+for ((i = 0; i < n; i++)); do
+  ${detach[@]+"${detach[@]}"} "$python" "$here/train.py" --cpu-devices $((total / n)) \
+    --coordinator "127.0.0.1:$port" --num-processes "$n" --process-id "$i" "$@" &
+  running[$!]=$i
+done
 
 status=0
 kill_at=0

@@ -42,7 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with --steps and resumed later follows the same schedule as one uninterrupted run",
     )
     parser.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
-    parser.add_argument("--metrics-file", help="append one JSON line of metrics per step")
+    parser.add_argument(
+        "--metrics-file",
+        help="one JSON line of metrics per step (a fresh run starts the file empty; a resumed "
+        "run keeps the records up to its checkpoint; default with --out: OUT/metrics.jsonl)",
+    )
     parser.add_argument(
         "--compile-only",
         action="store_true",

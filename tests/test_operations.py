@@ -298,6 +298,9 @@ def test_second_sigterm_stops_at_once(tmp_path, small_corpus):
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
     assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), stderr.text()[-2000:]
+    # The first signal reached the run's handling (a process without it would also die of the
+    # signal); the second ended it without the checkpoint-and-exit path.
+    assert "SIGTERM: finishing this step" in stderr.text(), stderr.text()[-2000:]
     assert "stopped by SIGTERM" not in stderr.text()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmeg.perf.hardware import Hardware
+from jaxmeg.pipeline.schedules import bubble_fraction
 
 RECOMPUTE = ("full", "selective", "none")
 
@@ -206,7 +207,7 @@ def tensor_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
 
 
 def pipe_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """Pipeline neighbours are t GPUs apart (tensor innermost, then data, pipe outermost)."""
+    """Pipeline neighbours are t d GPUs apart (tensor innermost, then data, pipe outermost)."""
     return _link(hw, layout.tensor * layout.data * layout.pipe <= hw.gpus_per_node)
 
 
@@ -281,7 +282,7 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
         backward += layers * layer_f
     elif layout.recompute == "selective":
         backward += layers * layer_f * 0.05  # attention scores/softmax recomputed
-    bubble = (p - 1) / (v * m)
+    bubble = bubble_fraction("interleaved_1f1b" if v > 1 else "1f1b", p, m, v)
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back
@@ -299,11 +300,6 @@ def tflops_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> float:
     return flops / step_time(shape, layout, hw).total / layout.gpus / 1e12
 
 
-def training_days(shape: Shape, layout: Layout, hw: Hardware, tokens: float) -> float:
-    steps = tokens / (layout.global_batch * shape.seq_len)
-    return steps * step_time(shape, layout, hw).total / 86400
-
-
 def paper_training_days(shape: Shape, gpus: int, tflops_per_gpu_: float, tokens: float) -> float:
     """Megatron section 5.1: end-to-end time ~ 8 T P / (n X)."""
     return 8 * tokens * parameter_count(shape) / (gpus * tflops_per_gpu_ * 1e12) / 86400
@@ -315,12 +311,13 @@ def bytes_per_step(
     """Bytes one GPU sends per step on each link, and the message sizes behind them.
 
     tensor: 2 all-reduces of b s h per layer in the forward and 2 in the backward (+2 more for
-    a recomputed forward), each moving 2 (t-1)/t of the message; pipe: b s h per microbatch per
+    the recomputed forward with `recompute="full"`, which jaxmeg's pipeline executor always
+    does), each moving 2 (t-1)/t of the message; pipe: b s h per microbatch per
     boundary each way (/t with scatter-gather); data: the fp32 gradients, 2 (d-1)/d of them.
     """
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
     message = s * b * h * compute_bytes
-    per_layer = 6 if layout.recompute == "full" or layout.pipe > 1 else 4
+    per_layer = 6 if layout.recompute == "full" else 4
     layers = shape.layers / layout.pipe
     tensor = per_layer * layers * layout.microbatches
     tensor_bytes = tensor * message * (2 * (t - 1) / t if t > 1 else 0)
@@ -339,7 +336,3 @@ def bytes_per_step(
         "pipe": float(pipe_bytes),
         "data": float(data_bytes),
     }
-
-
-def fits(memory: Memory, hw: Hardware) -> bool:
-    return memory.total <= hw.memory_gb * 1e9

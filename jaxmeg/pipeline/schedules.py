@@ -170,7 +170,8 @@ def _warmup_then_alternate(p: int, m: int, v: int, warmup: int) -> tuple[Action,
 
 
 def warmup_forwards(name: str, num_stages: int, stage: int, num_chunks: int, warmup: str) -> int:
-    """Warm-up forwards of `stage` before 1F1B starts (uncapped by m v; gpipe: all of them)."""
+    """Warm-up forwards of `stage` before 1F1B starts (uncapped by m v); gpipe has no warm-up
+    phase (ValueError)."""
     p, s, v = num_stages, stage, num_chunks
     if name == "interleaved_1f1b":
         return 2 * (p - s - 1) + (v - 1) * p

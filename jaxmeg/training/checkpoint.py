@@ -39,12 +39,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import named
+from jaxmeg.training.run_log import say
 from jaxmeg.training.state import (
     NO_VOCAB_DIM,
     Trainable,
@@ -79,11 +81,6 @@ class UnreadableCheckpoint(RuntimeError):
     """No checkpoint in the directory can be read, and none is left to fall back to."""
 
 
-def _say(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"jaxmeg: {message}", file=sys.stderr, flush=True)
-
-
 def _drop_closed_event_loop_reports() -> None:
     """When one array of a step fails to read, orbax's asyncio loop closes while tensorstore still
     finishes the step's other reads, and each of those reports 'Event loop is closed' as an
@@ -101,6 +98,22 @@ def _drop_closed_event_loop_reports() -> None:
 
     hook.drops_closed_event_loop = True
     sys.unraisablehook = hook
+
+
+def _unless_out_of_memory(err: Exception) -> Exception:
+    if isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in str(err):
+        raise err
+    return err
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process: all must fall back past the same steps, or the
+    processes that read a step would wait forever for those that could not."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def schedule_of(cfg: Config) -> dict[str, Any]:
@@ -246,28 +259,33 @@ class Checkpointer:
         steps = self.steps()
         for age, step in enumerate(reversed(steps)):
             path = self.directory / str(step)
-            try:
-                return step, *self._restore(step, path)
-            except IncompatibleCheckpoint:
-                raise
-            except Exception as err:  # noqa: BLE001 - any other failure to read is "unreadable"
-                _drop_closed_event_loop_reports()
-                why = f"{type(err).__name__}: {str(err)[:300]}"
-                if age == len(steps) - 1:
-                    raise UnreadableCheckpoint(
-                        f"checkpoint of step {step} at {path} is unreadable ({why}) and there is "
-                        f"no older checkpoint to fall back to; it was left in place. Move it "
-                        f"aside to start from scratch, or pass another --out"
-                    ) from err
-                _say(
-                    f"checkpoint of step {step} at {path} is unreadable ({why}); moving it aside "
-                    f"and falling back to the previous checkpoint"
-                )
-                self._move_aside(path)
+            stored, err = self._read(step, path)
+            if _everywhere(err is None):
+                state, meta = stored
+                return step, self._from_stored(state), meta
+            _drop_closed_event_loop_reports()
+            why = f"{type(err).__name__}: {str(err)[:300]}" if err else "on another process"
+            if age == len(steps) - 1:
+                raise UnreadableCheckpoint(
+                    f"checkpoint of step {step} at {path} is unreadable ({why}) and there is "
+                    f"no older checkpoint to fall back to; it was left in place. Move it "
+                    f"aside to start from scratch, or pass another --out"
+                ) from err
+            say(
+                f"checkpoint of step {step} at {path} is unreadable ({why}); moving it aside "
+                f"and falling back to the previous checkpoint"
+            )
+            self._move_aside(path)
         return None
 
-    def _restore(self, step: int, path: Path) -> tuple[Any, dict]:
-        meta = self._read_meta(step)
+    def _read(self, step: int, path: Path) -> tuple[tuple[Any, dict] | None, Exception | None]:
+        """((stored state, meta), None), or (None, the error) when orbax cannot read the step.
+        A checkpoint of another model raises IncompatibleCheckpoint; running out of memory
+        while reading is raised as it is (the checkpoint is fine, the run is not)."""
+        try:
+            meta = self._read_meta(step)
+        except Exception as err:  # noqa: BLE001 - any failure to read is "unreadable"
+            return None, _unless_out_of_memory(err)
         check_compatible(meta, self.trainable.cfg, path)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self._abstract))
         try:
@@ -279,8 +297,10 @@ class Checkpointer:
                     f"checkpoint {path} holds arrays of other shapes than this run's model "
                     f"({err}). Nothing was changed; resume with the config it was written with"
                 ) from err
-            raise
-        return self._from_stored(restored["state"]), meta
+            return None, err
+        except Exception as err:  # noqa: BLE001
+            return None, _unless_out_of_memory(err)
+        return (restored["state"], meta), None
 
     def _read_meta(self, step: int) -> dict:
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -293,6 +313,7 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("jaxmeg-checkpoint-moved-aside")
+        self.manager.close()
         self.manager = self._open_manager()
 
     def close(self) -> None:

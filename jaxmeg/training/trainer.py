@@ -144,13 +144,11 @@ class StopSignals:
         return self
 
     def _handle(self, signum, _frame) -> None:
+        # No printing here: the handler may interrupt the main thread inside a stderr write,
+        # and a reentrant write raises. The watcher thread announces the signal instead.
         self.received = signum
         for sig in _STOP_SIGNALS:
             signal.signal(sig, _DEFAULT_HANDLERS[sig])
-        say(
-            f"{signal.Signals(signum).name}: finishing this step, then checkpointing and "
-            f"exiting; send it again to stop at once"
-        )
 
     def _start_watcher(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -191,6 +189,11 @@ def _exit_on_second_signal(read_fd: int) -> None:
         if byte[0] not in _STOP_SIGNALS:
             continue
         seen += 1
+        if seen == 1:
+            say(
+                f"{signal.Signals(byte[0]).name}: finishing this step, then checkpointing and "
+                f"exiting; send it again to stop at once"
+            )
         if seen >= 2:
             name = signal.Signals(byte[0]).name
             print(f"jaxmeg: second {name}: exiting now, without a checkpoint", file=sys.stderr)
