@@ -1,0 +1,187 @@
+"""Multi-process operations: 2 processes x 4 devices == 1 x 8, a stop agreed across processes,
+a missing peer, the local launcher's signal handling, and where the process group comes from."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxmeg.parallel import distributed
+from tests.test_operations import MESH_222, StderrLines, checkpoint_names, metric_steps, wait_for
+from tests.test_train_cli import CLEAN_ENV, ROOT, read_metrics, run_train
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_two_processes_match_one_process(tmp_path, small_corpus):
+    common = [*small_corpus, *MESH_222, "--steps", "3", "--no-progress"]
+    one = run_train(["--cpu-devices", "8", *common, "--metrics-file", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml", *common,
+         "--metrics-file", str(tmp_path / "two")],
+        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "in 2 process(es)" in two.stderr
+    np.testing.assert_allclose(
+        [r["loss"] for r in read_metrics(tmp_path / "two")],
+        [r["loss"] for r in read_metrics(tmp_path / "one")],
+        rtol=1e-6,
+    )
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml",
+         *small_corpus, *MESH_222, "--steps", "1000", "--no-progress", "--out", str(out)],
+        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stderr = StderrLines(launcher)
+    wait_for(lambda: metric_steps(out / "metrics.jsonl") >= 2 or launcher.poll() is not None)
+    second = [
+        pid
+        for pid in child_pids(launcher.pid)
+        if "--process-id\x001\x00" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    assert len(second) == 1
+    os.kill(second[0], signal.SIGTERM)  # process 1 only: process 0 must stop with it
+    assert launcher.wait(timeout=300) == 0, stderr.text()[-3000:]
+    assert "stopped by a signal to another process" in stderr.text()
+    last = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert max(int(n) for n in checkpoint_names(out) if n.isdigit()) == last
+
+
+def test_missing_peer_fails_within_timeout(small_corpus):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    result = run_train(
+        ["--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", "0", "--init-timeout", "5", *small_corpus],
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "gave up after 5 s waiting for 2 processes to join at 127.0.0.1" in result.stderr
+
+
+FAKE_TRAIN = """\
+import os, signal, sys, time
+if sys.argv[1] == "-c":  # the launcher's free-port probe
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+rank = int(sys.argv[sys.argv.index("--process-id") + 1])
+mode, log = os.environ["FAKE_MODE"], os.environ["FAKE_LOG"]
+
+def note(text):
+    with open(log, "a") as f:
+        f.write(f"{rank} {text}\\n")
+
+def checkpoint_and_exit(*_):
+    time.sleep(1)  # a checkpoint takes a while: the launcher must wait for it
+    note("exited")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, checkpoint_and_exit)
+if mode == "stubborn" and rank == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # e.g. stuck in a collective
+note("started")
+if mode in ("fail", "stubborn") and rank == 1:
+    time.sleep(0.5)
+    sys.exit(3)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def launch_fake(tmp_path: Path, mode: str, grace: int) -> tuple[subprocess.Popen, Path]:
+    """scripts/launch_local.sh 2 with a stand-in for python that plays a training process."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_TRAIN}")
+    fake.chmod(0o755)
+    log = tmp_path / "log"
+    env = {**CLEAN_ENV, "PYTHON": str(fake), "FAKE_MODE": mode, "FAKE_LOG": str(log),
+           "JAXMEG_KILL_GRACE": str(grace)}  # fmt: skip
+    proc = subprocess.Popen(["bash", "scripts/launch_local.sh", "2"], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return proc, log
+
+
+def logged(log: Path) -> list[str]:
+    return sorted(log.read_text().splitlines()) if log.exists() else []
+
+
+def test_launch_local_forwards_sigterm_and_waits_for_the_processes(tmp_path):
+    proc, log = launch_fake(tmp_path, "graceful", grace=1)
+    wait_for(lambda: len(logged(log)) == 2, timeout=30)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert logged(log) == ["0 exited", "0 started", "1 exited", "1 started"]  # no KILL
+
+
+def test_launch_local_stops_the_others_when_one_fails(tmp_path):
+    proc, log = launch_fake(tmp_path, "fail", grace=20)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 3, stderr
+    assert "process 1 exited with 3; stopping the others" in stderr
+    assert "0 exited" in logged(log)  # got TERM and finished
+
+
+def test_launch_local_kills_a_process_that_ignores_term(tmp_path):
+    proc, _ = launch_fake(tmp_path, "stubborn", grace=1)
+    start = time.monotonic()
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 3, stderr
+    assert "sending KILL" in stderr
+    assert time.monotonic() - start < 15
+
+
+def test_cluster_spec_sources():
+    env = {"JAXMEG_COORDINATOR": "h:1", "JAXMEG_NUM_PROCESSES": "2", "JAXMEG_PROCESS_ID": "1"}
+    assert distributed.cluster_spec(env=env).process_id == 1
+    with pytest.raises(ValueError, match="missing JAXMEG_PROCESS_ID"):
+        distributed.cluster_spec(env={k: v for k, v in env.items() if k != "JAXMEG_PROCESS_ID"})
+    with pytest.raises(ValueError, match="missing --num-processes, --process-id"):
+        distributed.cluster_spec("h:1", env={})
+    slurm_job = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}
+    assert distributed.cluster_spec(env=slurm_job) is None  # the batch script: one process
+    step = {**slurm_job, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # fmt: skip
+    spec = distributed.cluster_spec(env=step)
+    assert (spec.num_processes, spec.process_id, spec.source) == (2, 1, "slurm")
+    assert spec.local_device_ids == (0, 1, 2, 3)  # one task per node drives all its GPUs
+    per_gpu = distributed.cluster_spec(env={**step, "SLURM_STEP_TASKS_PER_NODE": "4"})
+    assert per_gpu.local_device_ids is None  # jax's own choice: one GPU per task
+
+
+def test_missing_peer_under_slurm_names_the_process(small_corpus):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_STEP_NODELIST": "127.0.0.1", "JAX_COORDINATOR_PORT": str(port)}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--cpu-devices", "4", "--init-timeout", "5",
+         "--no-progress", *small_corpus],
+        cwd=ROOT, env={**CLEAN_ENV, **slurm}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "process 0 gave up after 5 s waiting for 2 processes" in result.stderr
