@@ -73,7 +73,7 @@ def load_config(args: argparse.Namespace):
     """The config from the file and --set; --steps changes where to stop, not the schedule."""
     from jaxmeg import config
 
-    cfg = config.resolve_decay_steps(config.load(args.config, args.overrides))
+    cfg = config.load(args.config, args.overrides)
     return cfg if args.steps is None else config.with_steps(cfg, args.steps)
 
 
