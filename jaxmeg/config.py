@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from jaxmeg.pipeline.layout import LayoutError, StageLayout
+
 MESH_AXES = ("data", "pipe", "tensor")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 REMAT_POLICIES = ("none", "selective", "full")
@@ -91,6 +93,10 @@ class ParallelConfig:
     """Pipeline schedule: `gpipe`, `1f1b` or `interleaved_1f1b`."""
     chunks: int = 1
     """Model chunks (virtual stages) per pipeline stage, v; > 1 only with interleaved_1f1b."""
+    stage_layers: tuple = ()
+    """Layers per pipeline stage, one entry per stage, e.g. [5, 3] (sum = model.layers, every
+    entry >= 1; gpipe and 1f1b only). Empty = the even split L / (p v). Shorter stages are padded
+    to the longest with identity layers that are never updated and counted nowhere."""
     pipeline_warmup: str = "min_bubble"
     """1F1B warm-up: `min_memory` (Megatron's p-s-1 forwards) or `min_bubble` (more warm-up
     forwards so the lockstep executor reaches the asynchronous bubble)."""
@@ -225,6 +231,14 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string, got {value!r}")
         return value
+    if isinstance(default, tuple):
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            value = [value] if isinstance(value, int) else yaml.safe_load(f"[{value}]")
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ConfigError(f"{name} must be a list of integers, e.g. [5, 3], got {value!r}")
+        return tuple(value)
     if isinstance(default, dict):
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a mapping, got {value!r}")
@@ -255,7 +269,16 @@ def from_dict(raw: dict) -> Config:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """Plain nested dicts and lists (YAML- and JSON-safe)."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -433,11 +456,15 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     if par.chunks > 1 and pipe == 1:
         raise ConfigError(f"parallel.chunks = {par.chunks} needs parallel.pipe > 1, got 1")
-    if m.layers % (pipe * par.chunks):
+    if par.stage_layers and par.schedule == "interleaved_1f1b":
         raise ConfigError(
-            f"model.layers ({m.layers}) must be divisible by parallel.pipe * parallel.chunks "
-            f"= {pipe} * {par.chunks} = {pipe * par.chunks}"
+            f"parallel.stage_layers {list(par.stage_layers)} needs a schedule with one chunk per "
+            f"stage (gpipe or 1f1b), got parallel.schedule=interleaved_1f1b"
         )
+    try:
+        StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
     b, micro = resolve_batching(tr, data, pipe)
     if pipe > 1 and par.schedule == "interleaved_1f1b" and micro % pipe:
         raise ConfigError(

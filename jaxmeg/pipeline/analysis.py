@@ -81,9 +81,14 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
                 deliver(inputs[s], s, slot, (c, mb), peak_in, where)
             else:
                 _replay_slot(inputs[s], slot, (c, mb), where)
+            cot_slot = int(table.f_cot_slot[t, s])
             if not (s == p - 1 and c == v - 1):
                 ns, nc = _next_stage(s, c, p)
                 sends[ns] = (nc, mb)
+                if cot_slot >= 0:
+                    _fail(f"{where}: a cotangent slot ({cot_slot}) off the last virtual stage")
+            elif p * v > 1:
+                deliver(cots[s], s, cot_slot, (c, mb), peak_cot, where + " head cotangent")
         for s in range(p):
             slot = int(table.recv_act_slot[t, s])
             if s in sends:
@@ -100,7 +105,7 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
             slot = int(table.b_slot[t, s])
             _replay_slot(inputs[s], slot, (c, mb), where)
             del inputs[s][slot]
-            if s == p - 1 and c == v - 1:
+            if s == p - 1 and c == v - 1 and p * v == 1:
                 if ("F", mb, c) not in ran[s]:
                     _fail(f"{where}: backward before its forward")
             else:

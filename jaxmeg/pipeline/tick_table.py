@@ -2,16 +2,20 @@
 
 All stages advance in lockstep, one tick at a time. A tick is an F slot then a B slot:
   F slot  a stage may run one forward; then every stage ppermutes activations s -> s+1 (stage
-          p-1 feeds chunk c+1 on stage 0). The last virtual stage sends nothing.
-  B slot  a stage may run one backward (forward recomputed from the saved input, then vjp);
-          then every stage ppermutes input cotangents s -> s-1 (stage 0 feeds chunk c-1 on
-          stage p-1). The first virtual stage sends nothing.
+          p-1 feeds chunk c+1 on stage 0). The last virtual stage sends nothing: its forward
+          ends in the head and loss, and their backward, which gives the chunk's output
+          cotangent locally.
+  B slot  a stage may run one backward; then every stage ppermutes input cotangents s -> s-1
+          (stage 0 feeds chunk c-1 on stage p-1). The first virtual stage sends nothing.
 Latency: what is sent in tick t is usable from tick t+1. On the last virtual stage F(mb) and
 B(mb) may share a tick: the loss is local.
 
 Buffers per stage: `inputs`, stage inputs written on arrival (on the first virtual stage by its
-own forward: the embedded microbatch), read by F and again by B, freed after B; `cots`,
-received cotangents, freed after B. A new item takes the lowest free slot.
+own forward: the embedded microbatch), read by F and again by B, freed after B (what a stage
+keeps for its backward besides the input lives in rings indexed by the same slot); `cots`,
+output cotangents, received or (last virtual stage) made by the F slot, freed after B. A new
+item takes the lowest free slot. With p v = 1 the one stage is first and last: its backward
+runs the whole model from the stored input, so no cotangent is buffered.
 
 Ring sizes depend on the schedule family (p, v, warm-up), not on m: for 1F1B-type schedules the
 rings are sized for the steady state, the peak at m = 2p (the same at any larger m), so a step's
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 
 FIELDS = (
     "f_mb", "f_chunk", "f_slot",
+    "f_cot_slot",
     "b_mb", "b_chunk", "b_slot", "b_cot_slot",
     "recv_act_slot", "recv_cot_slot",
 )  # fmt: skip
@@ -50,9 +55,10 @@ class TickTable:
 
     f_mb, f_chunk: the forward in the F slot; f_slot: the `inputs` slot it reads (on the first
         virtual stage, the slot the embedded microbatch is written to first).
-    b_mb, b_chunk: the backward in the B slot; b_slot: the `inputs` slot it recomputes from
-        (freed after); b_cot_slot: the `cots` slot of its output cotangent (-1 on the last
-        virtual stage, whose cotangent comes from the loss).
+    f_cot_slot: on the last virtual stage (p v > 1), the `cots` slot where the F slot puts the
+        output cotangent that the head and loss backward gives.
+    b_mb, b_chunk: the backward in the B slot; b_slot: the `inputs` slot of its stage input
+        (freed after); b_cot_slot: the `cots` slot of its output cotangent (-1 when p v = 1).
     recv_act_slot: after the F slot's ppermute, the `inputs` slot the arriving activation goes to.
     recv_cot_slot: after the B slot's ppermute, the `cots` slot the arriving cotangent goes to.
     num_input_slots (K), num_cot_slots (J): ring sizes, max over stages.
@@ -61,6 +67,7 @@ class TickTable:
     f_mb: np.ndarray
     f_chunk: np.ndarray
     f_slot: np.ndarray
+    f_cot_slot: np.ndarray
     b_mb: np.ndarray
     b_chunk: np.ndarray
     b_slot: np.ndarray
@@ -162,6 +169,8 @@ class _Packer:
             self.run("F", s, mb, c, t)
             if u != p * v - 1:
                 sent.append((*_next_stage(s, c, p), mb))
+            elif p * v > 1:
+                row["f_cot_slot"][s] = self.cots[s].put((c, mb))
         for ns, nc, mb in sent:
             row["recv_act_slot"][ns] = self.inputs[ns].put((nc, mb))
 
@@ -178,7 +187,7 @@ class _Packer:
             if u == p * v - 1:
                 if not self.ran_before("F", u, mb, t + 1):
                     continue
-                cot_slot = -1
+                cot_slot = self.cots[s].pop((c, mb)) if p * v > 1 else -1
             elif self.ran_before("B", u + 1, mb, t):
                 cot_slot = self.cots[s].pop((c, mb))
             else:
