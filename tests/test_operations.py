@@ -74,7 +74,7 @@ def reshard_config(data, pipe, tensor, schedule="1f1b", chunks=1):
 def one_step(trainable, state, tokens):
     with jax.set_mesh(trainable.mesh):
         state, metrics = make_train_step(trainable)(state, *put_batch(trainable, tokens))
-    canonical = to_canonical_layout(state["params"], trainable.pipe)
+    canonical = to_canonical_layout(state["params"], trainable.layout)
     return float(metrics["loss"]), jax.tree.map(np.asarray, canonical)
 
 
@@ -84,7 +84,7 @@ def train_one_step_and_save(source, directory, meta):
     with jax.set_mesh(source.mesh):
         state = init_state(source, seed=0)
         state, _ = make_train_step(source)(state, *put_batch(source, tokens))
-    saved = jax.tree.map(np.asarray, to_canonical_layout(state, source.pipe))
+    saved = jax.tree.map(np.asarray, to_canonical_layout(state, source.layout))
     writer = Checkpointer(directory, source)
     writer.save(1, state, meta, wait=True)
     writer.close()
@@ -102,7 +102,7 @@ def test_checkpoint_reshards_to_any_mesh(tmp_path):
         step, restored, _ = reader.restore_latest()
         reader.close()
         assert step == 1
-        got = jax.tree.map(np.asarray, to_canonical_layout(restored, target.pipe))
+        got = jax.tree.map(np.asarray, to_canonical_layout(restored, target.layout))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
             np.testing.assert_array_equal(a, b)  # bit-identical
         # One more step from the restored state == the same step on the original mesh (fp32:

@@ -1,6 +1,6 @@
 """Single-device model code; logical axis names only, no mesh."""
 
-from jaxmeg.models.gpt import GPT, BlockStack, Embed, Head, no_constraint
+from jaxmeg.models.gpt import GPT, Block, BlockStack, Embed, Head, no_constraint
 from jaxmeg.models.loss import cross_entropy
 
-__all__ = ["GPT", "BlockStack", "Embed", "Head", "cross_entropy", "no_constraint"]
+__all__ = ["GPT", "Block", "BlockStack", "Embed", "Head", "cross_entropy", "no_constraint"]

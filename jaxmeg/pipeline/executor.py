@@ -1,22 +1,30 @@
 """The pipeline executor: one `jax.shard_map`, manual over `pipe` and `data`, that runs a
-schedule's tick table for a generic model given as three functions.
+schedule's tick table for a generic model given as `StageFunctions`. Every layout takes this
+path; pipe = 1 is the degenerate pipeline of one stage.
 
-Per tick, every stage looks up its actions in the static table at (axis_index('pipe'), tick):
-  F slot: `lax.switch` over {idle, first virtual stage (embed + chunk), middle chunk, last
-          virtual stage (nothing: its forward is recomputed by its backward)}, then ALL stages
-          `ppermute` the activation to stage s+1 (ring: stage p-1 feeds chunk c+1 on stage 0).
-  B slot: `lax.switch` over {idle, middle (vjp of the chunk), first (vjp of the chunk, then of
-          the embedding), last (vjp of chunk + head + loss)}, then ALL stages `ppermute` the input
-          cotangent to stage s-1.
-The ppermutes sit outside the branches: a pipe collective inside a stage-dependent branch
-deadlocks. Collectives over `tensor` inside the branches are fine (a tensor group shares a stage).
+Per tick, every stage looks up its actions in static tables at (tick, axis_index('pipe')):
+  F slot  `lax.switch` over {idle, first virtual stage: embed + chunk, middle: chunk, last:
+          chunk + head + loss and the head's backward (its output cotangent goes to the `cots`
+          ring)}, then ALL stages `ppermute` the activation to stage s+1 (the ring wrap from
+          stage p-1 to stage 0 only when v > 1).
+  B slot  `lax.switch` over {idle, chunk backward, first virtual stage: chunk and embedding
+          backward}, then ALL stages `ppermute` the input cotangent to stage s-1.
+With p v = 1 the F slot only embeds and the B slot runs chunk + head + loss under one
+`jax.vjp`, then the embedding's backward: plain training, nothing recomputed.
 
-Backward = the chunk's forward recomputed with `jax.vjp` from the saved stage input (Megatron's
-full recompute), so a stage stores only its inputs, in a ring of `num_input_slots` that the
-schedule sizes; cotangents wait in a ring of `num_cot_slots`. Weight gradients accumulate in
-fp32 in the loop carry; one `pmean` over `data` after the loop is the step's only data-parallel
-gradient reduction, and one `psum` over `pipe` adds the embedding gradients of the first stage
-and the head gradients of the last (with tied embeddings, the two copies' sum).
+What a stage keeps for its backward (`StageFunctions.chunk_recompute`):
+  None   the F slot runs `jax.vjp(chunk)` and keeps the pullback's residuals (less the params and
+         the stage input, see `residuals`) in rings indexed like the stage inputs; the B slot
+         rebuilds the pullback: no forward runs twice (`model.remat` none / selective).
+  a fn   the F slot runs the chunk forward only and keeps just the stage input; the B slot runs
+         `jax.vjp(chunk_recompute)` from it: one recompute (`model.remat` full).
+The branches return only what they produce; ring writes and gradient accumulation happen once,
+outside `lax.switch`, so the loop carries no copies. The B slot reads its inputs before the F
+slot's receive is written, so the activation send overlaps the backward. The ppermutes sit
+outside the branches: a pipe collective inside a stage-dependent branch deadlocks; collectives
+over `tensor` inside the branches are fine (a tensor group shares a stage).
+
+Accumulation and the reductions over `data` and `pipe` live in `gradients`.
 """
 
 from __future__ import annotations
@@ -26,170 +34,294 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-TABLE_FIELDS = (
-    "f_mb", "f_chunk", "f_slot",
-    "b_mb", "b_chunk", "b_slot", "b_cot_slot",
-    "recv_act_slot", "recv_cot_slot",
-)  # fmt: skip
-IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
+from jaxmeg.pipeline import gradients, residuals
+from jaxmeg.pipeline.layout import StageLayout
+from jaxmeg.pipeline.tick_table import FIELDS, TickTable
+
+IDLE = 0
+F_FIRST, F_MIDDLE, F_LAST, F_EMBED = 1, 2, 3, 4
+B_CHUNK, B_FIRST, B_WHOLE = 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
 class StageFunctions:
     """The model as the executor sees it; it knows nothing else about the model.
 
-    embed(shared, tokens_BxS) -> x_BxSxD          first virtual stage
-    chunk(chunk_params, x_BxSxD) -> x_BxSxD       every virtual stage (layers_per_chunk layers)
-    loss(shared, x_BxSxD, targets_BxS) -> scalar  last virtual stage (mean over the microbatch)
+    embed(shared, tokens_BxS) -> x_BxSxD                  first virtual stage
+    chunk(chunk_params, x_BxSxD, real_layers) -> x_BxSxD  every virtual stage; `real_layers`
+        (int32 scalar) of the chunk's layer slots are real, the rest are padding (identity)
+    head_loss(shared, x_BxSxD, targets_BxS) -> scalar     last virtual stage (microbatch mean)
+    chunk_recompute: same signature as `chunk`, or None (see the module docstring)
     """
 
     embed: Callable
     chunk: Callable
-    loss: Callable
+    head_loss: Callable
+    chunk_recompute: Callable | None = None
+
+
+def kind_columns(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static)."""
+    p, v = table.num_stages, num_chunks
+    stage = np.arange(p)[None, :]
+    if p * v == 1:
+        f_kind = np.where(table.f_mb >= 0, F_EMBED, IDLE)
+        b_kind = np.where(table.b_mb >= 0, B_WHOLE, IDLE)
+        return f_kind.astype(np.int32), b_kind.astype(np.int32)
+    f_first = (stage == 0) & (table.f_chunk == 0)
+    f_last = (stage == p - 1) & (table.f_chunk == v - 1)
+    f_kind = np.where(f_first, F_FIRST, np.where(f_last, F_LAST, F_MIDDLE))
+    b_kind = np.where((stage == 0) & (table.b_chunk == 0), B_FIRST, B_CHUNK)
+    f_kind = np.where(table.f_mb >= 0, f_kind, IDLE)
+    b_kind = np.where(table.b_mb >= 0, b_kind, IDLE)
+    return f_kind.astype(np.int32), b_kind.astype(np.int32)
 
 
 def _varying(tree, axes):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
 
 
-def _take(tree, index):
-    return jax.tree.map(lambda a: a[index], tree)
+def _varying_everywhere(tree, axes):
+    """pcast each leaf to varying over the `axes` it does not vary over yet, so that all
+    `lax.switch` branches return the same types."""
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
 
 
-def _add_at(tree, index, delta):
-    return jax.tree.map(lambda a, d: a.at[index].add(d.astype(a.dtype)), tree, delta)
+def _zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _add(tree, delta):
-    return jax.tree.map(lambda a, d: a + d.astype(a.dtype), tree, delta)
-
-
-def _write_slot(buffer, slot, value):
+def _write(buffer, slot, value):
     """buffer[slot] = value where slot >= 0; unchanged where slot == -1."""
     safe = jnp.maximum(slot, 0)
-    return buffer.at[safe].set(jnp.where(slot >= 0, value, buffer[safe]))
+    return buffer.at[safe].set(jnp.where(slot >= 0, value.astype(buffer.dtype), buffer[safe]))
+
+
+def _ring_pairs(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
+    """ppermute pairs s -> s + step, with the wrap-around pair only if `wrap`."""
+    return [(s, (s + step) % p) for s in range(p) if wrap or 0 <= s + step < p]
 
 
 def make_pipeline_loss_and_grads(
-    fns: StageFunctions, table, mesh: Mesh, *, num_chunks: int, microbatches: int
+    fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh, *, microbatches: int
 ) -> Callable:
     """Returns `f(stage_params, shared, tokens, targets) -> (loss, (stage_grads, shared_grads))`.
 
-    stage_params: leaves [v, p, layers_per_chunk, ...], `p` on `pipe` (virtual stage c*p+s
-    holds layer block c*p+s: a reshape of the canonical [layers, ...] order).
+    stage_params: leaves [v, p, Lc, ...] (`layout.shape`), `p` on `pipe`.
     shared: embedding and head params, replicated over `pipe`.
     tokens, targets: [global_batch, seq] on `data`; each replica's rows are m microbatches.
+    Gradients come back in fp32, in the same layouts, equal on every replica.
     """
-    p, v, m = mesh.shape["pipe"], num_chunks, microbatches
-    if p < 2:
-        raise ValueError(f"the pipeline executor needs parallel.pipe >= 2, got {p}")
-    columns = {name: jnp.asarray(getattr(table, name), jnp.int32) for name in TABLE_FIELDS}
-    num_ticks = int(table.num_ticks)
-    forward_ring = [(i, (i + 1) % p) for i in range(p)]
-    backward_ring = [(i, (i - 1) % p) for i in range(p)]
+    p, v, m = layout.num_stages, layout.num_chunks, microbatches
+    if mesh.shape["pipe"] != p or table.num_stages != p:
+        raise ValueError(
+            f"layout has {p} stages, the mesh's pipe axis {mesh.shape['pipe']}, the tick table "
+            f"{table.num_stages}"
+        )
+    whole_model = p * v == 1
+    columns = {name: getattr(table, name) for name in FIELDS}
+    columns["f_kind"], columns["b_kind"] = kind_columns(table, v)
+    columns = {name: jnp.asarray(col, jnp.int32) for name, col in columns.items()}
+    chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
+    forward_pairs = _ring_pairs(p, 1, wrap=v > 1)
+    backward_pairs = _ring_pairs(p, -1, wrap=v > 1)
+    store = fns.chunk_recompute is None and not whole_model
     manual = ("pipe", "data")
 
     def per_device(stage_params, shared, tokens, targets):
-        stage_params = _varying(_take(stage_params, (slice(None), 0)), "data")  # [v, Lc, ...]
+        params = _varying(jax.tree.map(lambda a: a[:, 0], stage_params), "data")  # [v, Lc, ...]
         shared = _varying(shared, manual)
         tokens_MxBxS = tokens.reshape(m, -1, tokens.shape[-1])
         targets_MxBxS = targets.reshape(m, -1, targets.shape[-1])
-        x_abstract = jax.eval_shape(fns.embed, shared, tokens_MxBxS[0])
         stage = jax.lax.axis_index("pipe")
-        is_first_stage, is_last_stage = stage == 0, stage == p - 1
+        x_abstract = jax.eval_shape(fns.embed, shared, tokens_MxBxS[0])
+
+        def chunk_params(chunk):
+            if v == 1:
+                return jax.tree.map(lambda a: a[0], params)
+            return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], params)
+
+        def real_layers(chunk):
+            return chunk_layers[jnp.maximum(chunk, 0), stage]
 
         def zeros_x(*lead):
             return jnp.zeros((*lead, *x_abstract.shape), x_abstract.dtype)
 
+        split = None
+        if store:
+            x_probe = _varying(zeros_x(), manual)
+            split = residuals.trace_split(
+                lambda cp, x: fns.chunk(cp, x, real_layers(0)), chunk_params(0), x_probe
+            )
+
         carry = {
             "inputs": zeros_x(table.num_input_slots),
             "cots": zeros_x(table.num_cot_slots),
-            "g_stage": jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), stage_params),
-            "g_shared": jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), shared),
+            "stored": [
+                jnp.zeros((table.num_input_slots, *a.shape), a.dtype)
+                for a in (split.stored if store else ())
+            ],
             "loss": jnp.zeros((), jnp.float32),
         }
-        carry = {
-            k: (val if k in ("g_stage", "g_shared") else _varying(val, manual))
-            for k, val in carry.items()
-        }
+        carry = _varying(carry, manual)
+        carry["g_stage"] = gradients.zeros_f32(params)
+        carry["g_shared"] = gradients.zeros_f32(shared)
 
-        def kind(mb, chunk, first_chunk_stage, last_chunk_stage):
-            first = first_chunk_stage & (chunk == 0)
-            last = last_chunk_stage & (chunk == v - 1)
-            return jnp.where(mb < 0, IDLE, jnp.where(first, FIRST, jnp.where(last, LAST, MIDDLE)))
+        def _switch(index, branches):
+            typed = [lambda b=b: _varying_everywhere(b(), manual) for b in branches]
+            return jax.lax.switch(index, typed)
 
         def forward_slot(c, row):
-            mb, chunk, slot = row["f_mb"], row["f_chunk"], row["f_slot"]
-            params = _take(stage_params, jnp.maximum(chunk, 0))
-            tokens_BxS = tokens_MxBxS[jnp.maximum(mb, 0)]
+            chunk, mb = row["f_chunk"], jnp.maximum(row["f_mb"], 0)
+            cp, real = chunk_params(chunk), real_layers(chunk)
+            x_in = c["inputs"][jnp.maximum(row["f_slot"], 0)]
+            tokens_BxS, targets_BxS = tokens_MxBxS[mb], targets_MxBxS[mb]
+            no_stored = [jnp.zeros(a.shape, a.dtype) for a in (split.stored if store else ())]
 
-            def idle(inputs):
-                return inputs, jnp.zeros_like(inputs[0])
+            def run_chunk(x):
+                if not store:
+                    return fns.chunk(cp, x, real), no_stored
+                y, traced, stored = residuals.forward(lambda p_, x_: fns.chunk(p_, x_, real), cp, x)
+                split.check(traced)
+                return y, stored
 
-            def first(inputs):
-                x = fns.embed(shared, tokens_BxS).astype(inputs.dtype)
-                return inputs.at[slot].set(x), fns.chunk(params, x).astype(inputs.dtype)
+            def out(x_embedded=None, y=None, stored=None, head_cot=None, d_shared=None, loss=None):
+                zero_x = jnp.zeros_like(x_in)
+                return (
+                    zero_x if x_embedded is None else x_embedded.astype(x_in.dtype),
+                    zero_x if y is None else y.astype(x_in.dtype),
+                    no_stored if stored is None else stored,
+                    zero_x if head_cot is None else head_cot.astype(x_in.dtype),
+                    _zeros_like(shared) if d_shared is None else d_shared,
+                    jnp.zeros((), jnp.float32) if loss is None else loss.astype(jnp.float32),
+                )
 
-            def middle(inputs):
-                return inputs, fns.chunk(params, inputs[slot]).astype(inputs.dtype)
+            def idle():
+                return out()
 
-            branch = kind(mb, chunk, is_first_stage, is_last_stage)
-            inputs, y = jax.lax.switch(branch, (idle, first, middle, idle), c["inputs"])
-            received = jax.lax.ppermute(y, "pipe", forward_ring)
-            return {**c, "inputs": _write_slot(inputs, row["recv_act_slot"], received)}
+            def embed_only():
+                return out(x_embedded=fns.embed(shared, tokens_BxS))
+
+            def first():
+                x = fns.embed(shared, tokens_BxS).astype(x_in.dtype)
+                y, stored = run_chunk(x)
+                return out(x_embedded=x, y=y, stored=stored)
+
+            def middle():
+                y, stored = run_chunk(x_in)
+                return out(y=y, stored=stored)
+
+            def last():
+                y, stored = run_chunk(x_in)
+                loss, (d_shared, d_y) = jax.value_and_grad(fns.head_loss, argnums=(0, 1))(
+                    shared, y, targets_BxS
+                )
+                scale = 1.0 / m
+                d_shared = jax.tree.map(lambda g: g * scale, d_shared)
+                return out(
+                    stored=stored, head_cot=d_y * scale, d_shared=d_shared, loss=loss * scale
+                )
+
+            if whole_model:
+                branches, index = (idle, embed_only), jnp.minimum(row["f_kind"], 1)
+            else:
+                branches, index = (idle, first, middle, last), row["f_kind"]
+            x_embedded, y, stored, head_cot, d_shared, loss = _switch(index, branches)
+            embeds = (row["f_kind"] == F_FIRST) | (row["f_kind"] == F_EMBED)
+            c = {
+                **c,
+                "inputs": _write(c["inputs"], jnp.where(embeds, row["f_slot"], -1), x_embedded),
+                "stored": [
+                    _write(ring, jnp.where(row["f_kind"] == IDLE, -1, row["f_slot"]), leaf)
+                    for ring, leaf in zip(c["stored"], stored, strict=True)
+                ],
+                "cots": _write(c["cots"], row["f_cot_slot"], head_cot),
+                "g_shared": gradients.accumulate(c["g_shared"], d_shared),
+                "loss": c["loss"] + loss,
+            }
+            return c, y
 
         def backward_slot(c, row):
-            mb, chunk = row["b_mb"], row["b_chunk"]
-            safe_chunk = jnp.maximum(chunk, 0)
-            params = _take(stage_params, safe_chunk)
-            x = c["inputs"][jnp.maximum(row["b_slot"], 0)]
+            chunk, mb = row["b_chunk"], jnp.maximum(row["b_mb"], 0)
+            cp, real = chunk_params(chunk), real_layers(chunk)
+            slot = jnp.maximum(row["b_slot"], 0)
+            x = c["inputs"][slot]
             cot = c["cots"][jnp.maximum(row["b_cot_slot"], 0)]
-            tokens_BxS = tokens_MxBxS[jnp.maximum(mb, 0)]
-            targets_BxS = targets_MxBxS[jnp.maximum(mb, 0)]
+            stored = [ring[slot] for ring in c["stored"]]
+            tokens_BxS, targets_BxS = tokens_MxBxS[mb], targets_MxBxS[mb]
 
-            def idle(g_stage, g_shared, loss):
-                return g_stage, g_shared, loss, jnp.zeros_like(x)
+            def chunk_backward():
+                if store:
+                    return residuals.backward(split, cp, x, stored, cot)
+                _, pullback = jax.vjp(lambda p_, x_: fns.chunk_recompute(p_, x_, real), cp, x)
+                return pullback(cot)
 
-            def middle(g_stage, g_shared, loss):
-                _, pullback = jax.vjp(fns.chunk, params, x)
-                d_params, d_x = pullback(cot)
-                return _add_at(g_stage, safe_chunk, d_params), g_shared, loss, d_x.astype(x.dtype)
-
-            def first(g_stage, g_shared, loss):
-                g_stage, g_shared, loss, d_x = middle(g_stage, g_shared, loss)
+            def embed_backward(d_x):
                 _, pullback = jax.vjp(lambda sh: fns.embed(sh, tokens_BxS), shared)
-                (d_shared,) = pullback(d_x.astype(x_abstract.dtype))
-                return g_stage, _add(g_shared, d_shared), loss, jnp.zeros_like(x)
+                return pullback(d_x.astype(x_abstract.dtype))[0]
 
-            def last(g_stage, g_shared, loss):
-                def head(cp, sh, x_in):
-                    return fns.loss(sh, fns.chunk(cp, x_in), targets_BxS)
+            def idle():
+                return _zeros_like(cp), _zeros_like(shared), jnp.zeros_like(x), jnp.float32(0)
 
-                mb_loss, pullback = jax.vjp(head, params, shared, x)
-                d_params, d_shared, d_x = pullback(jnp.ones_like(mb_loss) / m)
-                g_stage = _add_at(g_stage, safe_chunk, d_params)
-                loss = loss + mb_loss.astype(jnp.float32) / m
-                return g_stage, _add(g_shared, d_shared), loss, d_x.astype(x.dtype)
+            def middle():
+                d_params, d_x = chunk_backward()
+                return d_params, _zeros_like(shared), d_x.astype(x.dtype), jnp.float32(0)
 
-            branch = kind(mb, chunk, is_first_stage, is_last_stage)
-            g_stage, g_shared, loss, d_x = jax.lax.switch(
-                branch, (idle, first, middle, last), c["g_stage"], c["g_shared"], c["loss"]
-            )
-            received = jax.lax.ppermute(d_x, "pipe", backward_ring)
-            cots = _write_slot(c["cots"], row["recv_cot_slot"], received)
-            return {**c, "cots": cots, "g_stage": g_stage, "g_shared": g_shared, "loss": loss}
+            def first():
+                d_params, d_x = chunk_backward()
+                return d_params, embed_backward(d_x), jnp.zeros_like(x), jnp.float32(0)
+
+            def whole():
+                def chunk_head_loss(p_, sh, x_):
+                    return fns.head_loss(sh, fns.chunk(p_, x_, real), targets_BxS)
+
+                loss, pullback = jax.vjp(chunk_head_loss, cp, shared, x)
+                d_params, d_shared, d_x = pullback(jnp.ones_like(loss) / m)
+                d_shared = gradients.accumulate(d_shared, embed_backward(d_x))
+                return d_params, d_shared, jnp.zeros_like(x), (loss / m).astype(jnp.float32)
+
+            if whole_model:
+                branches, index = (idle, whole), jnp.minimum(row["b_kind"], 1)
+            else:
+                branches, index = (idle, middle, first), row["b_kind"]
+            d_params, d_shared, d_x, loss = _switch(index, branches)
+            if v == 1:
+                g_stage = gradients.accumulate_at(c["g_stage"], 0, d_params)
+            else:
+                g_stage = gradients.accumulate_at(c["g_stage"], jnp.maximum(chunk, 0), d_params)
+            c = {
+                **c,
+                "g_stage": g_stage,
+                "g_shared": gradients.accumulate(c["g_shared"], d_shared),
+                "loss": c["loss"] + loss,
+            }
+            return c, d_x
+
+        def send(x, pairs):
+            return jax.lax.ppermute(x, "pipe", pairs) if pairs else jnp.zeros_like(x)
 
         def tick(t, c):
             row = {name: col[t, stage] for name, col in columns.items()}
-            return backward_slot(forward_slot(c, row), row)
+            c, y = forward_slot(c, row)
+            received_x = send(y, forward_pairs)
+            c, d_x = backward_slot(c, row)
+            c = {**c, "inputs": _write(c["inputs"], row["recv_act_slot"], received_x)}
+            received_cot = send(d_x, backward_pairs)
+            return {**c, "cots": _write(c["cots"], row["recv_cot_slot"], received_cot)}
 
-        out = jax.lax.fori_loop(0, num_ticks, tick, carry)
-        g_stage = jax.lax.pmean(out["g_stage"], "data")
-        g_shared = jax.lax.pmean(jax.lax.psum(out["g_shared"], "pipe"), "data")
-        loss = jax.lax.pmean(jax.lax.psum(out["loss"], "pipe"), "data")
+        out = jax.lax.fori_loop(0, table.num_ticks, tick, carry)
+        loss, g_stage, g_shared = gradients.reduce_step(
+            out["g_stage"], out["g_shared"], out["loss"]
+        )
         g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
         return loss, (g_stage, g_shared)
 

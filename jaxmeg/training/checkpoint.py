@@ -54,7 +54,7 @@ from jaxmeg.training.state import (
     canonical_specs,
     state_shardings,
     to_canonical_layout,
-    to_pipeline_layout,
+    to_stage_layout,
     vocab_dims,
 )
 
@@ -206,11 +206,11 @@ class Checkpointer:
         self.trainable = trainable
         self.keep = keep
         self.manager = self._open_manager()
-        pipe, chunks, dims = trainable.pipe, trainable.chunks, vocab_dims(trainable)
+        layout, dims = trainable.layout, vocab_dims(trainable)
         vocab_size, padded = trainable.cfg.model.vocab_size, trainable.vocab
 
         def to_stored(state):
-            return _trim_vocab(to_canonical_layout(state, pipe), dims, vocab_size)
+            return _trim_vocab(to_canonical_layout(state, layout), dims, vocab_size)
 
         stored = jax.eval_shape(to_stored, abstract_state(trainable))
         stored_shardings = named(
@@ -225,7 +225,7 @@ class Checkpointer:
         )
         self._to_stored = jax.jit(to_stored, out_shardings=stored_shardings)
         self._from_stored = jax.jit(
-            lambda s: to_pipeline_layout(_pad_vocab(s, dims, padded), pipe, chunks),
+            lambda s: to_stage_layout(_pad_vocab(s, dims, padded), layout),
             out_shardings=state_shardings(trainable),
         )
         self._abstract = jax.tree.map(

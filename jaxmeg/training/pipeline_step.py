@@ -1,20 +1,70 @@
-"""Binds the GPT model to the generic pipeline executor.
+"""Binds the GPT model to the generic pipeline executor: the step's loss and gradients.
 
-The executor sees three functions (embed, chunk of layers, head + loss) and a schedule table;
-this module builds them from the model and splits the params into the per-stage layer stack
-(`blocks`, in the [v, p, L/(p v), ...] layout) and the shared embedding/head params.
+The executor sees three functions (embed, a chunk of layers, head + loss), a tick table and the
+stage layout; this module builds them from the model and splits the params into the layer stack
+(`blocks`, in the layout's [v, p, Lc, ...] form) and the shared embedding/head params.
+
+`model.remat` decides what a stage keeps for its backward, with or without a pipeline:
+  none       every residual of the chunk's forward, except dtype casts (recomputing a cast is
+             free, and keeping the bf16 copy of every weight would store the weights once per
+             microbatch);
+  selective  the residuals left by Megatron's selective policy (the weight matmuls' outputs and
+             each layer's input; attention scores and softmax are recomputed);
+  full       only the stage input; the backward recomputes the chunk once, without a second,
+             per-layer recompute inside it.
+With one stage and one chunk there is nothing to keep across ticks: the backward runs the whole
+model under one `jax.vjp` with the policy applied per layer, as plain training does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxmeg.models import GPT, BlockStack, cross_entropy
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.models import GPT, Block, cross_entropy
+from jaxmeg.models.gpt import REMAT_POLICY
 from jaxmeg.parallel import activation_rules, make_constrain
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.executor import StageFunctions
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
+from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training.state import Trainable
+
+
+def _all_but_casts(prim, *_, **__) -> bool:
+    return prim.name != "convert_element_type"
+
+
+def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
+    """chunk(layer_params [Lc, ...], x, real_layers) -> x: a scan over the chunk's layer slots;
+    with uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond`."""
+    block = Block(trainable.cfg.model, constrain)
+
+    def layer(layer_params, x):
+        return block.apply({"params": layer_params}, x)[0]
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICY[remat], prevent_cse=False)
+    padded = trainable.layout.uneven
+
+    def chunk(layer_params, x_BxSxD, real_layers):
+        def body(x, scanned):
+            params_i, i = scanned
+            if padded:
+                x = jax.lax.cond(i < real_layers, layer, lambda _, x_: x_, params_i, x)
+            else:
+                x = layer(params_i, x)
+            return x, None
+
+        slots = jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
+        x, _ = jax.lax.scan(body, x_BxSxD, (layer_params, slots))
+        return x
+
+    if remat == "none":
+        return jax.checkpoint(chunk, policy=_all_but_casts, prevent_cse=False)
+    return chunk
 
 
 def stage_functions(trainable: Trainable) -> StageFunctions:
@@ -23,24 +73,26 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
         activation_rules(cfg.parallel), manual_axes=frozenset({"data", "pipe"})
     )
     model = GPT(cfg.model, trainable.vocab, constrain)
-    layers_per_chunk = cfg.model.layers // (trainable.pipe * trainable.chunks)
-    chunk_stack = BlockStack(cfg.model, layers_per_chunk, constrain)
     vocab_size = cfg.model.vocab_size
 
     def embed(shared, tokens_BxS):
         return model.apply({"params": shared}, tokens_BxS, method=GPT.embed_tokens)
 
-    def chunk(layer_params, x_BxSxD):
-        return chunk_stack.apply({"params": {"layers": layer_params}}, x_BxSxD)
-
-    def loss(shared, x_BxSxD, targets_BxS):
+    def head_loss(shared, x_BxSxD, targets_BxS):
         logits = model.apply({"params": shared}, x_BxSxD, method=GPT.logits)
         return cross_entropy(logits, targets_BxS, vocab_size)
 
-    return StageFunctions(embed=embed, chunk=chunk, loss=loss)
+    remat = cfg.model.remat
+    recompute = _chunk_function(trainable, constrain, "none") if remat == "full" else None
+    return StageFunctions(
+        embed=embed,
+        chunk=_chunk_function(trainable, constrain, remat),
+        head_loss=head_loss,
+        chunk_recompute=recompute,
+    )
 
 
-def build_schedule(trainable: Trainable):
+def build_schedule(trainable: Trainable) -> schedules.Schedule:
     par, train = trainable.cfg.parallel, trainable.cfg.train
     return schedules.build(
         par.schedule,
@@ -51,14 +103,14 @@ def build_schedule(trainable: Trainable):
     )
 
 
-def make_pipeline_loss_and_grads(trainable: Trainable) -> Callable:
-    """(params, tokens, targets) -> (loss, grads), params and grads in the pipeline layout."""
-    schedule = build_schedule(trainable)
+def make_loss_and_grads(trainable: Trainable) -> Callable:
+    """(params, tokens, targets) -> (mean loss, fp32 grads), params and grads in the run's
+    layout, for every mesh (pipe = 1 included)."""
     run = executor(
         stage_functions(trainable),
-        schedule.tick_table,
+        build_tick_table(build_schedule(trainable)),
+        trainable.layout,
         trainable.mesh,
-        num_chunks=trainable.chunks,
         microbatches=trainable.cfg.train.microbatches,
     )
 

@@ -1,14 +1,15 @@
 """The sharded train state: what a step is built from, parameter layout, sharded init.
 
-Layer parameters are stacked on a leading `layers` dim in canonical order. With a pipeline
-(p > 1) that dim is split as [v, p, L/(p v)] -- a reshape, so the order stays canonical -- and
-the `p` dim is sharded over `pipe`: virtual stage c*p+s (chunk c on stage s) then holds layer
-block c*p+s, Megatron's interleaved placement, with no data movement between steps.
+Layer parameters are stacked on a leading `layers` dim in canonical order by the model. The run
+keeps them in its stage layout, [v, p, Lc, ...] (`jaxmeg.pipeline.layout.StageLayout`: the one
+object that knows which layer sits where), with the `p` dim sharded over `pipe`; pipe = 1 is the
+layout [1, 1, L, ...]. Checkpoints convert back to canonical order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmeg.config import Config, padded_vocab_size
 from jaxmeg.models import GPT
 from jaxmeg.parallel import named, param_rules, param_specs
+from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.training.optimizer import make_optimizer
 
 TrainState = dict[str, Any]  # {"step": int32 scalar, "params": tree, "opt_state": tree}
@@ -58,6 +60,11 @@ class Trainable:
     def chunks(self) -> int:
         return self.cfg.parallel.chunks
 
+    @functools.cached_property
+    def layout(self) -> StageLayout:
+        par = self.cfg.parallel
+        return StageLayout.create(self.cfg.model.layers, self.pipe, par.chunks, par.stage_layers)
+
 
 def _in_blocks(path) -> bool:
     return any(getattr(key, "key", None) == "blocks" for key in path)
@@ -71,38 +78,33 @@ def map_layer_leaves(fn, tree, is_leaf=None):
     )
 
 
-def to_pipeline_layout(tree, pipe: int, chunks: int):
-    """Layer leaves [L, ...] -> [v, p, L/(p v), ...] (a reshape: canonical order kept)."""
-    if pipe == 1:
-        return tree
-    return map_layer_leaves(lambda a: a.reshape(chunks, pipe, -1, *a.shape[1:]), tree)
+def to_stage_layout(tree, layout: StageLayout):
+    """Layer leaves [L, ...] -> [v, p, Lc, ...] (zeros in padding slots)."""
+    return map_layer_leaves(layout.to_stages, tree)
 
 
-def to_canonical_layout(tree, pipe: int):
-    """Inverse of `to_pipeline_layout`: layer leaves back to [L, ...]."""
-    if pipe == 1:
-        return tree
-    return map_layer_leaves(lambda a: a.reshape(-1, *a.shape[3:]), tree)
+def to_canonical_layout(tree, layout: StageLayout):
+    """Inverse of `to_stage_layout`: layer leaves back to [L, ...], padding dropped."""
+    return map_layer_leaves(layout.to_canonical, tree)
 
 
 def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def _pipeline_specs(specs, pipe: int):
-    """Layer specs (layers, *rest) -> (chunks, stages on pipe, layers, *rest)."""
-    if pipe == 1:
-        return specs
+def _stage_specs(specs):
+    """Layer specs (layers, *rest) -> (chunks, stages on pipe, layer slots, *rest)."""
     return map_layer_leaves(lambda spec: P(None, "pipe", *spec), specs, is_leaf=_is_spec)
 
 
 def canonical_specs(trainable: Trainable):
     """Specs of the state in canonical layout: layers [L, ...] split in contiguous blocks over
-    `pipe` (for v = 1 exactly the executor's placement; for v > 1 one all-to-all away)."""
+    `pipe` where they divide evenly (for v = 1 exactly the executor's placement; for v > 1 one
+    all-to-all away), else replicated over `pipe`."""
     specs = state_specs(trainable)
-    if trainable.pipe == 1:
-        return specs
-    return map_layer_leaves(lambda spec: P("pipe", *spec[3:]), specs, is_leaf=_is_spec)
+    layout = trainable.layout
+    on_pipe = "pipe" if not layout.uneven and layout.num_stages > 1 else None
+    return map_layer_leaves(lambda spec: P(on_pipe, *spec[3:]), specs, is_leaf=_is_spec)
 
 
 def _init_boxed_params(trainable: Trainable, key: jax.Array):
@@ -137,12 +139,9 @@ def vocab_dims(trainable: Trainable) -> TrainState:
 def state_specs(trainable: Trainable) -> TrainState:
     """PartitionSpecs of the train state, derived from the params' logical axes."""
     boxed = jax.eval_shape(lambda key: _init_boxed_params(trainable, key), jax.random.key(0))
-    p_specs = _pipeline_specs(
-        param_specs(boxed, param_rules(trainable.cfg.parallel)), trainable.pipe
-    )
+    p_specs = _stage_specs(param_specs(boxed, param_rules(trainable.cfg.parallel)))
     abstract_params = jax.eval_shape(
-        lambda params: to_pipeline_layout(params, trainable.pipe, trainable.chunks),
-        nn.meta.unbox(boxed),
+        lambda params: to_stage_layout(params, trainable.layout), nn.meta.unbox(boxed)
     )
     abstract_opt = jax.eval_shape(trainable.tx.init, abstract_params)
     opt_specs = optax.tree_map_params(
@@ -158,7 +157,7 @@ def state_specs(trainable: Trainable) -> TrainState:
 
 def _state_from_key(trainable: Trainable, key: jax.Array) -> TrainState:
     params = nn.meta.unbox(_init_boxed_params(trainable, key))
-    params = to_pipeline_layout(params, trainable.pipe, trainable.chunks)
+    params = to_stage_layout(params, trainable.layout)
     return {
         "step": jnp.zeros((), jnp.int32),
         "params": params,

@@ -1,0 +1,82 @@
+"""What a stage keeps between a chunk's forward and its backward.
+
+`jax.vjp(chunk, params, x)` returns a pullback that is a pytree: its leaves are the residuals of
+the forward. Some leaves are the chunk's parameters or its stage input themselves (the very
+tracers passed in); those are at hand in the backward anyway, so only the others are kept per
+microbatch, in rings. The split is read once from a trace whose result is dropped and checked again in every
+traced forward: if a JAX upgrade changes the pullback's structure, or starts storing parameter
+copies, `ResidualSplit.check` and the tests fail loudly instead of a stage silently storing its
+weights once per microbatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+PARAM, INPUT, STORED = "param", "input", "stored"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSplit:
+    """For each pullback leaf, where it comes from: (PARAM, i) the i-th parameter leaf,
+    (INPUT, 0) the stage input, (STORED, j) the j-th stored residual."""
+
+    treedef: jax.tree_util.PyTreeDef
+    sources: tuple[tuple[str, int], ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+    def check(self, other: ResidualSplit) -> None:
+        """Raises unless `other` (another trace of the same function) splits the same way. The
+        treedefs themselves differ between traces (they hold each trace's backward function)."""
+        if other.sources != self.sources or other.stored != self.stored:
+            raise RuntimeError(
+                "the chunk's pullback changed structure between two traces of the same function; "
+                f"expected sources {self.sources}, got {other.sources}"
+            )
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.stored)
+
+
+def _split(pullback, params, x) -> tuple[ResidualSplit, list]:
+    leaves, treedef = jax.tree.flatten(pullback)
+    param_leaves = jax.tree.leaves(params)
+    sources, stored = [], []
+    for leaf in leaves:
+        where = next((i for i, p in enumerate(param_leaves) if leaf is p), None)
+        if where is not None:
+            sources.append((PARAM, where))
+        elif leaf is x:
+            sources.append((INPUT, 0))
+        else:
+            sources.append((STORED, len(stored)))
+            stored.append(leaf)
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored)
+    return ResidualSplit(treedef, tuple(sources), avals), stored
+
+
+def forward(fn: Callable, params, x) -> tuple[jax.Array, ResidualSplit, list]:
+    """y = fn(params, x), the split of its pullback, and the leaves to store."""
+    y, pullback = jax.vjp(fn, params, x)
+    split, stored = _split(pullback, params, x)
+    return y, split, stored
+
+
+def trace_split(fn: Callable, params, x) -> ResidualSplit:
+    """The split of fn's pullback. Traces fn on the given (traced) values and drops the result,
+    which XLA then removes as dead code; the values must carry the same manual-axis types as
+    the real calls, because those types decide some of the residuals."""
+    return forward(fn, params, x)[1]
+
+
+def backward(split: ResidualSplit, params, x, stored, cot) -> tuple:
+    """(d_params, d_x) from the pullback rebuilt out of params, x and the stored leaves."""
+    param_leaves = jax.tree.leaves(params)
+    pick = {PARAM: param_leaves, INPUT: [x], STORED: list(stored)}
+    leaves = [pick[kind][i] for kind, i in split.sources]
+    pullback = jax.tree.unflatten(split.treedef, leaves)
+    return pullback(cot)
