@@ -150,9 +150,10 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
     )  # fmt: skip
     ticks, ring = None, 0
     if p > 1:
+        from jaxmeg.pipeline.tick_table import build_tick_table
         from jaxmeg.training.pipeline_step import build_schedule
 
-        table = build_schedule(trainable).tick_table
+        table = build_tick_table(build_schedule(trainable))
         ticks, ring = table.num_ticks, table.num_input_slots + table.num_cot_slots
     predicted = jaxmeg_step_memory(shape, layout, trainable.vocab, compute_bytes=4, ring_slots=ring)
     actual = measured["temp_bytes"] + measured["argument_bytes"]
