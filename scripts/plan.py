@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse_args(argv):
+    from jaxmeg.config import REMAT_POLICIES
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -34,7 +36,7 @@ def parse_args(argv):
     parser.add_argument("--tokens", type=float, help="training tokens, for the days column")
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
-    parser.add_argument("--recompute", choices=["full", "selective", "none"])
+    parser.add_argument("--recompute", choices=REMAT_POLICIES)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="rows of the table")
     parser.add_argument(

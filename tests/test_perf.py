@@ -187,6 +187,8 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
         (dict(gpus=8, batch=8, tensor=0), "tensor must be >= 1, got 0"),
         (dict(gpus=8, batch=8, shape=Shape(hidden=1000, layers=2, heads=16, seq_len=8, vocab=64)),
          r"hidden \(1000\) must be divisible by heads \(16\)"),
+        (dict(gpus=8, batch=8, recompute=("some",)),
+         r"recompute must be among \['none', 'selective', 'full'\], got \['some'\]"),
     ],
 )  # fmt: skip
 def test_impossible_planner_inputs_name_the_field(kwargs, message):

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxmeg.config import REMAT_POLICIES
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.pipeline.schedules import bubble_fraction
-
-RECOMPUTE = ("full", "selective", "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,12 +38,19 @@ class Layout:
     microbatch: int = 1
     microbatches: int = 1
     recompute: str = "full"
+    """What a layer keeps for its backward, one of `config.REMAT_POLICIES` (`model.remat`)."""
     pipe_scatter_gather: bool = True
     """Megatron splits each pipeline message over the t ranks of a tensor group; jaxmeg's
     executor sends the whole b s h activation unless sequence parallelism already splits it."""
     sequence_parallel: bool = False
     """Shard the residual stream on the sequence over `tensor` (Korthikanti et al., 2022); off
     in the Megatron-LM 2021 measurements. Pipeline messages are always scatter/gathered (/t)."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in REMAT_POLICIES:
+            raise ValueError(
+                f"recompute must be one of {list(REMAT_POLICIES)}, got {self.recompute!r}"
+            )
 
     @property
     def gpus(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+from jaxmeg.config import REMAT_POLICIES
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.model import (
     Layout,
@@ -133,6 +134,9 @@ def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if shape.hidden % shape.heads:
         raise ValueError(f"hidden ({shape.hidden}) must be divisible by heads ({shape.heads})")
+    unknown = [r for r in pins.get("recompute", ()) if r not in REMAT_POLICIES]
+    if unknown:
+        raise ValueError(f"recompute must be among {list(REMAT_POLICIES)}, got {unknown}")
 
 
 def plan(
