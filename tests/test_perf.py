@@ -107,6 +107,27 @@ def test_more_microbatches_shrink_the_bubble():
     assert many.total / 64 < few.total / 8
 
 
+@pytest.mark.parametrize(
+    "kind,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA B200", 2250.0),
+        ("Tesla V100-SXM2-16GB", None),
+    ],
+)
+def test_a_gpus_peak_comes_from_the_profile_that_names_it(kind, peak):
+    from types import SimpleNamespace
+
+    from jaxmeg.training.flops import peak_tflops_per_device
+
+    assert peak_tflops_per_device(SimpleNamespace(platform="gpu", device_kind=kind)) == peak
+
+
 def test_unknown_hardware_is_named():
     with pytest.raises(ValueError, match="unknown hardware 'tpu'; known profiles"):
         load_hardware("tpu")
