@@ -33,6 +33,18 @@ def test_flops_by_eq3():
     assert 1.3 < ratio < 1.34  # one extra forward: about 4/3
 
 
+def test_a_model_config_becomes_a_shape_in_one_place():
+    from jaxmeg.config import ModelConfig
+    from jaxmeg.perf.model import shape_of
+    from jaxmeg.training.flops import model_flops_per_step
+
+    model = ModelConfig(vocab_size=51200, hidden=12288, layers=96, heads=96, seq_len=2048)
+    assert shape_of(model) == GPT3
+    assert model_flops_per_step(model, 1536) == flops_per_iteration(GPT3, 1536, recompute=False)
+    with pytest.raises(ValueError, match="model.vocab_size must be set"):
+        shape_of(ModelConfig())
+
+
 def test_planner_1t_on_3072_gpus_is_fast_and_uses_every_gpu():
     start = time.perf_counter()
     result = subprocess.run(

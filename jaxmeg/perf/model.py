@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmeg.config import REMAT_POLICIES
+from jaxmeg.config import REMAT_POLICIES, ModelConfig
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.pipeline.schedules import bubble_fraction
 
@@ -27,6 +27,17 @@ class Shape:
     seq_len: int
     vocab: int
     mlp_ratio: int = 4
+
+
+def shape_of(model: ModelConfig) -> Shape:
+    """The Shape of a model config: h, l, a, s, V (`vocab_size`, which must be set) and the
+    MLP ratio. The one place a config becomes a Shape."""
+    if model.vocab_size < 1:
+        raise ValueError(f"model.vocab_size must be set (>= 1), got {model.vocab_size}")
+    return Shape(
+        hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
+        vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

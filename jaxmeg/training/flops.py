@@ -18,16 +18,12 @@ import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig
 from jaxmeg.perf.hardware import peak_tflops_for_device_kind
-from jaxmeg.perf.model import Shape, flops_per_iteration
+from jaxmeg.perf.model import flops_per_iteration, shape_of
 
 
 def model_flops_per_step(model: ModelConfig, sequences: int, recompute: bool = False) -> float:
     """Eq. 3 of the paper for this model config (`jaxmeg.perf.model.flops_per_iteration`)."""
-    shape = Shape(
-        hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
-        vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
-    )  # fmt: skip
-    return flops_per_iteration(shape, sequences, recompute)
+    return flops_per_iteration(shape_of(model), sequences, recompute)
 
 
 @functools.cache
