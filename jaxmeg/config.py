@@ -20,6 +20,8 @@ from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import LayoutError, StageLayout
 
 MESH_AXES = ("data", "pipe", "tensor")
+OUTER_AXES = ("pipe", "data")
+"""The `parallel.outer_axis` choices: the mesh axis that varies slowest over devices."""
 REMAT_POLICIES = ("none", "selective", "full")
 """The `model.remat` choices; the performance model and the planner take them from here."""
 DTYPES = ("float32", "bfloat16", "float16")
@@ -420,7 +422,7 @@ def validate(cfg: Config, num_devices: int) -> Config:
     _check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
     _check_choice("parallel.schedule", par.schedule, schedules.NAMES)
     _check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
-    _check_choice("parallel.outer_axis", par.outer_axis, ("pipe", "data"))
+    _check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)
     for name in ("hidden", "layers", "heads", "mlp_ratio", "seq_len", "vocab_multiple"):
         _check_positive(f"model.{name}", getattr(m, name))
     if m.vocab_size < 1:

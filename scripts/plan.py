@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse_args(argv):
-    from jaxmeg.config import REMAT_POLICIES
+    from jaxmeg.config import OUTER_AXES, REMAT_POLICIES
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -39,6 +39,9 @@ def parse_args(argv):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
     parser.add_argument("--recompute", choices=REMAT_POLICIES)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--outer-axis", choices=OUTER_AXES, default="pipe", help="slowest mesh axis (crosses nodes)"
+    )
     parser.add_argument("--top", type=int, default=15, help="rows of the table")
     parser.add_argument(
         "--json", action="store_true", help="print the best plan as one JSON object"
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
     try:
         plans = plan(
             shape, args.gpus, args.batch, hw, args.tokens,
-            sequence_parallel=args.sequence_parallel, **pins,
+            sequence_parallel=args.sequence_parallel, outer_axis=args.outer_axis, **pins,
         )  # fmt: skip
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

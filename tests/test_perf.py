@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from jaxmeg.perf.hardware import load_hardware
@@ -138,6 +140,35 @@ def test_a_gpus_peak_comes_from_the_profile_that_names_it(kind, peak):
     from jaxmeg.training.flops import peak_tflops_per_device
 
     assert peak_tflops_per_device(SimpleNamespace(platform="gpu", device_kind=kind)) == peak
+
+
+@pytest.mark.parametrize("outer_axis", ["pipe", "data"])
+def test_the_perf_models_device_order_is_the_meshs(outer_axis):
+    from jaxmeg.config import ParallelConfig
+    from jaxmeg.parallel.mesh import make_mesh
+    from jaxmeg.perf.model import device_grid
+
+    mesh = make_mesh(ParallelConfig(data=2, pipe=2, tensor=2, outer_axis=outer_axis))
+    ranks = np.vectorize(lambda device: device.id)(mesh.devices)
+    layout = Layout(tensor=2, pipe=2, data=2, outer_axis=outer_axis)
+    np.testing.assert_array_equal(device_grid(layout), ranks)
+
+
+def test_outer_axis_decides_whether_pipe_or_data_crosses_nodes():
+    """t 2, p 4, d 2 on nodes of 8: pipe outermost puts pipeline neighbours 4 GPUs apart (a
+    group spans 13) and a data pair 2 apart; data outermost puts them 2 and 8 apart."""
+    from jaxmeg.perf.model import data_link, pipe_link, step_time
+
+    hw = load_hardware("a100_dgx")
+    shape = Shape(hidden=4096, layers=32, heads=32, seq_len=2048, vocab=51200)
+    pipe_out = Layout(tensor=2, pipe=4, data=2, microbatches=8, outer_axis="pipe")
+    data_out = dataclasses.replace(pipe_out, outer_axis="data")
+    nvlink = hw.intra_node_gb_per_s * hw.collective_efficiency
+    infiniband = hw.inter_node_gb_per_s * hw.collective_efficiency
+    assert pipe_link(pipe_out, hw)[0] == infiniband and data_link(pipe_out, hw)[0] == nvlink
+    assert pipe_link(data_out, hw)[0] == nvlink and data_link(data_out, hw)[0] == infiniband
+    pipe_first, data_first = step_time(shape, pipe_out, hw), step_time(shape, data_out, hw)
+    assert pipe_first.p2p > data_first.p2p and pipe_first.data_parallel < data_first.data_parallel
 
 
 def test_unknown_hardware_is_named():

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmeg.config import REMAT_POLICIES, ModelConfig
+import numpy as np
+
+from jaxmeg.config import MESH_AXES, OUTER_AXES, REMAT_POLICIES, ModelConfig
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.pipeline.schedules import bubble_fraction
 
@@ -56,11 +58,18 @@ class Layout:
     sequence_parallel: bool = False
     """Shard the residual stream on the sequence over `tensor` (Korthikanti et al., 2022); off
     in the Megatron-LM 2021 measurements. Pipeline messages are always scatter/gathered (/t)."""
+    outer_axis: str = "pipe"
+    """Which of pipe and data varies slowest over the GPUs (`parallel.outer_axis`), and so
+    crosses nodes first."""
 
     def __post_init__(self) -> None:
         if self.recompute not in REMAT_POLICIES:
             raise ValueError(
                 f"recompute must be one of {list(REMAT_POLICIES)}, got {self.recompute!r}"
+            )
+        if self.outer_axis not in OUTER_AXES:
+            raise ValueError(
+                f"outer_axis must be one of {list(OUTER_AXES)}, got {self.outer_axis!r}"
             )
 
     @property
@@ -218,19 +227,38 @@ def _link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
     return hw.inter_node_gb_per_s * hw.collective_efficiency, hw.inter_node_latency_us
 
 
+def device_grid(layout: Layout) -> np.ndarray:
+    """int [d, p, t]: each GPU's rank in the device order, laid out as
+    `jaxmeg.parallel.mesh.make_mesh` lays out the mesh: tensor fastest, `outer_axis` slowest.
+    Nodes are runs of `gpus_per_node` consecutive ranks."""
+    d, p, t = layout.data, layout.pipe, layout.tensor
+    ranks = np.arange(layout.gpus)
+    if layout.outer_axis == "pipe":
+        return ranks.reshape(p, d, t).transpose(1, 0, 2)
+    return ranks.reshape(d, p, t)
+
+
+def inside_node(layout: Layout, hw: Hardware, axis: str) -> bool:
+    """Whether every group along mesh `axis` sits in one node (its collectives use NVLink)."""
+    node = device_grid(layout) // hw.gpus_per_node
+    dim = MESH_AXES.index(axis)
+    return bool((node.min(axis=dim) == node.max(axis=dim)).all())
+
+
 def tensor_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
     """A tensor group is consecutive GPUs: NVLink while it fits in a node."""
-    return _link(hw, layout.tensor <= hw.gpus_per_node)
+    return _link(hw, inside_node(layout, hw, "tensor"))
 
 
 def pipe_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """Pipeline neighbours are t d GPUs apart (tensor innermost, then data, pipe outermost)."""
-    return _link(hw, layout.tensor * layout.data * layout.pipe <= hw.gpus_per_node)
+    """Pipeline neighbours are t GPUs apart (outer_axis data) or t d (outer_axis pipe); the
+    pipeline moves at the pace of its slowest hop, so one hop across nodes makes it inter-node."""
+    return _link(hw, inside_node(layout, hw, "pipe"))
 
 
 def data_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """A data group spans t*d consecutive GPUs of one pipeline stage."""
-    return _link(hw, layout.tensor * layout.data <= hw.gpus_per_node)
+    """A data group is t GPUs apart (outer_axis pipe) or t p (outer_axis data)."""
+    return _link(hw, inside_node(layout, hw, "data"))
 
 
 def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, float]:

@@ -45,6 +45,7 @@ class Plan:
             "microbatches": lay.microbatches,
             "recompute": lay.recompute,
             "sequence_parallel": lay.sequence_parallel,
+            "outer_axis": lay.outer_axis,
             "tflops_per_gpu": round(self.tflops_per_gpu, 2),
             "percent_of_peak": round(self.percent_of_peak, 2),
             "step_time_s": round(self.step_time_s, 4),
@@ -74,6 +75,7 @@ def candidate_layouts(
     microbatch: int | None = None,
     recompute: tuple[str, ...] = ("full", "selective"),
     sequence_parallel: bool = False,
+    outer_axis: str = "pipe",
 ) -> Iterator[Layout]:
     """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only."""
     # A tensor group stays inside a node and splits it evenly (t divides the GPUs per node).
@@ -100,6 +102,7 @@ def candidate_layouts(
                         yield Layout(
                             tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
                             recompute=r, sequence_parallel=sequence_parallel,
+                            outer_axis=outer_axis,
                         )  # fmt: skip
 
 
