@@ -14,6 +14,8 @@ import pytest
 from jaxmeg.perf.hardware import load_hardware
 from jaxmeg.perf.model import Layout, Shape, flops_per_iteration, parameter_count
 from jaxmeg.perf.planner import plan
+from jaxmeg.pipeline.schedules import build
+from jaxmeg.pipeline.tick_table import build_tick_table
 from tests.test_train_cli import CLEAN_ENV, ROOT
 
 GPT3 = Shape(hidden=12288, layers=96, heads=96, seq_len=2048, vocab=51200)
@@ -176,6 +178,79 @@ def test_unknown_hardware_is_named():
         load_hardware("tpu")
 
 
+@pytest.mark.parametrize(
+    "schedule,v,warmup", [("1f1b", 1, "min_bubble"), ("1f1b", 1, "min_memory"),
+                          ("interleaved_1f1b", 2, "min_bubble")],
+)  # fmt: skip
+def test_a_stage_keeps_its_schedules_input_ring_flat_in_m(schedule, v, warmup):
+    from jaxmeg.perf.model import stored_microbatches
+
+    for m in (4, 8, 64):
+        layout = Layout(tensor=1, pipe=4, data=1, chunks=v, microbatches=m, schedule=schedule,
+                        warmup=warmup)  # fmt: skip
+        ring = build_tick_table(build(schedule, 4, max(m, 8), v, warmup)).num_input_slots
+        assert stored_microbatches(layout) == ring
+    gpipe = Layout(tensor=1, pipe=4, data=1, microbatches=64, schedule="gpipe")
+    assert stored_microbatches(gpipe) == 64
+
+
+def test_remat_choice_sets_what_a_slot_keeps_and_what_the_backward_reruns():
+    """full: the chunk input, one more forward; selective: all but the attention internals,
+    which are rerun; none: everything, backward = 2 forwards (t = 1: no all-reduces)."""
+    from jaxmeg.perf.model import (
+        kept_bytes_per_microbatch,
+        layer_activation_bytes,
+        layer_seconds,
+        memory_per_gpu,
+        step_time,
+    )
+
+    hw = load_hardware("a100_dgx")
+    shape = Shape(hidden=4096, layers=32, heads=32, seq_len=2048, vocab=51200)
+    base = Layout(tensor=1, pipe=4, data=1, microbatches=16)
+    full, selective, none = (dataclasses.replace(base, recompute=r)
+                             for r in ("full", "selective", "none"))  # fmt: skip
+    sbh = 2048 * 4096
+    assert kept_bytes_per_microbatch(shape, full) == 2 * sbh
+    assert kept_bytes_per_microbatch(shape, none) == 2 * sbh + 8 * layer_activation_bytes(
+        shape, none
+    )
+    # selective differs from none by the s x s scores only, which flash attention (the
+    # model's default) never keeps.
+    assert (memory_per_gpu(shape, full, hw).activations
+            < memory_per_gpu(shape, selective, hw).activations
+            == memory_per_gpu(shape, none, hw).activations)  # fmt: skip
+    layer = layer_seconds(shape, base, hw)
+    assert layer.backward == pytest.approx(2 * layer.forward)
+    times = {r.recompute: step_time(shape, r, hw) for r in (full, selective, none)}
+    assert times["full"].backward - times["none"].backward == pytest.approx(8 * layer.forward)
+    assert times["selective"].backward - times["none"].backward == pytest.approx(
+        8 * layer.attention_core
+    )
+    assert 0 < layer.attention_core < layer.forward
+
+
+def test_uneven_stages_count_the_busiest_stage_and_no_padding():
+    """[5, 3] over 8 layers holds, keeps and runs what an even 10-layer model's stages do; its
+    FLOPs (and so TFLOP/s) are the 8 real layers'."""
+    from jaxmeg.perf.model import memory_per_gpu, params_per_gpu, step_time, tflops_per_gpu
+
+    hw = load_hardware("a100_dgx")
+    eight = Shape(hidden=2048, layers=8, heads=16, seq_len=2048, vocab=51200)
+    ten = dataclasses.replace(eight, layers=10)
+    uneven = Layout(tensor=1, pipe=2, data=1, microbatches=8, stage_layers=(5, 3))
+    even = dataclasses.replace(uneven, stage_layers=())
+    assert params_per_gpu(eight, uneven) == params_per_gpu(ten, even)
+    assert memory_per_gpu(eight, uneven, hw) == memory_per_gpu(ten, even, hw)
+    assert step_time(eight, uneven, hw) == step_time(ten, even, hw)
+    seconds = step_time(eight, uneven, hw).total
+    assert tflops_per_gpu(eight, uneven, hw) == pytest.approx(
+        flops_per_iteration(eight, 8, recompute=True) / seconds / 2 / 1e12
+    )
+    with pytest.raises(ValueError, match=r"parallel.stage_layers \[5, 2\] sums to 7"):
+        step_time(eight, dataclasses.replace(uneven, stage_layers=(5, 2)), hw)
+
+
 # Ties to the compiled system: 8 simulated CPU devices, fp32.
 TIE_MODEL = dict(vocab_size=1024, hidden=128, layers=8, heads=8, seq_len=64)
 TIE_CASES = [  # (data, pipe, tensor, schedule, chunks, microbatches, microbatch size)
@@ -208,13 +283,15 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
     measured = memory_report(compiled)
     shape = Shape(hidden=128, layers=8, heads=8, seq_len=64, vocab=1024)
     # jaxmeg's pipeline executor recomputes each chunk's forward in its backward.
+    par = cfg.parallel
     layout = Layout(
         tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
         recompute="full" if p > 1 else "none", pipe_scatter_gather=False,
+        schedule=par.schedule, warmup=par.pipeline_warmup, outer_axis=par.outer_axis,
+        stage_layers=tuple(par.stage_layers),
     )  # fmt: skip
     ticks, ring = None, 0
     if p > 1:
-        from jaxmeg.pipeline.tick_table import build_tick_table
         from jaxmeg.training.pipeline_step import build_schedule
 
         table = build_tick_table(build_schedule(trainable))

@@ -103,12 +103,13 @@ def candidate_layouts(
                             tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
                             recompute=r, sequence_parallel=sequence_parallel,
                             outer_axis=outer_axis,
+                            schedule="interleaved_1f1b" if v > 1 else "1f1b",
                         )  # fmt: skip
 
 
 def evaluate(shape: Shape, layout: Layout, hw: Hardware, tokens: float | None = None) -> Plan:
     timing = step_time(shape, layout, hw)
-    memory = memory_per_gpu(shape, layout, hw, "interleaved" if layout.chunks > 1 else "1f1b")
+    memory = memory_per_gpu(shape, layout, hw)
     tflops = tflops_per_gpu(shape, layout, hw)
     days = paper = None
     if tokens:
