@@ -16,11 +16,14 @@ from typing import Any
 
 import yaml
 
+from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import LayoutError, StageLayout
 
 MESH_AXES = ("data", "pipe", "tensor")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+OUTER_AXES = ("pipe", "data")
+"""The `parallel.outer_axis` choices: the mesh axis that varies slowest over devices."""
 REMAT_POLICIES = ("none", "selective", "full")
+"""The `model.remat` choices; the performance model and the planner take them from here."""
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -417,9 +420,9 @@ def validate(cfg: Config, num_devices: int) -> Config:
     _check_choice("model.param_dtype", m.param_dtype, DTYPES)
     _check_choice("model.remat", m.remat, REMAT_POLICIES)
     _check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
-    _check_choice("parallel.schedule", par.schedule, SCHEDULES)
-    _check_choice("parallel.pipeline_warmup", par.pipeline_warmup, ("min_memory", "min_bubble"))
-    _check_choice("parallel.outer_axis", par.outer_axis, ("pipe", "data"))
+    _check_choice("parallel.schedule", par.schedule, schedules.NAMES)
+    _check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
+    _check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)
     for name in ("hidden", "layers", "heads", "mlp_ratio", "seq_len", "vocab_multiple"):
         _check_positive(f"model.{name}", getattr(m, name))
     if m.vocab_size < 1:

@@ -10,6 +10,7 @@ in memory, ranked by the predicted step time (docs/planner.md explains the model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse_args(argv):
+    from jaxmeg.config import OUTER_AXES, REMAT_POLICIES
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -34,8 +37,11 @@ def parse_args(argv):
     parser.add_argument("--tokens", type=float, help="training tokens, for the days column")
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
-    parser.add_argument("--recompute", choices=["full", "selective", "none"])
+    parser.add_argument("--recompute", choices=REMAT_POLICIES)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--outer-axis", choices=OUTER_AXES, default="pipe", help="slowest mesh axis (crosses nodes)"
+    )
     parser.add_argument("--top", type=int, default=15, help="rows of the table")
     parser.add_argument(
         "--json", action="store_true", help="print the best plan as one JSON object"
@@ -44,24 +50,24 @@ def parse_args(argv):
 
 
 def model_shape(args):
-    from jaxmeg.perf.model import Shape
+    """The config's shape (`jaxmeg.perf.model.shape_of`) with the flags given on top, or the
+    flags alone."""
+    from jaxmeg.perf.model import Shape, shape_of
 
+    flags = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+             "seq_len": args.seq, "vocab": args.vocab}  # fmt: skip
+    given = {k: v for k, v in flags.items() if v is not None}
     if args.config:
         from jaxmeg import config
 
-        m = config.load(args.config).model
-        vocab = args.vocab or (m.vocab_size if m.vocab_size > 0 else 51200)
-        return Shape(
-            hidden=args.hidden or m.hidden, layers=args.layers or m.layers,
-            heads=args.heads or m.heads, seq_len=args.seq or m.seq_len, vocab=vocab,
-            mlp_ratio=m.mlp_ratio,
-        )  # fmt: skip
+        model = config.load(args.config).model
+        if model.vocab_size < 1:  # set from the dataset at training time; GPT-2's, padded
+            model = dataclasses.replace(model, vocab_size=51200)
+        return dataclasses.replace(shape_of(model), **given)
     missing = [k for k in ("hidden", "layers", "heads", "seq", "vocab") if getattr(args, k) is None]
     if missing:
         raise ValueError(f"give --config or all of --{', --'.join(missing)}")
-    return Shape(
-        hidden=args.hidden, layers=args.layers, heads=args.heads, seq_len=args.seq, vocab=args.vocab
-    )
+    return Shape(**given)
 
 
 def main(argv=None) -> int:
@@ -82,7 +88,7 @@ def main(argv=None) -> int:
     try:
         plans = plan(
             shape, args.gpus, args.batch, hw, args.tokens,
-            sequence_parallel=args.sequence_parallel, **pins,
+            sequence_parallel=args.sequence_parallel, outer_axis=args.outer_axis, **pins,
         )  # fmt: skip
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

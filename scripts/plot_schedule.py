@@ -36,16 +36,16 @@ def _draw_slot(ax, corner, colour, alpha: float, hatch: str | None, label: str) 
 
 
 def plot(schedule: schedules.Schedule, out: str) -> None:
-    """Draws `schedule.tick_table` (validated first) to the image file `out`."""
+    """Draws the schedule's tick table (validated first) to the image file `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    from jaxmeg.pipeline import validate
+    from jaxmeg.pipeline import build_tick_table, validate
 
-    table, report = schedule.tick_table, validate(schedule)
+    table, report = build_tick_table(schedule), validate(schedule)
     p, ticks = schedule.num_stages, table.num_ticks
     colours = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * ticks + 1.5), 0.6 * p + 1.6))

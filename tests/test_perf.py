@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from jaxmeg.perf.hardware import load_hardware
 from jaxmeg.perf.model import Layout, Shape, flops_per_iteration, parameter_count
 from jaxmeg.perf.planner import plan
+from jaxmeg.pipeline.schedules import build
+from jaxmeg.pipeline.tick_table import build_tick_table
 from tests.test_train_cli import CLEAN_ENV, ROOT
 
 GPT3 = Shape(hidden=12288, layers=96, heads=96, seq_len=2048, vocab=51200)
@@ -31,6 +35,18 @@ def test_flops_by_eq3():
     assert flops_per_iteration(GPT3, 1536, recompute=True) == pytest.approx(4.5e18, rel=0.02)
     ratio = flops_per_iteration(GPT3, 1, True) / flops_per_iteration(GPT3, 1, False)
     assert 1.3 < ratio < 1.34  # one extra forward: about 4/3
+
+
+def test_a_model_config_becomes_a_shape_in_one_place():
+    from jaxmeg.config import ModelConfig
+    from jaxmeg.perf.model import shape_of
+    from jaxmeg.training.flops import model_flops_per_step
+
+    model = ModelConfig(vocab_size=51200, hidden=12288, layers=96, heads=96, seq_len=2048)
+    assert shape_of(model) == GPT3
+    assert model_flops_per_step(model, 1536) == flops_per_iteration(GPT3, 1536, recompute=False)
+    with pytest.raises(ValueError, match="model.vocab_size must be set"):
+        shape_of(ModelConfig())
 
 
 def test_planner_1t_on_3072_gpus_is_fast_and_uses_every_gpu():
@@ -107,9 +123,132 @@ def test_more_microbatches_shrink_the_bubble():
     assert many.total / 64 < few.total / 8
 
 
+@pytest.mark.parametrize(
+    "kind,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA B200", 2250.0),
+        ("Tesla V100-SXM2-16GB", None),
+    ],
+)
+def test_a_gpus_peak_comes_from_the_profile_that_names_it(kind, peak):
+    from types import SimpleNamespace
+
+    from jaxmeg.training.flops import peak_tflops_per_device
+
+    assert peak_tflops_per_device(SimpleNamespace(platform="gpu", device_kind=kind)) == peak
+
+
+@pytest.mark.parametrize("outer_axis", ["pipe", "data"])
+def test_the_perf_models_device_order_is_the_meshs(outer_axis):
+    from jaxmeg.config import ParallelConfig
+    from jaxmeg.parallel.mesh import make_mesh
+    from jaxmeg.perf.model import device_grid
+
+    mesh = make_mesh(ParallelConfig(data=2, pipe=2, tensor=2, outer_axis=outer_axis))
+    ranks = np.vectorize(lambda device: device.id)(mesh.devices)
+    layout = Layout(tensor=2, pipe=2, data=2, outer_axis=outer_axis)
+    np.testing.assert_array_equal(device_grid(layout), ranks)
+
+
+def test_outer_axis_decides_whether_pipe_or_data_crosses_nodes():
+    """t 2, p 4, d 2 on nodes of 8: pipe outermost puts pipeline neighbours 4 GPUs apart (a
+    group spans 13) and a data pair 2 apart; data outermost puts them 2 and 8 apart."""
+    from jaxmeg.perf.model import data_link, pipe_link, step_time
+
+    hw = load_hardware("a100_dgx")
+    shape = Shape(hidden=4096, layers=32, heads=32, seq_len=2048, vocab=51200)
+    pipe_out = Layout(tensor=2, pipe=4, data=2, microbatches=8, outer_axis="pipe")
+    data_out = dataclasses.replace(pipe_out, outer_axis="data")
+    nvlink = hw.intra_node_gb_per_s * hw.collective_efficiency
+    infiniband = hw.inter_node_gb_per_s * hw.collective_efficiency
+    assert pipe_link(pipe_out, hw)[0] == infiniband and data_link(pipe_out, hw)[0] == nvlink
+    assert pipe_link(data_out, hw)[0] == nvlink and data_link(data_out, hw)[0] == infiniband
+    pipe_first, data_first = step_time(shape, pipe_out, hw), step_time(shape, data_out, hw)
+    assert pipe_first.p2p > data_first.p2p and pipe_first.data_parallel < data_first.data_parallel
+
+
 def test_unknown_hardware_is_named():
     with pytest.raises(ValueError, match="unknown hardware 'tpu'; known profiles"):
         load_hardware("tpu")
+
+
+@pytest.mark.parametrize(
+    "schedule,v,warmup", [("1f1b", 1, "min_bubble"), ("1f1b", 1, "min_memory"),
+                          ("interleaved_1f1b", 2, "min_bubble")],
+)  # fmt: skip
+def test_a_stage_keeps_its_schedules_input_ring_flat_in_m(schedule, v, warmup):
+    from jaxmeg.perf.model import stored_microbatches
+
+    for m in (4, 8, 64):
+        layout = Layout(tensor=1, pipe=4, data=1, chunks=v, microbatches=m, schedule=schedule,
+                        warmup=warmup)  # fmt: skip
+        ring = build_tick_table(build(schedule, 4, max(m, 8), v, warmup)).num_input_slots
+        assert stored_microbatches(layout) == ring
+    gpipe = Layout(tensor=1, pipe=4, data=1, microbatches=64, schedule="gpipe")
+    assert stored_microbatches(gpipe) == 64
+
+
+def test_remat_choice_sets_what_a_slot_keeps_and_what_the_backward_reruns():
+    """full: the chunk input, one more forward; selective: all but the attention internals,
+    which are rerun; none: everything, backward = 2 forwards (t = 1: no all-reduces)."""
+    from jaxmeg.perf.model import (
+        kept_bytes_per_microbatch,
+        layer_activation_bytes,
+        layer_seconds,
+        memory_per_gpu,
+        step_time,
+    )
+
+    hw = load_hardware("a100_dgx")
+    shape = Shape(hidden=4096, layers=32, heads=32, seq_len=2048, vocab=51200)
+    base = Layout(tensor=1, pipe=4, data=1, microbatches=16)
+    full, selective, none = (dataclasses.replace(base, recompute=r)
+                             for r in ("full", "selective", "none"))  # fmt: skip
+    sbh = 2048 * 4096
+    assert kept_bytes_per_microbatch(shape, full) == 2 * sbh
+    assert kept_bytes_per_microbatch(shape, none) == 2 * sbh + 8 * layer_activation_bytes(
+        shape, none
+    )
+    # selective differs from none by the s x s scores only, which flash attention (the
+    # model's default) never keeps.
+    assert (memory_per_gpu(shape, full, hw).activations
+            < memory_per_gpu(shape, selective, hw).activations
+            == memory_per_gpu(shape, none, hw).activations)  # fmt: skip
+    layer = layer_seconds(shape, base, hw)
+    assert layer.backward == pytest.approx(2 * layer.forward)
+    times = {r.recompute: step_time(shape, r, hw) for r in (full, selective, none)}
+    assert times["full"].backward - times["none"].backward == pytest.approx(8 * layer.forward)
+    assert times["selective"].backward - times["none"].backward == pytest.approx(
+        8 * layer.attention_core
+    )
+    assert 0 < layer.attention_core < layer.forward
+
+
+def test_uneven_stages_count_the_busiest_stage_and_no_padding():
+    """[5, 3] over 8 layers holds, keeps and runs what an even 10-layer model's stages do; its
+    FLOPs (and so TFLOP/s) are the 8 real layers'."""
+    from jaxmeg.perf.model import memory_per_gpu, params_per_gpu, step_time, tflops_per_gpu
+
+    hw = load_hardware("a100_dgx")
+    eight = Shape(hidden=2048, layers=8, heads=16, seq_len=2048, vocab=51200)
+    ten = dataclasses.replace(eight, layers=10)
+    uneven = Layout(tensor=1, pipe=2, data=1, microbatches=8, stage_layers=(5, 3))
+    even = dataclasses.replace(uneven, stage_layers=())
+    assert params_per_gpu(eight, uneven) == params_per_gpu(ten, even)
+    assert memory_per_gpu(eight, uneven, hw) == memory_per_gpu(ten, even, hw)
+    assert step_time(eight, uneven, hw) == step_time(ten, even, hw)
+    seconds = step_time(eight, uneven, hw).total
+    assert tflops_per_gpu(eight, uneven, hw) == pytest.approx(
+        flops_per_iteration(eight, 8, recompute=True) / seconds / 2 / 1e12
+    )
+    with pytest.raises(ValueError, match=r"parallel.stage_layers \[5, 2\] sums to 7"):
+        step_time(eight, dataclasses.replace(uneven, stage_layers=(5, 2)), hw)
 
 
 # Ties to the compiled system: 8 simulated CPU devices, fp32.
@@ -144,15 +283,18 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
     measured = memory_report(compiled)
     shape = Shape(hidden=128, layers=8, heads=8, seq_len=64, vocab=1024)
     # jaxmeg's pipeline executor recomputes each chunk's forward in its backward.
+    par = cfg.parallel
     layout = Layout(
         tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
         recompute="full" if p > 1 else "none", pipe_scatter_gather=False,
+        schedule=par.schedule, warmup=par.pipeline_warmup, outer_axis=par.outer_axis,
+        stage_layers=tuple(par.stage_layers),
     )  # fmt: skip
     ticks, ring = None, 0
     if p > 1:
         from jaxmeg.training.pipeline_step import build_schedule
 
-        table = build_schedule(trainable).tick_table
+        table = build_tick_table(build_schedule(trainable))
         ticks, ring = table.num_ticks, table.num_input_slots + table.num_cot_slots
     predicted = jaxmeg_step_memory(shape, layout, trainable.vocab, compute_bytes=4, ring_slots=ring)
     actual = measured["temp_bytes"] + measured["argument_bytes"]
@@ -186,6 +328,8 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
         (dict(gpus=8, batch=8, tensor=0), "tensor must be >= 1, got 0"),
         (dict(gpus=8, batch=8, shape=Shape(hidden=1000, layers=2, heads=16, seq_len=8, vocab=64)),
          r"hidden \(1000\) must be divisible by heads \(16\)"),
+        (dict(gpus=8, batch=8, recompute=("some",)),
+         r"recompute must be among \['none', 'selective', 'full'\], got \['some'\]"),
     ],
 )  # fmt: skip
 def test_impossible_planner_inputs_name_the_field(kwargs, message):

@@ -10,12 +10,8 @@ import numpy as np
 import pytest
 
 from jaxmeg.pipeline import ScheduleError, build, check_layers, lockstep_efficiency, validate
-from jaxmeg.pipeline.schedules import (
-    Schedule,
-    async_efficiency,
-    bubble_fraction,
-    build_tick_table,
-)
+from jaxmeg.pipeline.schedules import Schedule, async_efficiency, bubble_fraction
+from jaxmeg.pipeline.tick_table import build_tick_table
 
 GRID = [(p, m) for p in (2, 4, 8) for m in range(p, 4 * p + 1)]
 INTERLEAVED_GRID = [(p, m) for p, m in GRID if m % p == 0]
@@ -140,7 +136,7 @@ def _variants(p, m):
 def test_every_table_replays_cleanly(p, m):
     for schedule in _variants(p, m):
         report = validate(schedule)
-        table = schedule.tick_table
+        table = build_tick_table(schedule)
         assert report.num_ticks == table.num_ticks
         assert max(report.input_slots) <= table.num_input_slots
         assert max(report.cot_slots) <= table.num_cot_slots
@@ -203,7 +199,7 @@ def test_min_bubble_warmup_is_the_smallest_that_meets_the_bound():
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_buffers_flat_in_microbatches_except_gpipe(p):
     def slots(name, m, v=1):
-        table = build(name, p, m, num_chunks=v).tick_table
+        table = build_tick_table(build(name, p, m, num_chunks=v))
         return table.num_input_slots, table.num_cot_slots
 
     for name, v in [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]:
@@ -228,7 +224,7 @@ def _corrupt(table, field, t, s, value):
 
 def test_validator_catches_a_corrupted_table():
     schedule = build("interleaved_1f1b", 4, 8, num_chunks=2)
-    table = schedule.tick_table
+    table = build_tick_table(schedule)
     validate(schedule, table)
 
     def rejects(field, where, change):
@@ -251,7 +247,7 @@ def test_validator_catches_a_corrupted_table():
 def test_validator_catches_a_dependency_broken_by_one_tick():
     """Move a backward one tick earlier, into the tick its cotangent arrives in."""
     schedule = build("1f1b", 2, 2)
-    table = schedule.tick_table
+    table = build_tick_table(schedule)
     t = int(np.argwhere(table.b_mb[:, 0] >= 0)[0][0])
     earlier = table
     for field in ("b_mb", "b_chunk", "b_slot", "b_cot_slot"):
@@ -325,3 +321,32 @@ def test_benchmarks_doc_holds_the_current_efficiency_tables():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     assert efficiency_tables() in doc, "regenerate with: python scripts/plot_schedule.py --table"
+
+
+def test_the_pipeline_package_imports_in_one_direction():
+    """schedules <- tick_table <- analysis; layout stands alone. Read from the sources, so a lazy
+    import inside a function counts too."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "jaxmeg" / "pipeline"
+    allowed = {
+        "layout": set(),
+        "schedules": set(),
+        "tick_table": {"schedules"},
+        "analysis": {"schedules", "tick_table"},
+    }
+    for module, may_import in allowed.items():
+        tree = ast.parse((package / f"{module}.py").read_text())
+        imported = {
+            node.module.removeprefix("jaxmeg.pipeline.")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxmeg")
+        } | {
+            alias.name.removeprefix("jaxmeg.pipeline.")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.startswith("jaxmeg")
+        }
+        assert imported <= may_import, (module, imported - may_import)

@@ -8,6 +8,7 @@ from jaxmeg.perf.model import (
     flops_per_iteration,
     memory_per_gpu,
     parameter_count,
+    shape_of,
     step_time,
     tflops_per_gpu,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "memory_per_gpu",
     "parameter_count",
     "plan",
+    "shape_of",
     "step_time",
     "tflops_per_gpu",
 ]

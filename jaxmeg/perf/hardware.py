@@ -1,8 +1,14 @@
-"""Hardware profiles (configs/hardware/*.yaml): datasheet peak, memory and link figures."""
+"""Hardware profiles (configs/hardware/*.yaml): datasheet peak, memory and link figures.
+
+The profiles are the one home of every GPU's peak TFLOP/s: the performance model reads a profile
+by name, and MFU reporting finds the profile whose GPU matches the running device's kind.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from pathlib import Path
 
 import yaml
@@ -38,6 +44,12 @@ class Hardware:
     """Fraction of a link's datasheet bandwidth that NCCL collectives reach (bus bandwidth)."""
     workspace_gb: float = 2.0
     """Memory held by libraries and the allocator, per GPU."""
+    device_kinds: tuple[str, ...] = ()
+    """Names of this GPU in jax's `device.device_kind` (e.g. `H100` in `NVIDIA H100 80GB
+    HBM3`), matched as substrings with case, spaces and dashes ignored; `peak_tflops` is theirs."""
+    variant_peak_tflops: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Other parts of the same GPU that run at a different peak, device kind -> dense bf16
+    TFLOP/s (e.g. `H100 PCIe`); matched like `device_kinds`, the longest match wins."""
 
 
 def load_hardware(name_or_path: str) -> Hardware:
@@ -53,4 +65,35 @@ def load_hardware(name_or_path: str) -> Hardware:
     unknown = set(raw) - fields
     if unknown:
         raise ValueError(f"{path}: unknown hardware keys {sorted(unknown)}")
+    raw["device_kinds"] = tuple(raw.get("device_kinds", ()))
     return Hardware(**raw)
+
+
+@functools.cache
+def all_profiles() -> tuple[Hardware, ...]:
+    """Every profile in configs/hardware/, by name."""
+    return tuple(load_hardware(str(path)) for path in sorted(PROFILE_DIR.glob("*.yaml")))
+
+
+def _squeezed(kind: str) -> str:
+    return re.sub(r"[\s_-]", "", kind).upper()
+
+
+def peak_tflops_for_device_kind(kind: str) -> float | None:
+    """Dense bf16 peak of the GPU named `kind` (jax's `device_kind`): the peak of the longest
+    name in any profile's `device_kinds` or `variant_peak_tflops` that `kind` contains, so
+    `H100 PCIe` wins over `H100`. None when no profile names it; ValueError when two profiles
+    give the same name different peaks."""
+    squeezed = _squeezed(kind)
+    matches: dict[str, dict[float, list[str]]] = {}
+    for hw in all_profiles():
+        named = {name: hw.peak_tflops for name in hw.device_kinds} | hw.variant_peak_tflops
+        for name, peak in named.items():
+            if _squeezed(name) in squeezed:
+                matches.setdefault(_squeezed(name), {}).setdefault(float(peak), []).append(hw.name)
+    if not matches:
+        return None
+    name = max(matches, key=len)
+    if len(matches[name]) > 1:
+        raise ValueError(f"hardware profiles disagree on the peak of {name!r}: {matches[name]}")
+    return next(iter(matches[name]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmeg.perf.model import Layout, Shape, layer_activation_bytes
+from jaxmeg.perf.model import Layout, Shape, busiest_stage_layers, layer_activation_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ def jaxmeg_params_per_device(shape: Shape, layout: Layout, vocab_padded: int) ->
     h, t = shape.hidden, layout.tensor
     split = 12 * h * h + 9 * h  # QKV, out, fc1, fc2 weights and the QKV / fc1 biases
     replicated = 6 * h  # two layer norms (scale, bias), two output biases
-    layers = shape.layers / layout.pipe
+    layers = busiest_stage_layers(shape, layout)
     embedding = vocab_padded * h / t + shape.seq_len * h + 2 * h
     return layers * (split / t + replicated) + embedding
 
@@ -52,7 +52,7 @@ def jaxmeg_step_memory(
     per_layer = layer_activation_bytes(
         shape, dataclasses.replace(layout, recompute="none"), flash_attention=False
     ) * (compute_bytes / 2)
-    kept_layers = shape.layers if layout.pipe == 1 else shape.layers / (layout.pipe * layout.chunks)
+    kept_layers = busiest_stage_layers(shape, layout) // layout.chunks
     logits = 3 * 4 * s * b * vocab_padded / layout.tensor
     ring = ring_slots * s * b * shape.hidden * compute_bytes
     temp = 12 * params + kept_layers * per_layer + logits + ring

@@ -7,17 +7,31 @@ training time); Korthikanti et al., 2022, "Reducing Activation Recomputation in 
 Transformer Models" (activation bytes per layer, table 2).
 
 Words: t tensor, p pipe, d data, v chunks, b microbatch, m microbatches per replica,
-B = d m b sequences per step, s sequence, h hidden, a heads, l layers, V vocabulary.
+B = d m b sequences per step, s sequence, h hidden, a heads, l layers, V vocabulary, Lc layers
+per chunk, K the stage-input ring (microbatch-chunk inputs a stage keeps at once).
+
+Recompute (`model.remat`), as jaxmeg's pipeline executor runs it, per (microbatch, chunk):
+  full       keeps the chunk's input; the backward recomputes the chunk once (its residuals live
+             while it runs): 1 + 3 forwards.
+  selective  keeps the chunk's residuals but the attention internals (scores, softmax, context),
+             which the backward recomputes (Korthikanti et al., 2022, section 4).
+  none       keeps all the chunk's residuals: 1 + 2 forwards.
+Without a pipeline the model applies the same choice per layer (Megatron's full: each layer's
+input kept, one layer recomputed at a time).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import numpy as np
+
+from jaxmeg.config import MESH_AXES, OUTER_AXES, REMAT_POLICIES, ModelConfig
 from jaxmeg.perf.hardware import Hardware
-from jaxmeg.pipeline.schedules import bubble_fraction
-
-RECOMPUTE = ("full", "selective", "none")
+from jaxmeg.pipeline import schedules
+from jaxmeg.pipeline.layout import StageLayout
+from jaxmeg.pipeline.tick_table import STEADY_STATE_MICROBATCHES_PER_STAGE, build_tick_table
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +44,17 @@ class Shape:
     mlp_ratio: int = 4
 
 
+def shape_of(model: ModelConfig) -> Shape:
+    """The Shape of a model config: h, l, a, s, V (`vocab_size`, which must be set) and the
+    MLP ratio. The one place a config becomes a Shape."""
+    if model.vocab_size < 1:
+        raise ValueError(f"model.vocab_size must be set (>= 1), got {model.vocab_size}")
+    return Shape(
+        hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
+        vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
     tensor: int
@@ -39,12 +64,42 @@ class Layout:
     microbatch: int = 1
     microbatches: int = 1
     recompute: str = "full"
+    """What a layer keeps for its backward, one of `config.REMAT_POLICIES` (`model.remat`)."""
     pipe_scatter_gather: bool = True
     """Megatron splits each pipeline message over the t ranks of a tensor group; jaxmeg's
     executor sends the whole b s h activation unless sequence parallelism already splits it."""
     sequence_parallel: bool = False
     """Shard the residual stream on the sequence over `tensor` (Korthikanti et al., 2022); off
     in the Megatron-LM 2021 measurements. Pipeline messages are always scatter/gathered (/t)."""
+    outer_axis: str = "pipe"
+    """Which of pipe and data varies slowest over the GPUs (`parallel.outer_axis`), and so
+    crosses nodes first."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (`parallel.schedule`); `interleaved_1f1b` when chunks > 1."""
+    warmup: str = "min_bubble"
+    """1F1B warm-up (`parallel.pipeline_warmup`); sets how many inputs a stage keeps."""
+    stage_layers: tuple[int, ...] = ()
+    """Layers per stage (`parallel.stage_layers`); empty = the even split l / p."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in REMAT_POLICIES:
+            raise ValueError(
+                f"recompute must be one of {list(REMAT_POLICIES)}, got {self.recompute!r}"
+            )
+        if self.outer_axis not in OUTER_AXES:
+            raise ValueError(
+                f"outer_axis must be one of {list(OUTER_AXES)}, got {self.outer_axis!r}"
+            )
+        if self.schedule not in schedules.NAMES or self.warmup not in schedules.WARMUPS:
+            raise ValueError(
+                f"schedule must be one of {list(schedules.NAMES)} and warmup one of "
+                f"{list(schedules.WARMUPS)}, got {self.schedule!r} / {self.warmup!r}"
+            )
+        if (self.chunks > 1) != (self.schedule == "interleaved_1f1b") and self.pipe > 1:
+            raise ValueError(
+                f"chunks = {self.chunks} goes with schedule interleaved_1f1b (chunks > 1) or "
+                f"another schedule (chunks = 1), got {self.schedule!r}"
+            )
 
     @property
     def gpus(self) -> int:
@@ -90,13 +145,25 @@ class Memory:
         return self.model_states + self.activations + self.workspace
 
 
+def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
+    """Which layers each stage holds (`jaxmeg.pipeline.layout`); raises LayoutError naming the
+    numbers when l does not split over p v (or `stage_layers` does not fit)."""
+    return StageLayout.create(shape.layers, layout.pipe, layout.chunks, layout.stage_layers)
+
+
+def busiest_stage_layers(shape: Shape, layout: Layout) -> int:
+    """Real layers of the stage with the most (l / p when even). Every stage runs v Lc layer
+    slots in lockstep (a shorter stage's padding is identity layers), so this stage sets the
+    pace and the memory; padding holds no parameters and counts in no FLOPs."""
+    return max(stage_layout(shape, layout).stage_layers)
+
+
 def params_per_gpu(shape: Shape, layout: Layout) -> float:
-    """Layer parameters of one stage split t ways, plus the vocab-parallel embedding."""
+    """Layer parameters of the busiest stage split t ways, plus the vocab-parallel embedding."""
     h = shape.hidden
     layer = 12 * h * h + 13 * h
-    stage_layers = shape.layers / layout.pipe
     embedding = shape.vocab * h / layout.tensor + shape.seq_len * h
-    return stage_layers * layer / layout.tensor + embedding
+    return busiest_stage_layers(shape, layout) * layer / layout.tensor + embedding
 
 
 def layer_activation_bytes(shape: Shape, layout: Layout, flash_attention: bool = True) -> float:
@@ -118,35 +185,56 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash_attention: bool =
     return sbh * ((34 + scores) / t if sp else 10 + 24 / t + scores / t)
 
 
-def in_flight_microbatches(layout: Layout, schedule: str = "1f1b") -> float:
-    """Microbatches whose activations stage 0 holds at its peak (as chunks of L/(p v) layers),
-    counted in whole-stage equivalents: 1F1B p (Megatron), interleaved p (1 + (p-1)/(p v)),
-    GPipe m."""
-    p, v, m = layout.pipe, layout.chunks, layout.microbatches
-    if p == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if v > 1:
-        return min(p * (1 + (p - 1) / (p * v)), m)
-    return float(min(p, m))
+@functools.cache
+def _ring_slots(schedule: str, p: int, v: int, warmup: str) -> int:
+    m = STEADY_STATE_MICROBATCHES_PER_STAGE * p  # 1F1B-type rings are full by then, flat after
+    return build_tick_table(schedules.build(schedule, p, m, v, warmup)).num_input_slots
 
 
-def memory_per_gpu(shape: Shape, layout: Layout, hw: Hardware, schedule: str = "1f1b") -> Memory:
-    """Model states at 16 B/param, activations of the in-flight microbatches, the recompute
-    working set of one layer, the last stage's fp32 logits, and the hardware's workspace."""
+def stored_microbatches(layout: Layout) -> int:
+    """K, the (microbatch, chunk) inputs a stage keeps for its backward at once: the stage-input
+    ring of the schedule's tick table (`num_input_slots`, the same for every m) for 1F1B-type
+    schedules, m for GPipe, 1 without a pipeline (microbatches run one after another)."""
+    if layout.pipe == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return layout.microbatches
+    return _ring_slots(layout.schedule, layout.pipe, layout.chunks, layout.warmup)
+
+
+def kept_bytes_per_microbatch(shape: Shape, layout: Layout) -> float:
+    """Bytes one ring slot holds for the backward: the chunk's input (2 s b h, /t with sequence
+    parallelism) and, unless `full`, the residuals of its Lc layers at the remat choice's
+    per-layer count. Without a pipeline, every layer keeps its per-layer count."""
+    lc = busiest_stage_layers(shape, layout) // layout.chunks
+    per_layer = layer_activation_bytes(shape, layout)
+    if layout.pipe == 1:
+        return lc * per_layer
+    chunk_input = layer_activation_bytes(shape, dataclasses.replace(layout, recompute="full"))
+    return chunk_input + (0.0 if layout.recompute == "full" else lc * per_layer)
+
+
+def recompute_working_bytes(shape: Shape, layout: Layout) -> float:
+    """Residuals alive while `full` recompute runs: a whole chunk's (the executor recomputes
+    the chunk at once), one layer's without a pipeline; none for the other choices."""
+    if layout.recompute != "full":
+        return 0.0
+    all_kept = layer_activation_bytes(shape, dataclasses.replace(layout, recompute="none"))
+    lc = busiest_stage_layers(shape, layout) // layout.chunks
+    return all_kept * (lc if layout.pipe > 1 else 1)
+
+
+def memory_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> Memory:
+    """Model states at 16 B/param; activations: K ring slots of what the remat choice keeps
+    (`stored_microbatches` x `kept_bytes_per_microbatch`), the recompute working set, the last
+    stage's fp32 logits and one received activation; the hardware's workspace. The busiest
+    stage's."""
     params = params_per_gpu(shape, layout)
     states = 16.0 * params
-    layers = shape.layers / layout.pipe
-    stored = (
-        layer_activation_bytes(shape, layout) * layers * in_flight_microbatches(layout, schedule)
-    )
+    stored = stored_microbatches(layout) * kept_bytes_per_microbatch(shape, layout)
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
-    working = 0.0
-    if layout.recompute == "full":  # one layer's full activations while it is recomputed
-        working = layer_activation_bytes(shape, dataclasses.replace(layout, recompute="none"))
     logits = 3 * 4 * s * b * shape.vocab / t  # fp32 logits, softmax and gradient
-    activations = stored + working + logits + 2 * s * b * h
+    activations = stored + recompute_working_bytes(shape, layout) + logits + 2 * s * b * h
     return Memory(params, states, activations, hw.workspace_gb * 1e9)
 
 
@@ -201,23 +289,56 @@ def _link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
     return hw.inter_node_gb_per_s * hw.collective_efficiency, hw.inter_node_latency_us
 
 
+def device_grid(layout: Layout) -> np.ndarray:
+    """int [d, p, t]: each GPU's rank in the device order, laid out as
+    `jaxmeg.parallel.mesh.make_mesh` lays out the mesh: tensor fastest, `outer_axis` slowest.
+    Nodes are runs of `gpus_per_node` consecutive ranks."""
+    d, p, t = layout.data, layout.pipe, layout.tensor
+    ranks = np.arange(layout.gpus)
+    if layout.outer_axis == "pipe":
+        return ranks.reshape(p, d, t).transpose(1, 0, 2)
+    return ranks.reshape(d, p, t)
+
+
+def inside_node(layout: Layout, hw: Hardware, axis: str) -> bool:
+    """Whether every group along mesh `axis` sits in one node (its collectives use NVLink)."""
+    node = device_grid(layout) // hw.gpus_per_node
+    dim = MESH_AXES.index(axis)
+    return bool((node.min(axis=dim) == node.max(axis=dim)).all())
+
+
 def tensor_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
     """A tensor group is consecutive GPUs: NVLink while it fits in a node."""
-    return _link(hw, layout.tensor <= hw.gpus_per_node)
+    return _link(hw, inside_node(layout, hw, "tensor"))
 
 
 def pipe_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """Pipeline neighbours are t d GPUs apart (tensor innermost, then data, pipe outermost)."""
-    return _link(hw, layout.tensor * layout.data * layout.pipe <= hw.gpus_per_node)
+    """Pipeline neighbours are t GPUs apart (outer_axis data) or t d (outer_axis pipe); the
+    pipeline moves at the pace of its slowest hop, so one hop across nodes makes it inter-node."""
+    return _link(hw, inside_node(layout, hw, "pipe"))
 
 
 def data_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """A data group spans t*d consecutive GPUs of one pipeline stage."""
-    return _link(hw, layout.tensor * layout.data <= hw.gpus_per_node)
+    """A data group is t GPUs apart (outer_axis pipe) or t p (outer_axis data)."""
+    return _link(hw, inside_node(layout, hw, "data"))
 
 
-def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """(forward, backward without recompute) seconds of one layer for one microbatch."""
+@dataclasses.dataclass(frozen=True)
+class LayerSeconds:
+    forward: float
+    """One layer's forward for one microbatch, tensor-parallel all-reduces included."""
+    backward: float
+    """Its backward without recompute."""
+    attention_core: float
+    """The part of the forward that selective recompute reruns: scores, softmax, context."""
+
+    def recompute(self, choice: str) -> float:
+        """Seconds the backward adds to rerun what `choice` did not keep."""
+        return {"full": self.forward, "selective": self.attention_core, "none": 0.0}[choice]
+
+
+def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
+    """Seconds of one layer for one microbatch."""
     s, b, h, a, t = shape.seq_len, layout.microbatch, shape.hidden, shape.heads, layout.tensor
     tokens = s * b
     f = shape.mlp_ratio * h
@@ -235,13 +356,14 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, fl
     # dropouts and two residual adds on the hidden stream (~12 s b h; split over t only with
     # sequence parallelism), bias + GeLU on the 4h MLP activations and the QKV bias (~16 s b h
     # / t), and scale-mask-softmax + dropout over the attention scores (~6 b a s^2 / t).
+    hbm_bytes_per_s = hw.hbm_tb_per_s * 1e12
     replicated = 12 * tokens * h / (t if layout.sequence_parallel else 1)
-    split = 16 * tokens * h / t + 6 * b * heads * s * s
-    elementwise = (replicated + split) * 2 / (hw.hbm_tb_per_s * 1e12)
+    softmax = 6 * b * heads * s * s * 2 / hbm_bytes_per_s
+    elementwise = (replicated + 16 * tokens * h / t) * 2 / hbm_bytes_per_s + softmax
     all_reduce = _ring_all_reduce_seconds(2 * tokens * h, t, tensor_link(layout, hw))
     forward = gemms + attention + elementwise + 2 * all_reduce
     backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce
-    return forward, backward
+    return LayerSeconds(forward, backward, attention + softmax)
 
 
 def _pipe_message_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -265,24 +387,21 @@ def _pipe_message_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
 
 
 def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
-    """Megatron's pipeline: (m + (p - 1) / v) microbatch slots of a stage's forward + backward;
-    full recompute adds one forward to each backward. The last stage's logits and the pipeline
-    sends are on the critical path; the data-parallel all-reduce and the optimizer step follow
-    the flush (no overlap, as in the Megatron-LM measurements)."""
+    """Megatron's pipeline: (m + (p - 1) / v) microbatch slots of the busiest stage's forward +
+    backward; the backward reruns what the remat choice did not keep (`LayerSeconds.recompute`:
+    a forward for full). The last stage's logits and the pipeline sends are on the critical
+    path; the data-parallel all-reduce and the optimizer step follow the flush (no overlap, as
+    in the Megatron-LM measurements)."""
     p, v, m = layout.pipe, layout.chunks, layout.microbatches
-    layer_f, layer_b = layer_seconds(shape, layout, hw)
-    layers = shape.layers / p
+    layer = layer_seconds(shape, layout, hw)
+    layers = busiest_stage_layers(shape, layout)
     tokens = shape.seq_len * layout.microbatch
     logits_f = _gemm_seconds(tokens, shape.vocab / layout.tensor, shape.hidden, hw)
-    # The last stage also runs the output projection: it is the slowest stage, and lockstep
-    # or not, the pipeline moves at the pace of its slowest stage.
-    forward = layers * layer_f + logits_f
-    backward = layers * layer_b + 2 * logits_f
-    if layout.recompute == "full":
-        backward += layers * layer_f
-    elif layout.recompute == "selective":
-        backward += layers * layer_f * 0.05  # attention scores/softmax recomputed
-    bubble = bubble_fraction("interleaved_1f1b" if v > 1 else "1f1b", p, m, v)
+    # The last stage also runs the output projection; lockstep or not, the pipeline moves at
+    # the pace of its slowest stage, counted as the busiest one plus the head.
+    forward = layers * layer.forward + logits_f
+    backward = layers * (layer.backward + layer.recompute(layout.recompute)) + 2 * logits_f
+    bubble = schedules.bubble_fraction(layout.schedule, p, m, v)
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back
@@ -311,14 +430,14 @@ def bytes_per_step(
     """Bytes one GPU sends per step on each link, and the message sizes behind them.
 
     tensor: 2 all-reduces of b s h per layer in the forward and 2 in the backward (+2 more for
-    the recomputed forward with `recompute="full"`, which jaxmeg's pipeline executor always
-    does), each moving 2 (t-1)/t of the message; pipe: b s h per microbatch per
-    boundary each way (/t with scatter-gather); data: the fp32 gradients, 2 (d-1)/d of them.
+    the recomputed forward with `recompute="full"`), each moving 2 (t-1)/t of the message; pipe:
+    b s h per microbatch per boundary each way (/t with scatter-gather); data: the fp32
+    gradients, 2 (d-1)/d of them. Layers are the busiest stage's.
     """
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
     message = s * b * h * compute_bytes
     per_layer = 6 if layout.recompute == "full" else 4
-    layers = shape.layers / layout.pipe
+    layers = busiest_stage_layers(shape, layout)
     tensor = per_layer * layers * layout.microbatches
     tensor_bytes = tensor * message * (2 * (t - 1) / t if t > 1 else 0)
     split = layout.pipe_scatter_gather or layout.sequence_parallel

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+from jaxmeg.config import REMAT_POLICIES
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.model import (
     Layout,
@@ -44,6 +45,7 @@ class Plan:
             "microbatches": lay.microbatches,
             "recompute": lay.recompute,
             "sequence_parallel": lay.sequence_parallel,
+            "outer_axis": lay.outer_axis,
             "tflops_per_gpu": round(self.tflops_per_gpu, 2),
             "percent_of_peak": round(self.percent_of_peak, 2),
             "step_time_s": round(self.step_time_s, 4),
@@ -73,6 +75,7 @@ def candidate_layouts(
     microbatch: int | None = None,
     recompute: tuple[str, ...] = ("full", "selective"),
     sequence_parallel: bool = False,
+    outer_axis: str = "pipe",
 ) -> Iterator[Layout]:
     """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only."""
     # A tensor group stays inside a node and splits it evenly (t divides the GPUs per node).
@@ -99,12 +102,14 @@ def candidate_layouts(
                         yield Layout(
                             tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
                             recompute=r, sequence_parallel=sequence_parallel,
+                            outer_axis=outer_axis,
+                            schedule="interleaved_1f1b" if v > 1 else "1f1b",
                         )  # fmt: skip
 
 
 def evaluate(shape: Shape, layout: Layout, hw: Hardware, tokens: float | None = None) -> Plan:
     timing = step_time(shape, layout, hw)
-    memory = memory_per_gpu(shape, layout, hw, "interleaved" if layout.chunks > 1 else "1f1b")
+    memory = memory_per_gpu(shape, layout, hw)
     tflops = tflops_per_gpu(shape, layout, hw)
     days = paper = None
     if tokens:
@@ -133,6 +138,9 @@ def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if shape.hidden % shape.heads:
         raise ValueError(f"hidden ({shape.hidden}) must be divisible by heads ({shape.heads})")
+    unknown = [r for r in pins.get("recompute", ()) if r not in REMAT_POLICIES]
+    if unknown:
+        raise ValueError(f"recompute must be among {list(REMAT_POLICIES)}, got {unknown}")
 
 
 def plan(

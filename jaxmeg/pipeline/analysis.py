@@ -18,8 +18,15 @@ import dataclasses
 
 import numpy as np
 
-from jaxmeg.pipeline.schedules import Schedule, bubble_fraction
-from jaxmeg.pipeline.tick_table import TickTable, _next_stage, _prev_stage
+from jaxmeg.pipeline.schedules import (
+    Schedule,
+    async_efficiency,
+    bubble_fraction,
+    build,
+    next_stage,
+    prev_stage,
+)
+from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
 
 
 class ScheduleError(AssertionError):
@@ -54,7 +61,7 @@ def _replay_slot(held: dict, slot: int, item, what: str) -> None:
 
 def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
     """Replays `table` (default: the schedule's own) and returns buffer sizes and efficiency."""
-    table = table if table is not None else schedule.tick_table
+    table = table if table is not None else build_tick_table(schedule)
     p, v = schedule.num_stages, schedule.num_chunks
     inputs = [dict() for _ in range(p)]
     cots = [dict() for _ in range(p)]
@@ -83,7 +90,7 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
                 _replay_slot(inputs[s], slot, (c, mb), where)
             cot_slot = int(table.f_cot_slot[t, s])
             if not (s == p - 1 and c == v - 1):
-                ns, nc = _next_stage(s, c, p)
+                ns, nc = next_stage(s, c, p)
                 sends[ns] = (nc, mb)
                 if cot_slot >= 0:
                     _fail(f"{where}: a cotangent slot ({cot_slot}) off the last virtual stage")
@@ -113,7 +120,7 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
                 _replay_slot(cots[s], cot_slot, (c, mb), where + " cotangent")
                 del cots[s][cot_slot]
             if not (s == 0 and c == 0):
-                ps, pc = _prev_stage(s, c, p)
+                ps, pc = prev_stage(s, c, p)
                 sends[ps] = (pc, mb)
         for s in range(p):
             slot = int(table.recv_cot_slot[t, s])
@@ -148,7 +155,7 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
 
 def lockstep_time(schedule: Schedule, backward_cost: float = 2.0, table: TickTable | None = None):
     """Sum over ticks of (max F-slot cost + max B-slot cost), one forward of a stage = 1."""
-    table = table if table is not None else schedule.tick_table
+    table = table if table is not None else build_tick_table(schedule)
     v = schedule.num_chunks
     forward = np.where(table.f_mb >= 0, 1.0 / v, 0.0).max(axis=1)
     backward = np.where(table.b_mb >= 0, backward_cost / v, 0.0).max(axis=1)
@@ -170,7 +177,6 @@ def efficiency_tables(stage_counts: tuple[int, ...] = (2, 4, 8), chunks=(2, 3, 4
     """Markdown: lockstep efficiency (backward = 2 and 3 forwards) against Megatron's bound
     1 / (1 + bubble) for every m in p..4p: 1F1B with both warm-ups (and the stage-0 stored
     inputs each needs), then interleaved 1F1B for each v where m is a multiple of p."""
-    from jaxmeg.pipeline.schedules import async_efficiency, build
 
     def eff(schedule, cost):
         return f"{lockstep_efficiency(schedule, cost):.3f}"

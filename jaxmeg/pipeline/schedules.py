@@ -22,38 +22,22 @@ Clusters Using Megatron-LM", section 2.2):
                     (k // pv) p + k mod p; the k-th backward is the same with chunk v - 1 - that
                     (m must be a multiple of p).
 
-`async_time` runs the orders event-driven (no ticks, zero latency); the tick table that the
-executor runs is built in `tick_table.py`, replayed and timed in `analysis.py`.
+`async_time` runs the orders event-driven (no ticks, zero latency). The package imports in one
+direction: this module (orders, pure data) <- `tick_table.py` (the lockstep table the executor
+runs) <- `analysis.py` (replays and times a table) <- `executor.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 import operator
 from typing import Any
 
 Action = tuple[str, int, int]
 NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""The schedules `build` knows (and `parallel.schedule` accepts)."""
 WARMUPS = ("min_memory", "min_bubble")
-
-# Names of the rest of the package that `from jaxmeg.pipeline.schedules import ...` also finds
-# (resolved lazily: those modules import this one).
-_ELSEWHERE = {
-    "TickTable": "jaxmeg.pipeline.tick_table",
-    "build_tick_table": "jaxmeg.pipeline.tick_table",
-    "ScheduleError": "jaxmeg.pipeline.analysis",
-    "validate": "jaxmeg.pipeline.analysis",
-    "lockstep_time": "jaxmeg.pipeline.analysis",
-    "lockstep_efficiency": "jaxmeg.pipeline.analysis",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _ELSEWHERE:
-        return getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+"""The 1F1B warm-ups (`parallel.pipeline_warmup`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +62,15 @@ class Schedule:
             raise ValueError(f"stage must be in [0, {self.num_stages}), got {stage}")
         return list(self.orders[stage])
 
-    @functools.cached_property
-    def tick_table(self):
-        """The lockstep `TickTable` the executor runs (built once, on first use)."""
-        from jaxmeg.pipeline.tick_table import build_tick_table
 
-        return build_tick_table(self)
+def next_stage(stage: int, chunk: int, num_stages: int) -> tuple[int, int]:
+    """(stage, chunk) of virtual stage chunk p + stage + 1: stage p - 1 feeds chunk + 1 on 0."""
+    return (stage + 1, chunk) if stage < num_stages - 1 else (0, chunk + 1)
 
-    def validate(self):
-        """`analysis.validate(self)`: replays the tick table; returns buffer sizes, efficiency."""
-        from jaxmeg.pipeline.analysis import validate
 
-        return validate(self)
+def prev_stage(stage: int, chunk: int, num_stages: int) -> tuple[int, int]:
+    """(stage, chunk) of virtual stage chunk p + stage - 1: stage 0 feeds chunk - 1 on p - 1."""
+    return (stage - 1, chunk) if stage > 0 else (num_stages - 1, chunk - 1)
 
 
 def _check_orders(schedule: Schedule) -> None:

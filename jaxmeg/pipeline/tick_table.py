@@ -33,12 +33,11 @@ weight gradients) or payload (compressed ppermute) adds columns, not a new forma
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import functools
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jaxmeg.pipeline.schedules import Schedule
+from jaxmeg.pipeline.schedules import Schedule, build, next_stage, prev_stage
 
 FIELDS = (
     "f_mb", "f_chunk", "f_slot",
@@ -108,16 +107,6 @@ class _Slots:
         return slot
 
 
-def _next_stage(s: int, c: int, p: int) -> tuple[int, int]:
-    """(stage, chunk) of virtual stage c p + s + 1."""
-    return (s + 1, c) if s < p - 1 else (0, c + 1)
-
-
-def _prev_stage(s: int, c: int, p: int) -> tuple[int, int]:
-    """(stage, chunk) of virtual stage c p + s - 1."""
-    return (s - 1, c) if s > 0 else (p - 1, c - 1)
-
-
 class _Packer:
     """State of the greedy placement: each stage's position in its order, the tick at which
     every (kind, virtual stage, microbatch) ran, and the slot allocators."""
@@ -168,7 +157,7 @@ class _Packer:
             row["f_mb"][s], row["f_chunk"][s], row["f_slot"][s] = mb, c, slot
             self.run("F", s, mb, c, t)
             if u != p * v - 1:
-                sent.append((*_next_stage(s, c, p), mb))
+                sent.append((*next_stage(s, c, p), mb))
             elif p * v > 1:
                 row["f_cot_slot"][s] = self.cots[s].put((c, mb))
         for ns, nc, mb in sent:
@@ -196,7 +185,7 @@ class _Packer:
             row["b_slot"][s], row["b_cot_slot"][s] = self.inputs[s].pop((c, mb)), cot_slot
             self.run("B", s, mb, c, t)
             if u != 0:
-                sent.append((*_prev_stage(s, c, p), mb))
+                sent.append((*prev_stage(s, c, p), mb))
         for ps, pc, mb in sent:
             row["recv_cot_slot"][ps] = self.cots[ps].put((pc, mb))
 
@@ -233,24 +222,25 @@ def _pack(schedule: Schedule) -> _Packer:
 
 def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int]:
     """(K, J) of the same schedule at m = 2p, where 1F1B-type rings reach their steady state."""
-    from jaxmeg.pipeline.schedules import build
-
     m = STEADY_STATE_MICROBATCHES_PER_STAGE * schedule.num_stages
     steady = build(schedule.name, schedule.num_stages, m, schedule.num_chunks, schedule.warmup)
     packer = _pack(steady)
     return max(b.peak for b in packer.inputs), max(b.peak for b in packer.cots)
 
 
+@functools.lru_cache(maxsize=64)
 def build_tick_table(schedule: Schedule) -> TickTable:
     """Places each stage's order into ticks (greedy, order kept) and allocates buffer slots.
 
     K = max over stages of stage inputs held at once, J likewise for cotangents (at least 1);
     for 1F1B-type schedules with m < 2p, the steady-state sizes at m = 2p, so K and J do not
-    depend on m.
+    depend on m. Cached per (frozen, hashable) schedule; the columns are read-only.
     """
     packer = _pack(schedule)
     p, rows = schedule.num_stages, packer.rows
     arrays = {f: np.array([r[f] for r in rows], np.int32).reshape(len(rows), p) for f in FIELDS}
+    for column in arrays.values():
+        column.flags.writeable = False
     input_slots = max(b.peak for b in packer.inputs)
     cot_slots = max(b.peak for b in packer.cots)
     steady_m = STEADY_STATE_MICROBATCHES_PER_STAGE * p

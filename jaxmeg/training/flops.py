@@ -17,28 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig
-from jaxmeg.perf.model import Shape, flops_per_iteration
-
-# Dense bf16 tensor-core peak per device, TFLOP/s, from the vendor datasheets.
-# Matched as substrings of the upper-cased, space-free device kind, first match wins.
-PEAK_TFLOPS_BF16 = {
-    "H100PCIE": 756.0,
-    "H100NVL": 835.0,
-    "H100": 989.0,
-    "H200": 989.0,
-    "A100": 312.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-}
+from jaxmeg.perf.hardware import peak_tflops_for_device_kind
+from jaxmeg.perf.model import flops_per_iteration, shape_of
 
 
 def model_flops_per_step(model: ModelConfig, sequences: int, recompute: bool = False) -> float:
     """Eq. 3 of the paper for this model config (`jaxmeg.perf.model.flops_per_iteration`)."""
-    shape = Shape(
-        hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
-        vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
-    )  # fmt: skip
-    return flops_per_iteration(shape, sequences, recompute)
+    return flops_per_iteration(shape_of(model), sequences, recompute)
 
 
 @functools.cache
@@ -56,12 +41,9 @@ def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def peak_tflops_per_device(device: jax.Device | None = None) -> float | None:
-    """Datasheet bf16 peak for known GPUs, a measured matmul peak on CPU, else None."""
+    """The datasheet bf16 peak of the hardware profile (configs/hardware/) that names this
+    GPU, a measured matmul peak on CPU, else None."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return measure_cpu_peak_tflops()
-    kind = device.device_kind.upper()
-    for name, peak in PEAK_TFLOPS_BF16.items():
-        if name in kind.replace(" ", ""):
-            return peak
-    return None
+    return peak_tflops_for_device_kind(device.device_kind)
