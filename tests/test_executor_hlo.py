@@ -36,9 +36,7 @@ def config(mesh, schedule="1f1b", chunks=1, remat="none", microbatches_per_stage
         parallel=C.ParallelConfig(
             data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks
         ),
-        train=C.TrainConfig(
-            global_batch=data * pipe * microbatches_per_stage, microbatch_size=1
-        ),
+        train=C.TrainConfig(global_batch=data * pipe * microbatches_per_stage, microbatch_size=1),
     )
 
 
@@ -104,8 +102,7 @@ def pipe_pairs(trainable, line) -> list[tuple[int, int]]:
     """(source stage, target stage) of each pair of a collective-permute."""
     ids = [d.id for d in trainable.mesh.devices.flat]
     pipe_of = {
-        device: np.unravel_index(i, trainable.mesh.devices.shape)[1]
-        for i, device in enumerate(ids)
+        device: np.unravel_index(i, trainable.mesh.devices.shape)[1] for i, device in enumerate(ids)
     }
     return [(int(pipe_of[a]), int(pipe_of[b])) for a, b in replica_groups(line)]
 

@@ -126,9 +126,7 @@ def check_against_single_device(
         to_stage_layout(ref_params, trainable.layout), state_shardings(trainable)["params"]
     )
     with jax.set_mesh(trainable.mesh):
-        loss, grads = jax.jit(make_loss_and_grads(trainable))(
-            params, *put_batch(trainable, tokens)
-        )
+        loss, grads = jax.jit(make_loss_and_grads(trainable))(params, *put_batch(trainable, tokens))
     grads = jax.tree.map(np.asarray, grads)
     assert_padding_is_zero(trainable, grads)
     grads = to_canonical_layout(grads, trainable.layout)
@@ -190,9 +188,7 @@ MORE_CASES = {
 @pytest.mark.parametrize("case", MORE_CASES)
 def test_more_layouts_match_single_device(case):
     mesh, schedule, chunks, factor, model, tol, parallel = MORE_CASES[case]
-    check_against_single_device(
-        mesh, schedule, chunks, factor, model=model, tol=tol, **parallel
-    )
+    check_against_single_device(mesh, schedule, chunks, factor, model=model, tol=tol, **parallel)
 
 
 def test_padding_layers_are_never_updated():

@@ -4,9 +4,9 @@
 the forward. Some leaves are the chunk's parameters or its stage input themselves (the very
 tracers passed in); those are at hand in the backward anyway, so only the others are kept per
 microbatch, in rings. The split is read once from a trace whose result is dropped, and checked
-again in every traced forward: if a JAX upgrade changes the pullback's structure, or starts storing parameter
-copies, `ResidualSplit.check` and the tests fail loudly instead of a stage silently storing its
-weights once per microbatch.
+again in every traced forward: if a JAX upgrade changes the pullback's structure, or starts
+storing parameter copies, `ResidualSplit.check` and the tests fail loudly instead of a stage
+silently storing its weights once per microbatch.
 """
 
 from __future__ import annotations
