@@ -83,14 +83,16 @@ def compiled_collectives(trainable):
 
 
 # The layer stack is a scan, so the layer body appears once in the HLO: counts are per layer.
-FORWARD_LAYER = "jvp(GPT)/blocks/"
-BACKWARD_LAYER = "transpose(jvp(GPT))/blocks/"
+LAYER = "/Block/"
+
+
+def layer_collectives(found, backward: bool):
+    return [c for c in found if LAYER in c.op_name and ("transpose(" in c.op_name) == backward]
 
 
 def test_megatron_collectives_per_layer():
     found, _ = compiled_collectives(trainable_for(tiny_config(data=2, tensor=2)))
-    forward = [c for c in found if FORWARD_LAYER in c.op_name and "transpose" not in c.op_name]
-    backward = [c for c in found if BACKWARD_LAYER in c.op_name]
+    forward, backward = layer_collectives(found, False), layer_collectives(found, True)
     # Megatron's g (after each row-parallel matmul) in the forward, f in the backward.
     assert [(c.kind, set(c.axes)) for c in forward] == [("all-reduce", {"tensor"})] * 2
     assert [(c.kind, set(c.axes)) for c in backward] == [("all-reduce", {"tensor"})] * 2
@@ -104,7 +106,7 @@ def test_megatron_collectives_per_layer():
 
 def test_sequence_parallel_collectives_per_layer():
     found, _ = compiled_collectives(trainable_for(tiny_config(tensor=4, sequence_parallel=True)))
-    forward = [c for c in found if FORWARD_LAYER in c.op_name and "transpose" not in c.op_name]
+    forward = layer_collectives(found, False)
     # Each column-parallel input is all-gathered along the sequence (the residual stream stays
     # sequence-sharded); each row-parallel output is reduced and scattered back along the
     # sequence. XLA:CPU emits that reduction as an all-reduce plus a local slice (its pipeline
@@ -115,7 +117,7 @@ def test_sequence_parallel_collectives_per_layer():
     )
     # Backward: the transposes swap the two (a gather's cotangent is reduce-scattered, a
     # scatter's is gathered), plus the gathers of the recomputed forward; all activation-sized.
-    backward = [c for c in found if BACKWARD_LAYER in c.op_name]
+    backward = layer_collectives(found, True)
     activation = max(c.bytes for c in forward)
     gathers = [c for c in backward if c.kind == "all-gather"]
     reductions = [c for c in backward if c.kind in ("all-reduce", "reduce-scatter")]

@@ -1,10 +1,12 @@
 """The README's main job and the CLI contract: scripts/train.py trains and its loss falls; the
-(2,2,2) interleaved pipeline reproduces the 1-device losses; --compile-only reports memory."""
+(2,2,2) interleaved pipeline and uneven stages reproduce the 1-device losses, and a checkpoint
+moves between uneven, even and unpipelined layouts; --compile-only reports memory."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,17 +50,48 @@ def test_main_job_loss_falls(tmp_path, small_corpus):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, losses
 
 
-def test_interleaved_3d_mesh_matches_one_device(tmp_path, small_corpus):
+@pytest.fixture(scope="module")
+def single_device_losses(tmp_path_factory, small_corpus) -> list[float]:
+    """Per-step losses of 5 steps of gpt_tiny on one device."""
+    records = train(
+        ["--cpu-devices", "1", "--steps", "5", *small_corpus],
+        tmp_path_factory.mktemp("single"),
+        "single",
+    )
+    return [r["loss"] for r in records]
+
+
+def test_interleaved_3d_mesh_matches_one_device(tmp_path, small_corpus, single_device_losses):
     mesh = [
         "--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2",
         "--set", "parallel.schedule=interleaved_1f1b", "--set", "parallel.chunks=2",
     ]  # fmt: skip
-    common = ["--steps", "5", *small_corpus]
-    parallel = train(["--cpu-devices", "8", *mesh, *common], tmp_path, "mesh")
-    single = train(["--cpu-devices", "1", *common], tmp_path, "single")
-    np.testing.assert_allclose(
-        [r["loss"] for r in parallel], [r["loss"] for r in single], rtol=1e-4
-    )
+    parallel = train(["--cpu-devices", "8", *mesh, "--steps", "5", *small_corpus], tmp_path, "mesh")
+    np.testing.assert_allclose([r["loss"] for r in parallel], single_device_losses, rtol=1e-4)
+
+
+UNEVEN = ["--cpu-devices", "2", "--set", "parallel.pipe=2", "--set", "parallel.stage_layers=[5,3]"]
+
+
+def test_uneven_stages_match_one_device_and_resume_on_any_layout(
+    tmp_path, small_corpus, single_device_losses
+):
+    uneven = train([*UNEVEN, "--steps", "5", *small_corpus], tmp_path, "uneven")
+    np.testing.assert_allclose([r["loss"] for r in uneven], single_device_losses, rtol=1e-4)
+
+    # A checkpoint of step 3 on [5, 3], resumed to step 5 on [4, 4] and on one device.
+    run = tmp_path / "run"
+    train([*UNEVEN, "--steps", "3", "--out", str(run), *small_corpus], tmp_path, "first3")
+    shutil.copytree(run, tmp_path / "run_copy")
+    even = ["--cpu-devices", "2", "--set", "parallel.pipe=2"]
+    for name, layout, out in (("even", even, run), ("one", ["--cpu-devices", "1"], "run_copy")):
+        resumed = train(
+            [*layout, "--steps", "5", "--out", str(tmp_path / out), *small_corpus], tmp_path, name
+        )
+        assert [r["step"] for r in resumed] == [4, 5], name
+        np.testing.assert_allclose(
+            [r["loss"] for r in resumed], single_device_losses[3:], rtol=1e-4, err_msg=name
+        )
 
 
 def test_compile_only_reports_memory(small_corpus):

@@ -135,7 +135,7 @@ def make_pipeline_loss_and_grads(
     forward_pairs = _ring_pairs(p, 1, wrap=v > 1)
     backward_pairs = _ring_pairs(p, -1, wrap=v > 1)
     store = fns.chunk_recompute is None and not whole_model
-    manual = ("pipe", "data")
+    manual = gradients.MANUAL_AXES
 
     def per_device(stage_params, shared, tokens, targets):
         params = _varying(jax.tree.map(lambda a: a[:, 0], stage_params), "data")  # [v, Lc, ...]
@@ -331,4 +331,5 @@ def make_pipeline_loss_and_grads(
         in_specs=(P(None, "pipe"), P(), P("data"), P("data")),
         out_specs=(P(), (P(None, "pipe"), P())),
         axis_names=frozenset(manual),
+        check_vma=not gradients.trivial(mesh.shape),
     )

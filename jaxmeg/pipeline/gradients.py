@@ -4,10 +4,14 @@ The one home of both for every layout (pipe = 1 is the degenerate pipeline): the
 these inside its `shard_map`, manual over `data` and `pipe`. Gradients accumulate in fp32 in the
 tick loop's carry; a step then makes
   stage gradients:   one pmean over `data` (each stage reduces its own layers);
-  shared gradients:  one psum over `pipe` (embedding grads of the first stage plus head grads of
-                     the last; with tied embeddings, the two copies' sum), then a pmean over `data`;
-  loss:              psum over `pipe` (only the last stage has it), pmean over `data`.
+  shared gradients:  one all-reduce over `pipe` x `data`: the sum over stages (embedding grads of
+                     the first stage plus head grads of the last; with tied embeddings, the two
+                     copies' sum) and the mean over replicas at once;
+  loss:              the same (only the last stage has it).
 A sharded optimizer (reduce-scatter) or a compressed reduction replaces `reduce_over_data`.
+When `data` and `pipe` both have size 1 the reductions are skipped: they are the identity, and
+XLA refuses a cross-device reduction in a manual partition whose manual axes all have size 1
+(the mesh (1, 1, t) with t > 1; the executor then runs its shard_map without type checks).
 """
 
 from __future__ import annotations
@@ -31,14 +35,37 @@ def accumulate_at(acc, index, delta):
     return jax.tree.map(lambda a, d: a.at[index].add(d.astype(a.dtype)), acc, delta)
 
 
+MANUAL_AXES = ("data", "pipe")
+
+
+def trivial(mesh_shape) -> bool:
+    """Whether every manual axis has size 1, so no reduction is needed (or allowed)."""
+    return all(mesh_shape[axis] == 1 for axis in MANUAL_AXES)
+
+
+def _psum(tree, axis: str | tuple[str, ...]):
+    sizes = {a: jax.lax.axis_size(a) for a in MANUAL_AXES}
+    return tree if trivial(sizes) else jax.lax.psum(tree, axis)
+
+
+def _pmean(tree, axis: str):
+    sizes = {a: jax.lax.axis_size(a) for a in MANUAL_AXES}
+    return tree if trivial(sizes) else jax.lax.pmean(tree, axis)
+
+
 def reduce_over_data(tree):
     """The data-parallel gradient reduction: the mean over the `data` replicas."""
-    return jax.lax.pmean(tree, "data")
+    return _pmean(tree, "data")
+
+
+def _sum_stages_mean_replicas(tree):
+    summed = _psum(tree, MANUAL_AXES)
+    replicas = jax.lax.axis_size("data")
+    return jax.tree.map(lambda a: a / replicas, summed) if replicas > 1 else summed
 
 
 def reduce_step(stage_grads, shared_grads, loss):
     """(loss, stage_grads, shared_grads) of the whole step, identical on every device of a
     stage (see the module docstring for the collectives)."""
-    shared_grads = reduce_over_data(jax.lax.psum(shared_grads, "pipe"))
-    loss = jax.lax.pmean(jax.lax.psum(loss, "pipe"), "data")
+    shared_grads, loss = _sum_stages_mean_replicas((shared_grads, loss))
     return loss, reduce_over_data(stage_grads), shared_grads
