@@ -253,28 +253,31 @@ def test_uneven_stages_count_the_busiest_stage_and_no_padding():
 
 # Ties to the compiled system: 8 simulated CPU devices, fp32.
 TIE_MODEL = dict(vocab_size=1024, hidden=128, layers=8, heads=8, seq_len=64)
-TIE_CASES = [  # (data, pipe, tensor, schedule, chunks, microbatches, microbatch size)
-    (1, 1, 1, "1f1b", 1, 1, 2),
-    (2, 1, 2, "1f1b", 1, 2, 2),
-    (1, 2, 1, "1f1b", 1, 4, 1),
-    (1, 4, 2, "1f1b", 1, 8, 1),
-    (2, 2, 2, "interleaved_1f1b", 2, 4, 1),
-    (1, 2, 1, "gpipe", 1, 4, 2),
+TIE_CASES = [  # (data, pipe, tensor, schedule, chunks, microbatches, microbatch size, remat)
+    (1, 1, 1, "1f1b", 1, 1, 2, "none"),
+    (2, 1, 2, "1f1b", 1, 2, 2, "none"),
+    (1, 2, 1, "1f1b", 1, 4, 1, "none"),
+    (1, 4, 2, "1f1b", 1, 8, 1, "none"),
+    (2, 2, 2, "interleaved_1f1b", 2, 4, 1, "none"),
+    (1, 2, 1, "gpipe", 1, 4, 2, "none"),
+    (1, 2, 1, "1f1b", 1, 4, 1, "full"),
+    (2, 2, 2, "interleaved_1f1b", 2, 4, 1, "selective"),
 ]
 
 
-@pytest.mark.parametrize("case", TIE_CASES, ids=lambda c: "d{}p{}t{}-{}-v{}-m{}-b{}".format(*c))
+@pytest.mark.parametrize("case", TIE_CASES, ids=lambda c: "d{}p{}t{}-{}-v{}-m{}-b{}-{}".format(*c))
 def test_predicted_memory_and_bytes_match_the_compiled_step(case):
     from jaxmeg import config as C
     from jaxmeg.parallel.hlo import collectives
     from jaxmeg.perf.jaxmeg_memory import jaxmeg_step_memory
     from jaxmeg.perf.model import bytes_per_step
+    from jaxmeg.training.pipeline_step import build_schedule
     from jaxmeg.training.trainer import compile_step, memory_report
     from tests.helpers import trainable_for
 
-    d, p, t, schedule, v, m, b = case
+    d, p, t, schedule, v, m, b, remat = case
     cfg = C.Config(
-        model=C.ModelConfig(compute_dtype="float32", **TIE_MODEL),
+        model=C.ModelConfig(compute_dtype="float32", remat=remat, **TIE_MODEL),
         parallel=C.ParallelConfig(data=d, pipe=p, tensor=t, schedule=schedule, chunks=v),
         train=C.TrainConfig(global_batch=d * m * b, microbatch_size=b),
     )
@@ -282,21 +285,19 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
     compiled, _ = compile_step(trainable)
     measured = memory_report(compiled)
     shape = Shape(hidden=128, layers=8, heads=8, seq_len=64, vocab=1024)
-    # jaxmeg's pipeline executor recomputes each chunk's forward in its backward.
     par = cfg.parallel
     layout = Layout(
         tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
-        recompute="full" if p > 1 else "none", pipe_scatter_gather=False,
+        recompute=cfg.model.remat, pipe_scatter_gather=False,
         schedule=par.schedule, warmup=par.pipeline_warmup, outer_axis=par.outer_axis,
         stage_layers=tuple(par.stage_layers),
     )  # fmt: skip
-    ticks, ring = None, 0
-    if p > 1:
-        from jaxmeg.training.pipeline_step import build_schedule
-
-        table = build_tick_table(build_schedule(trainable))
-        ticks, ring = table.num_ticks, table.num_input_slots + table.num_cot_slots
-    predicted = jaxmeg_step_memory(shape, layout, trainable.vocab, compute_bytes=4, ring_slots=ring)
+    table = build_tick_table(build_schedule(trainable))
+    ticks = table.num_ticks
+    predicted = jaxmeg_step_memory(
+        shape, layout, trainable.vocab, compute_bytes=4,
+        input_slots=table.num_input_slots, cot_slots=table.num_cot_slots,
+    )  # fmt: skip
     actual = measured["temp_bytes"] + measured["argument_bytes"]
     assert abs(predicted.total - actual) <= 0.15 * actual, (predicted, measured)
 

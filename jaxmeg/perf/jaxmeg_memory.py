@@ -1,21 +1,36 @@
 """Per-device memory of jaxmeg's own train step, as `memory_analysis()` reports it.
 
-arguments: fp32 params + Adam's two moments (12 B per parameter held; layers of one stage
-split t ways, plus the embedding and head, which every pipeline stage holds) + the step's token
-ids and targets (int32) of this data replica.
-temp: fp32 gradient accumulators (4 B/param) and the optimizer update's temporaries (8 B/param:
-the update and the new moments before they replace the donated ones); the activations that one
-backward keeps -- all layers of a microbatch without a pipeline, one chunk's layers with one (the
-executor recomputes a chunk from its saved input), at Korthikanti et al.'s per-layer counts with
-the compute dtype's width and no flash attention on CPU; the fp32 logits, softmax and their
-gradient of one microbatch; and the executor's rings of saved inputs and received cotangents.
+Words as in `jaxmeg.perf.model`; c the compute dtype's width in bytes, P the parameters a device
+holds (`jaxmeg_params_per_device`), K and J the tick table's `num_input_slots` and
+`num_cot_slots`, R the bytes one chunk keeps per microbatch for its backward (`stored_bytes`).
+
+arguments = 12 P + 8 s b m     fp32 params and Adam's two moments; int32 tokens and targets
+temp      = 12 P               fp32 gradient accumulators, and the update's temporaries (the
+                               update and the new moments before they replace the donated ones)
+          + K (c s b h + R)    the stage-input ring and, per slot, the chunk's stored residuals
+          + J c s b h          the cotangent ring
+          + W                  what one tick holds besides the rings (`working_bytes`)
+          + 12 s b V / t       the last virtual stage's fp32 logits, softmax and their gradient
+
+The residuals R cross the tick loop, so every one of them is a buffer of its own: they are
+counted leaf by leaf from the pullback of jaxmeg's layer (`stored_layer_elements`). A backward
+that runs its forward in the same computation (`full`, and the whole model when p v = 1) keeps
+less, since XLA fuses the cheap elementwise intermediates into the backward; it is counted at
+Korthikanti et al.'s per-layer counts, with the compute dtype's width and the s x s scores (no
+flash attention on CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxmeg.perf.model import Layout, Shape, busiest_stage_layers, layer_activation_bytes
+from jaxmeg.perf.model import (
+    Layout,
+    Shape,
+    busiest_stage_layers,
+    layer_activation_bytes,
+    stage_layout,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +45,68 @@ class StepMemory:
 
 
 def jaxmeg_params_per_device(shape: Shape, layout: Layout, vocab_padded: int) -> float:
+    """v Lc layer slots (a shorter stage's padding included: its zeros are real arrays), split
+    t ways but for the norms and the row-parallel biases, plus the embedding and head, which
+    every stage holds."""
     h, t = shape.hidden, layout.tensor
     split = 12 * h * h + 9 * h  # QKV, out, fc1, fc2 weights and the QKV / fc1 biases
     replicated = 6 * h  # two layer norms (scale, bias), two output biases
-    layers = busiest_stage_layers(shape, layout)
+    slots = layout.chunks * stage_layout(shape, layout).layers_per_chunk
     embedding = vocab_padded * h / t + shape.seq_len * h + 2 * h
-    return layers * (split / t + replicated) + embedding
+    return slots * (split / t + replicated) + embedding
+
+
+def stored_layer_elements(shape: Shape, layout: Layout) -> float:
+    """Elements one layer's pullback keeps, per microbatch, as jaxmeg's GPT layer leaves them.
+
+    none       s b h (8 + 28 / t) + 2 b a s^2 / t + (4 s b + 2 h + 2 b a s / t), as the leaves of
+               its pullback count: eight arrays of the residual stream's width, q, k, v and the
+               attention output (4 / t), six of the MLP's width (fc1's output and the
+               tanh-GeLU's intermediates, 24 / t), two of the scores' size, and the norms' and
+               the softmax's per-row statistics;
+    selective  s b h (2 + 7 / t): the outputs of the four weight matmuls (QKV 3 / t, fc1 4 / t,
+               the two row-parallel ones after their all-reduce);
+    full       none (the stage input is the ring's).
+    """
+    s, b, h, a, t = shape.seq_len, layout.microbatch, shape.hidden, shape.heads, layout.tensor
+    sbh = s * b * h
+    if layout.recompute == "none":
+        return sbh * (8 + 28 / t) + 2 * b * a * s * s / t + 4 * s * b + 2 * h + 2 * b * a * s / t
+    if layout.recompute == "selective":
+        return sbh * (2 + 7 / t)
+    return 0.0
+
+
+def stored_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
+    """R: Lc layer slots' residuals (padding slots included: the scan stacks them), plus, with
+    `none`, the causal mask (bool) and its fill, b a s^2 (1 + c) / t once per chunk; 0 with one
+    stage and one chunk (nothing is kept across ticks)."""
+    if layout.pipe * layout.chunks == 1 or layout.recompute == "full":
+        return 0.0
+    s, b, a, t = shape.seq_len, layout.microbatch, shape.heads, layout.tensor
+    lc = stage_layout(shape, layout).layers_per_chunk
+    mask = b * a * s * s * (1 + compute_bytes) / t if layout.recompute == "none" else 0.0
+    return lc * stored_layer_elements(shape, layout) * compute_bytes + mask
+
+
+def working_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
+    """W. Stored residuals: one chunk's fresh R, made by the F slot before the ring write.
+    `full`: one chunk's residuals while its backward recomputes it. p v = 1: the whole model's
+    backward, each layer keeping what its remat policy keeps (and `full` one layer's residuals
+    at a time)."""
+    fp32 = compute_bytes / 2  # Korthikanti's counts are for 16-bit activations
+
+    def per_layer(recompute: str) -> float:
+        choice = dataclasses.replace(layout, recompute=recompute)
+        return layer_activation_bytes(shape, choice, flash_attention=False) * fp32
+
+    if layout.pipe * layout.chunks == 1:
+        layers = busiest_stage_layers(shape, layout)
+        extra = per_layer("none") if layout.recompute == "full" else 0.0
+        return layers * per_layer(layout.recompute) + extra
+    if layout.recompute == "full":
+        return stage_layout(shape, layout).layers_per_chunk * per_layer("none")
+    return stored_bytes(shape, layout, compute_bytes)
 
 
 def jaxmeg_step_memory(
@@ -43,17 +114,16 @@ def jaxmeg_step_memory(
     layout: Layout,
     vocab_padded: int,
     compute_bytes: int = 4,
-    ring_slots: int = 0,
+    input_slots: int = 1,
+    cot_slots: int = 1,
 ) -> StepMemory:
+    """The module docstring's sums; `input_slots` K and `cot_slots` J from the tick table."""
     params = jaxmeg_params_per_device(shape, layout, vocab_padded)
     s, b = shape.seq_len, layout.microbatch
     tokens = 2 * 4 * s * b * layout.microbatches
     arguments = 12 * params + tokens
-    per_layer = layer_activation_bytes(
-        shape, dataclasses.replace(layout, recompute="none"), flash_attention=False
-    ) * (compute_bytes / 2)
-    kept_layers = busiest_stage_layers(shape, layout) // layout.chunks
+    x = s * b * shape.hidden * compute_bytes
+    rings = input_slots * (x + stored_bytes(shape, layout, compute_bytes)) + cot_slots * x
     logits = 3 * 4 * s * b * vocab_padded / layout.tensor
-    ring = ring_slots * s * b * shape.hidden * compute_bytes
-    temp = 12 * params + kept_layers * per_layer + logits + ring
+    temp = 12 * params + rings + working_bytes(shape, layout, compute_bytes) + logits
     return StepMemory(params=params, arguments=arguments, temp=temp)
