@@ -2,6 +2,7 @@
 
   python scripts/bench.py --config configs/gpt_1.3b.yaml --steps 10 --set model.vocab_size=51200
   python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 8 --set parallel.pipe=2
+  python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 1 --compare-plain
 
 Batches are random tokens (the step's cost does not depend on them), so no dataset is needed;
 the vocabulary is `model.vocab_size`, else `data.tokenizer_vocab`.
@@ -26,16 +27,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     parser.add_argument("--cpu-devices", type=int)
+    parser.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="one device: time the one step path against the plain autodiff step, alternating",
+    )
     args = parser.parse_args(argv)
     if args.cpu_devices:
         from jaxmeg.parallel import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
     from jaxmeg import config
-    from jaxmeg.training.benchmark import benchmark
+    from jaxmeg.training.benchmark import benchmark, compare_with_plain
 
     cfg = config.load(args.config, args.overrides)
-    print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
+    if args.compare_plain:
+        print(json.dumps(compare_with_plain(cfg, steps=args.steps)))
+    else:
+        print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
     return 0
 
 

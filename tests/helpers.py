@@ -8,7 +8,6 @@ import jax
 import numpy as np
 
 from jaxmeg import config as C
-from jaxmeg.models import cross_entropy
 from jaxmeg.parallel import make_mesh
 from jaxmeg.training.state import Trainable
 
@@ -42,20 +41,6 @@ def random_batch(cfg: C.Config, seed: int = 0) -> np.ndarray:
 def put_batch(trainable: Trainable, tokens: np.ndarray):
     sharding = trainable.batch_sharding()
     return jax.device_put(tokens[:, :-1], sharding), jax.device_put(tokens[:, 1:], sharding)
-
-
-def plain_loss_and_grads(trainable: Trainable, canonical_params, tokens: np.ndarray):
-    """Loss and gradients of the whole batch by plain `jax.value_and_grad` of the model on one
-    device, params in canonical layout: the reference that shares no code with the executor.
-    (The mean over equal microbatches of their mean losses is the mean over the batch.)"""
-    model = trainable.model()
-    vocab_size = trainable.cfg.model.vocab_size
-
-    def loss_fn(params):
-        logits = model.apply({"params": params}, tokens[:, :-1])
-        return cross_entropy(logits, tokens[:, 1:], vocab_size)
-
-    return jax.jit(jax.value_and_grad(loss_fn))(canonical_params)
 
 
 def replace_model(cfg: C.Config, **changes) -> C.Config:

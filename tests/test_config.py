@@ -109,6 +109,34 @@ BAD = [
     (["model.dropout=0.1"], r"model.dropout must be 0.0 \(dropout is not implemented\), got 0.1"),
     (["parallel.pipeline_warmup=eager"], "parallel.pipeline_warmup must be one of"),
     (["checkpoint.keep=0"], r"checkpoint.keep >= 1, got 0 and 0"),
+    # Uneven stages (model.layers = 8 by default).
+    (
+        ["parallel.pipe=2", "parallel.stage_layers=[5,4]"],
+        r"parallel.stage_layers \[5, 4\] sums to 9, but model.layers is 8",
+    ),
+    (
+        ["parallel.pipe=2", "parallel.stage_layers=[8,0]"],
+        r"parallel.stage_layers entries must be >= 1, got \[8, 0\] \(stage 1 has 0\)",
+    ),
+    (
+        ["parallel.pipe=2", "parallel.stage_layers=[-2,10]"],
+        r"parallel.stage_layers entries must be >= 1, got \[-2, 10\]",
+    ),
+    (
+        ["parallel.pipe=2", "parallel.stage_layers=[4,2,2]"],
+        r"parallel.stage_layers has 3 entries \[4, 2, 2\], but parallel.pipe is 2",
+    ),
+    (
+        [
+            "parallel.pipe=2",
+            "parallel.schedule=interleaved_1f1b",
+            "parallel.chunks=2",
+            "parallel.stage_layers=[5,3]",
+        ],
+        r"parallel.stage_layers \[5, 3\] needs a schedule with one chunk per stage .* "
+        r"got parallel.schedule=interleaved_1f1b",
+    ),
+    (["parallel.stage_layers=[a]"], r"parallel.stage_layers must be a list of integers"),
 ]
 
 

@@ -2,8 +2,8 @@
 every schedule on meshes that mix pipe with tensor and data, pipe = 1 included; bf16, every
 `model.remat`, an untied head, sequence parallelism and uneven stages; memory flat in m for 1F1B.
 
-The reference is plain `jax.value_and_grad` of the model on the whole batch, on one device: it
-shares no code with the executor."""
+The reference is `jaxmeg.training.reference`: plain `jax.value_and_grad` of the model per
+microbatch on one device, which shares no code with the executor."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from jaxmeg import config as C
 from jaxmeg.training.pipeline_step import make_loss_and_grads
+from jaxmeg.training.reference import make_plain_loss_and_grads
 from jaxmeg.training.state import (
     init_state,
     state_shardings,
@@ -25,7 +26,7 @@ from jaxmeg.training.state import (
 )
 from jaxmeg.training.step import make_train_step
 from jaxmeg.training.trainer import compile_step, memory_report
-from tests.helpers import plain_loss_and_grads, put_batch, random_batch, trainable_for
+from tests.helpers import put_batch, random_batch, trainable_for
 
 pytestmark = pytest.mark.timeout(300)  # a deadlocked pipe collective aborts, never hangs
 
@@ -77,17 +78,21 @@ def config(
 
 @functools.cache
 def reference(global_batch: int, layers: int = MODEL.layers, model: C.ModelConfig = MODEL):
-    """Loss and gradients of the unpipelined model on one device, at the same init, canonical."""
+    """Loss and gradients of the unpipelined model on one device, at the same init, canonical.
+    (One microbatch: the mean over equal microbatches of their mean losses is the batch mean.)"""
     cfg = dataclasses.replace(
         config(1, 1, 1, layers=layers, model=model), train=C.TrainConfig(global_batch=global_batch)
     )
     trainable = trainable_for(cfg)
     tokens = random_batch(trainable.cfg)
     with jax.set_mesh(trainable.mesh):
-        params = to_canonical_layout(init_state(trainable, seed=0)["params"], trainable.layout)
-        loss, grads = plain_loss_and_grads(trainable, params, tokens)
+        params = init_state(trainable, seed=0)["params"]
+        loss, grads = jax.jit(make_plain_loss_and_grads(trainable))(
+            params, *put_batch(trainable, tokens)
+        )
     to_host = functools.partial(jax.tree.map, np.asarray)
-    return tokens, to_host(params), float(loss), to_host(grads)
+    canonical = functools.partial(to_canonical_layout, layout=trainable.layout)
+    return tokens, canonical(to_host(params)), float(loss), canonical(to_host(grads))
 
 
 # Megatron's own 1F1B warm-up (the trainer defaults to min_bubble), and v = 3 on 12 layers.
@@ -218,19 +223,31 @@ MEMORY_MODEL = dataclasses.replace(MODEL, seq_len=256)
 STAGE_INPUT_BYTES = 1 * 256 * 32 * 4
 
 
-def temp_bytes(schedule: str, chunks: int, microbatches: int, pipe: int = 4) -> int:
+def temp_bytes(schedule: str, chunks: int, microbatches: int, pipe: int = 4, remat="none") -> int:
     cfg = config(1, pipe, 1, schedule, chunks, microbatches)
-    compiled, _ = compile_step(trainable_for(dataclasses.replace(cfg, model=MEMORY_MODEL)))
+    model = dataclasses.replace(MEMORY_MODEL, remat=remat)
+    compiled, _ = compile_step(trainable_for(dataclasses.replace(cfg, model=model)))
     return memory_report(compiled)["temp_bytes"]
 
 
+@pytest.mark.parametrize("remat", ["none", "selective", "full"])
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_memory_flat_in_microbatches(schedule, chunks):
+def test_memory_flat_in_microbatches(schedule, chunks, remat):
     p = 4
-    small, large = temp_bytes(schedule, chunks, p), temp_bytes(schedule, chunks, 4 * p)
+    small = temp_bytes(schedule, chunks, p, remat=remat)
+    large = temp_bytes(schedule, chunks, 4 * p, remat=remat)
     assert large <= 1.05 * small, (small, large)
     # What grows is only the step's own token ids (m x b x s int32), not a stored stage input.
     assert large - small < STAGE_INPUT_BYTES, (small, large)
+
+
+def test_stored_residuals_follow_remat():
+    """`none` keeps more per microbatch than `selective`, which keeps more than `full` (only
+    the stage input): the rings hold what the policy says."""
+    none, selective, full = (
+        temp_bytes("1f1b", 1, 8, remat=r) for r in ("none", "selective", "full")
+    )
+    assert none > selective > full, (none, selective, full)
 
 
 def test_gpipe_memory_grows_with_microbatches():

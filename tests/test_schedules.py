@@ -9,7 +9,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from jaxmeg.pipeline import ScheduleError, build, check_layers, lockstep_efficiency, validate
+from jaxmeg.pipeline import ScheduleError, build, lockstep_efficiency, validate
 from jaxmeg.pipeline.schedules import Schedule, async_efficiency, bubble_fraction
 from jaxmeg.pipeline.tick_table import build_tick_table
 
@@ -304,14 +304,6 @@ BAD = [
 def test_bad_inputs_name_the_numbers(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         build(*args, **kwargs)
-
-
-def test_layers_must_divide_into_chunks():
-    assert check_layers(8, 2, 2) == 2
-    with pytest.raises(
-        ValueError, match=r"layers \(12\) must be divisible by stages \* chunks = 4 \* 2 = 8"
-    ):
-        check_layers(12, 4, 2)
 
 
 def test_benchmarks_doc_holds_the_current_efficiency_tables():

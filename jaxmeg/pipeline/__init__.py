@@ -4,7 +4,7 @@ Nothing here imports model code: the executor runs `StageFunctions` given by the
 """
 
 from jaxmeg.pipeline.analysis import ScheduleError, lockstep_efficiency, validate
-from jaxmeg.pipeline.schedules import Schedule, bubble_fraction, build, check_layers
+from jaxmeg.pipeline.schedules import Schedule, bubble_fraction, build
 from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "bubble_fraction",
     "build",
     "build_tick_table",
-    "check_layers",
     "lockstep_efficiency",
     "validate",
 ]

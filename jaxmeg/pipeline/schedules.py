@@ -92,16 +92,6 @@ def _check_orders(schedule: Schedule) -> None:
                 raise ValueError(f"stage {s} order runs B(mb={mb}, chunk={c}) before its F")
 
 
-def check_layers(num_layers: int, num_stages: int, num_chunks: int = 1) -> int:
-    """Layers per chunk, L / (p v); raises unless num_layers is divisible by p * v."""
-    if num_layers < 1 or num_layers % (num_stages * num_chunks):
-        raise ValueError(
-            f"layers ({num_layers}) must be divisible by stages * chunks = "
-            f"{num_stages} * {num_chunks} = {num_stages * num_chunks}"
-        )
-    return num_layers // (num_stages * num_chunks)
-
-
 def _as_int(field: str, value: Any) -> int:
     try:
         return operator.index(value)

@@ -21,9 +21,10 @@ from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import Trainable, state_shardings
 
 
-def make_train_step(trainable: Trainable) -> Callable:
-    """Returns jitted `step(state, tokens, targets) -> (state, metrics)`; the state is donated."""
-    loss_and_grads = make_loss_and_grads(trainable)
+def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None) -> Callable:
+    """Returns jitted `step(state, tokens, targets) -> (state, metrics)`; the state is donated.
+    `loss_and_grads` defaults to the executor's (`pipeline_step.make_loss_and_grads`)."""
+    loss_and_grads = loss_and_grads or make_loss_and_grads(trainable)
     schedule = learning_rate_schedule(trainable.cfg.optimizer)
     shardings = state_shardings(trainable)
 

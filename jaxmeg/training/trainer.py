@@ -234,6 +234,8 @@ def _describe(trainable: Trainable, dataset) -> None:
         f"(padded {trainable.vocab}), batch {cfg.train.global_batch} = {d} x "
         f"{cfg.train.microbatches} x {cfg.train.microbatch_size}, {dataset.num_tokens:,} tokens"
     )
+    if p > 1:
+        say(f"pipeline {cfg.parallel.schedule}: {trainable.layout.describe()}")
 
 
 def _meta(trainable: Trainable, loader, progress: _Progress) -> dict[str, Any]:

@@ -1,0 +1,48 @@
+"""The unpipelined step by plain autodiff, on one device: `jax.value_and_grad` of the whole model
+per microbatch, accumulated by `lax.scan`. It shares no code with the executor, so the tests
+compare the executor with it, and `scripts/bench.py --compare-plain` times the one step path
+against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.models import cross_entropy
+from jaxmeg.training.state import Trainable, to_canonical_layout, to_stage_layout
+
+
+def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
+    """(params, tokens [G, S], targets [G, S]) -> (mean loss, fp32 grads), params and grads in
+    the run's layout (a reshape of the canonical one on a one-stage mesh). One device only."""
+    if trainable.mesh.size != 1:
+        raise ValueError(f"the plain step runs on one device, the mesh has {trainable.mesh.size}")
+    cfg, layout = trainable.cfg, trainable.layout
+    model = trainable.model()
+    microbatches = cfg.train.microbatches
+
+    def loss_fn(params, tokens_BxS, targets_BxS):
+        logits = model.apply({"params": params}, tokens_BxS)
+        return cross_entropy(logits, targets_BxS, cfg.model.vocab_size)
+
+    def loss_and_grads(params, tokens, targets):
+        params = to_canonical_layout(params, layout)
+        tokens_MxBxS = tokens.reshape(microbatches, -1, tokens.shape[-1])
+        targets_MxBxS = targets.reshape(microbatches, -1, targets.shape[-1])
+
+        def accumulate(carry, microbatch):
+            loss_sum, grad_sum = carry
+            loss, grads = jax.value_and_grad(loss_fn)(params, *microbatch)
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+            return (loss_sum + loss, grad_sum), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+        init = (jnp.zeros((), jnp.float32), zeros)
+        (loss, grads), _ = jax.lax.scan(accumulate, init, (tokens_MxBxS, targets_MxBxS))
+        grads = jax.tree.map(lambda g: g / microbatches, grads)
+        return loss / microbatches, to_stage_layout(grads, layout)
+
+    return loss_and_grads
