@@ -153,7 +153,7 @@ def test_checkpoint_reshards_across_vocab_padding(tmp_path):
     reader = Checkpointer(tmp_path, target)
     _, restored, _ = reader.restore_latest()
     reader.close()
-    got = jax.tree.map(np.asarray, restored)
+    got = jax.tree.map(np.asarray, to_canonical_layout(restored, target.layout))
     dims = vocab_dims(target)
     for a, b, dim in zip(
         jax.tree.leaves(got), jax.tree.leaves(saved), jax.tree.leaves(dims), strict=True
