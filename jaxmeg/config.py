@@ -93,9 +93,11 @@ class ParallelConfig:
     """Shard the activations between blocks on the sequence dim over `tensor`, so each block's
     all-reduce becomes a reduce-scatter plus an all-gather (Korthikanti et al., 2022)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved_1f1b`."""
+    """Pipeline schedule: `gpipe`, `1f1b`, `interleaved_1f1b` or `breadth_first` (layered
+    gradient accumulation; with chunks = layers / pipe, modular pipeline parallelism)."""
     chunks: int = 1
-    """Model chunks (virtual stages) per pipeline stage, v; > 1 only with interleaved_1f1b."""
+    """Model chunks (virtual stages) per pipeline stage, v; > 1 only with interleaved_1f1b or
+    breadth_first."""
     stage_layers: tuple = ()
     """Layers per pipeline stage, one entry per stage, e.g. [5, 3] (sum = model.layers, every
     entry >= 1; gpipe and 1f1b only). Empty = the even split L / (p v). Shorter stages are padded
@@ -452,9 +454,10 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     if par.chunks < 1:
         raise ConfigError(f"parallel.chunks must be >= 1, got {par.chunks}")
-    if par.chunks > 1 and par.schedule != "interleaved_1f1b":
+    if par.chunks > 1 and par.schedule not in schedules.CHUNKED:
         raise ConfigError(
-            f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b, "
+            f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b or "
+            f"breadth_first, "
             f"got {par.schedule}"
         )
     if par.chunks > 1 and pipe == 1:
@@ -462,7 +465,8 @@ def validate(cfg: Config, num_devices: int) -> Config:
     if par.stage_layers and par.schedule == "interleaved_1f1b":
         raise ConfigError(
             f"parallel.stage_layers {list(par.stage_layers)} needs a schedule with one chunk per "
-            f"stage (gpipe or 1f1b), got parallel.schedule=interleaved_1f1b"
+            f"stage (gpipe, 1f1b or breadth_first with chunks = 1), got "
+            f"parallel.schedule=interleaved_1f1b"
         )
     try:
         StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers)

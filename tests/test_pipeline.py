@@ -104,7 +104,18 @@ EXTRA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("mesh,schedule,chunks,factor", CASES)
+# Layered gradient accumulation: v = L / p (modular pipeline, layer l on stage l mod p) and
+# v = 2, m in {p, 2p}.
+BREADTH_FIRST_CASES = [
+    pytest.param(mesh, "breadth_first", v, factor, id="d{}p{}t{}-breadth_first-v{}-m{}p".format(
+        *mesh, v, factor))
+    for mesh in [(1, 2, 1), (1, 4, 1), (2, 2, 2), (2, 4, 1)]
+    for v in sorted({MODEL.layers // mesh[1], 2})
+    for factor in (1, 2)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh,schedule,chunks,factor", CASES + BREADTH_FIRST_CASES)
 def test_pipeline_matches_single_device(mesh, schedule, chunks, factor):
     check_against_single_device(mesh, schedule, chunks, factor)
 
@@ -242,12 +253,14 @@ def test_memory_flat_in_microbatches(schedule, chunks, remat):
 
 
 def test_stored_residuals_follow_remat():
-    """`none` keeps more per microbatch than `selective`, which keeps more than `full` (only
-    the stage input): the rings hold what the policy says."""
+    """The rings hold what the policy says: `none` keeps every residual of every in-flight
+    microbatch, far more than `selective` (no attention scores) or `full` (only stage inputs, plus
+    one chunk's residuals while the B slot recomputes it). Which of those two is larger depends on
+    the shape: at s = 256, h = 32 one chunk's attention scores outweigh the selective rings."""
     none, selective, full = (
         temp_bytes("1f1b", 1, 8, remat=r) for r in ("none", "selective", "full")
     )
-    assert none > selective > full, (none, selective, full)
+    assert none > 3 * max(selective, full), (none, selective, full)
 
 
 def test_gpipe_memory_grows_with_microbatches():

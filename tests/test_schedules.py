@@ -342,3 +342,26 @@ def test_the_pipeline_package_imports_in_one_direction():
             if alias.name.startswith("jaxmeg")
         }
         assert imported <= may_import, (module, imported - may_import)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 4), (4, 4, 2), (4, 8, 2), (2, 4, 1)])
+def test_breadth_first_order_stores_and_bubble(p, m, v):
+    schedule = build("breadth_first", p, m, num_chunks=v)
+    forwards = [("F", mb, c) for c in range(v) for mb in range(m)]
+    backwards = [("B", mb, c) for c in reversed(range(v)) for mb in range(m)]
+    for stage in range(p):
+        assert schedule.order(stage) == forwards + backwards
+    report = validate(schedule)
+    assert report.input_slots == (m * v,) * p
+    assert report.bubble == pytest.approx((p - 1) / (v * m))
+    # m >= p: the lockstep table meets the asynchronous bound, like interleaved 1F1B.
+    assert report.lockstep_efficiency == pytest.approx(report.async_bound)
+
+
+def test_breadth_first_with_fewer_microbatches_than_stages_warns_of_the_stall():
+    with pytest.warns(
+        UserWarning, match=r"num_microbatches \(2\) < num_stages \(4\): every stage stalls 2 ticks"
+    ):
+        schedule = build("breadth_first", 4, 2, num_chunks=2)
+    report = validate(schedule)
+    assert report.lockstep_efficiency < report.async_bound

@@ -95,10 +95,15 @@ class Layout:
                 f"schedule must be one of {list(schedules.NAMES)} and warmup one of "
                 f"{list(schedules.WARMUPS)}, got {self.schedule!r} / {self.warmup!r}"
             )
-        if (self.chunks > 1) != (self.schedule == "interleaved_1f1b") and self.pipe > 1:
+        interleaved = self.schedule == "interleaved_1f1b"
+        if self.pipe > 1 and (
+            (self.chunks > 1 and self.schedule not in schedules.CHUNKED)
+            or (interleaved and self.chunks == 1)
+        ):
             raise ValueError(
-                f"chunks = {self.chunks} goes with schedule interleaved_1f1b (chunks > 1) or "
-                f"another schedule (chunks = 1), got {self.schedule!r}"
+                f"chunks = {self.chunks} goes with schedule interleaved_1f1b or breadth_first "
+                f"(chunks > 1), or gpipe, 1f1b or breadth_first (chunks = 1), got "
+                f"{self.schedule!r}"
             )
 
     @property

@@ -215,4 +215,25 @@ def efficiency_tables(stage_counts: tuple[int, ...] = (2, 4, 8), chunks=(2, 3, 4
                 report = validate(inter)
                 cells.append(f"{report.async_bound:.3f} / {eff(inter, 2)} / {eff(inter, 3)}")
             lines.append(_row(p, m, *cells))
+    lines += [
+        "",
+        "Breadth-first (`breadth_first`, layered gradient accumulation) against interleaved 1F1B "
+        "at equal v: lockstep efficiency with backward = 2, and stage-0 stored inputs "
+        "(breadth-first / interleaved). The bubble is the same; breadth-first keeps m v inputs.",
+        "",
+        _row("p", "m", *[f"v={v}" for v in chunks]),
+        _row(*["---"] * (2 + len(chunks))),
+    ]
+    for p in stage_counts:
+        for m in range(p, 4 * p + 1, p):
+            cells = []
+            for v in chunks:
+                breadth = build("breadth_first", p, m, num_chunks=v)
+                inter = build("interleaved_1f1b", p, m, num_chunks=v)
+                r_breadth, r_inter = validate(breadth), validate(inter)
+                cells.append(
+                    f"{eff(breadth, 2)} / {eff(inter, 2)}; "
+                    f"{r_breadth.input_slots[0]} / {r_inter.input_slots[0]}"
+                )
+            lines.append(_row(p, m, *cells))
     return "\n".join(lines)

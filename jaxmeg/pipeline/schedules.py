@@ -21,6 +21,13 @@ Clusters Using Megatron-LM", section 2.2):
                     forward of a stage is chunk (k mod pv) // p of microbatch
                     (k // pv) p + k mod p; the k-th backward is the same with chunk v - 1 - that
                     (m must be a multiple of p).
+  breadth_first     Lamy-Poirier's layered gradient accumulation (2021): every microbatch
+                    through chunk 0, then every microbatch through chunk 1, ...; then the
+                    backwards chunk v-1 .. 0, each over every microbatch. With v = L / p (one
+                    layer per chunk, layer l on stage l mod p) it is modular pipeline
+                    parallelism. Same bubble as interleaved, (p - 1) / (v m), if m >= p (with
+                    m < p a stage waits p - m ticks before each chunk after the first); stores
+                    m v stage inputs; each chunk's gradient is final after its last backward.
 
 `async_time` runs the orders event-driven (no ticks, zero latency). The package imports in one
 direction: this module (orders, pure data) <- `tick_table.py` (the lockstep table the executor
@@ -31,11 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from typing import Any
 
 Action = tuple[str, int, int]
-NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first")
 """The schedules `build` knows (and `parallel.schedule` accepts)."""
+CHUNKED = ("interleaved_1f1b", "breadth_first")
+"""The schedules that run v > 1 chunks per stage."""
 WARMUPS = ("min_memory", "min_bubble")
 """The 1F1B warm-ups (`parallel.pipeline_warmup`)."""
 
@@ -109,7 +119,7 @@ def _check(name: str, p: int, m: int, v: int, warmup: str) -> None:
             raise ValueError(f"{field} must be >= 1, got {value}")
     if v > 1 and p == 1:
         raise ValueError(f"num_chunks = {v} needs num_stages > 1, got 1")
-    if v > 1 and name != "interleaved_1f1b":
+    if v > 1 and name not in CHUNKED:
         raise ValueError(f"{name} runs one chunk per stage, got num_chunks = {v}")
     if name == "interleaved_1f1b" and m % p:
         raise ValueError(
@@ -151,9 +161,19 @@ def warmup_forwards(name: str, num_stages: int, stage: int, num_chunks: int, war
     raise ValueError(f"{name} has no warm-up phase")
 
 
+def breadth_first_stall(num_stages: int, num_microbatches: int) -> int:
+    """Ticks a stage waits before each chunk after the first when m < p: microbatch 0 comes
+    back around the ring after p ticks, but the stage ran out of microbatches after m."""
+    return max(num_stages - num_microbatches, 0)
+
+
 def _stage_order(name: str, p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
     if name == "gpipe":
         return tuple([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
+    if name == "breadth_first":
+        forwards = [("F", mb, c) for c in range(v) for mb in range(m)]
+        backwards = [("B", mb, c) for c in reversed(range(v)) for mb in range(m)]
+        return tuple(forwards + backwards)
     return _warmup_then_alternate(p, m, v, warmup_forwards(name, p, s, v, warmup))
 
 
@@ -175,6 +195,13 @@ def build(
     m = _as_int("num_microbatches", num_microbatches)
     v = _as_int("num_chunks", num_chunks)
     _check(name, p, m, v, warmup)
+    if name == "breadth_first" and v > 1 and breadth_first_stall(p, m):
+        warnings.warn(
+            f"breadth_first with num_microbatches ({m}) < num_stages ({p}): every stage stalls "
+            f"{breadth_first_stall(p, m)} ticks before each of its {v - 1} later chunks; "
+            f"use m >= p",
+            stacklevel=2,
+        )
     orders = tuple(_stage_order(name, p, s, m, v, warmup) for s in range(p))
     return Schedule(name, p, m, v, warmup, orders)
 
