@@ -1,8 +1,12 @@
 """Plan a 3D-parallel layout: every (tensor, pipe, data, chunks, microbatch, recompute) that fits
-in memory, ranked by the predicted step time (docs/planner.md explains the model).
+in memory, ranked by the predicted step time (--objective step_time, the default); or, per
+pipeline method, the layout of up to --gpus GPUs that reaches a target loss soonest at the
+critical batch (--objective shortest_time). docs/planner.md explains the model.
 
   python scripts/plan.py --config configs/megatron_1t.yaml --gpus 3072 --batch 3072 \
       --hardware a100_dgx --tokens 450e9
+  python scripts/plan.py --config configs/megatron_1t.yaml --gpus 65536 \
+      --objective shortest_time --tokens 450e9
   python scripts/plan.py --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \
       --gpus 1536 --batch 1536 --tensor 8 --json
 """
@@ -18,8 +22,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+OBJECTIVES = ("step_time", "shortest_time")
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def parse_args(argv):
     from jaxmeg.config import OUTER_AXES, REMAT_POLICIES
+    from jaxmeg.perf.collectives import ZERO_STAGES
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -31,10 +46,22 @@ def parse_args(argv):
     model.add_argument("--heads", type=int)
     model.add_argument("--seq", type=int)
     model.add_argument("--vocab", type=int)
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--batch", type=int, required=True, help="global batch in sequences")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs (shortest_time: at most)")
+    parser.add_argument("--batch", type=int, help="global batch in sequences (step_time)")
     parser.add_argument("--hardware", default="a100_dgx", help="profile name or YAML path")
-    parser.add_argument("--tokens", type=float, help="training tokens, for the days column")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="step_time")
+    parser.add_argument(
+        "--tokens", type=positive_float,
+        help="training tokens: the days column (step_time); the budget of a run at the "
+        "critical batch (shortest_time)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target-loss", type=positive_float, help="nats per token to reach (shortest_time)"
+    )
+    parser.add_argument(
+        "--zero-stage", type=int, choices=ZERO_STAGES,
+        help="ZeRO stage of every layout (shortest_time: of every method)",
+    )  # fmt: skip
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
     parser.add_argument("--recompute", choices=REMAT_POLICIES)
@@ -44,9 +71,14 @@ def parse_args(argv):
     )
     parser.add_argument("--top", type=int, default=15, help="rows of the table")
     parser.add_argument(
-        "--json", action="store_true", help="print the best plan as one JSON object"
+        "--json", action="store_true", help="print the best plan (per method) as JSON"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.objective == "step_time" and args.batch is None:
+        parser.error("--batch is required with --objective step_time")
+    if args.objective == "shortest_time" and (args.target_loss is None) == (args.tokens is None):
+        parser.error("--objective shortest_time takes one of --target-loss and --tokens")
+    return args
 
 
 def model_shape(args):
@@ -85,6 +117,10 @@ def main(argv=None) -> int:
     pins = {k: getattr(args, k) for k in ("tensor", "pipe", "chunks", "microbatch")}
     if args.recompute:
         pins["recompute"] = (args.recompute,)
+    if args.objective == "shortest_time":
+        return shortest_time_report(args, shape, hw, pins)
+    if args.zero_stage is not None:
+        pins["zero_stage"] = args.zero_stage
     try:
         plans = plan(
             shape, args.gpus, args.batch, hw, args.tokens,
@@ -126,6 +162,70 @@ def main(argv=None) -> int:
             row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"
         print(row)
     return 0
+
+
+def shortest_time_report(args, shape, hw, pins) -> int:
+    """Per method, the fastest layout to the target (`jaxmeg.perf.planner.shortest_time`)."""
+    from jaxmeg.perf import scaling
+    from jaxmeg.perf.planner import METHODS, Method, shortest_time
+
+    params = scaling.non_embedding_parameters(shape.hidden, shape.layers, shape.mlp_ratio)
+    try:
+        if args.target_loss is not None:
+            target = scaling.target_from_loss(args.target_loss, params)
+        else:
+            target = scaling.target_from_tokens(args.tokens, params)
+    except ValueError as err:
+        flag = "--target-loss" if args.target_loss is not None else "--tokens"
+        print(f"error: {flag}: {err}", file=sys.stderr)
+        return 2
+    methods = METHODS
+    if args.zero_stage is not None:
+        methods = tuple(dict.fromkeys(
+            Method(f"{m.schedule}+zero{args.zero_stage}", m.schedule, args.zero_stage)
+            for m in METHODS
+        ))  # fmt: skip
+    options = {"sequence_parallel": args.sequence_parallel, "outer_axis": args.outer_axis}
+    if "recompute" in pins:
+        options["recompute"] = pins["recompute"]
+    try:
+        runs = shortest_time(shape, args.gpus, target, hw, methods, **options)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    summary = {
+        "target_loss": round(target.loss, 4),
+        "critical_batch_tokens": float(f"{target.critical_batch_tokens:.4g}"),
+        "min_steps": round(target.min_steps),
+        "min_tokens": float(f"{target.min_tokens:.4g}"),
+    }
+    if args.json:
+        print(json.dumps({**summary, "methods": {r.method.name: r.as_dict() for r in runs}}))
+        return 0 if runs else 1
+    print(
+        f"target loss {target.loss:.3f}: critical batch {target.critical_batch_tokens:.3g} "
+        f"tokens ({target.critical_batch_tokens / shape.seq_len:.0f} x {shape.seq_len}), "
+        f"S_min {target.min_steps:.0f} steps, E_min {target.min_tokens:.3g} tokens; up to "
+        f"{args.gpus} x {hw.name}"
+    )
+    print(
+        f"{'method':<24} {'days':>6} {'GPUs':>6} {'t':>2} {'p':>3} {'d':>5} {'v':>3} {'b':>2} "
+        f"{'m':>4} {'recomp':>9} {'step s':>7} {'mem GB':>6} {'TP GB':>7} {'PP GB':>6} "
+        f"{'DP GB':>6}"
+    )
+    for run in runs:
+        lay, traffic = run.plan.layout, run.plan.bytes_per_step
+        print(
+            f"{run.method.name:<24} {run.days:>6.2f} {lay.gpus:>6} {lay.tensor:>2} "
+            f"{lay.pipe:>3} {lay.data:>5} {lay.chunks:>3} {lay.microbatch:>2} "
+            f"{lay.microbatches:>4} {lay.recompute:>9} {run.plan.step_time_s:>7.2f} "
+            f"{run.plan.memory_per_gpu_gb:>6.1f} {traffic['tensor'] / 1e9:>7.1f} "
+            f"{traffic['pipe'] / 1e9:>6.2f} {traffic['data'] / 1e9:>6.1f}"
+        )
+    missing = [m.name for m in methods if m not in {r.method for r in runs}]
+    if missing:
+        print(f"no layout fits for: {', '.join(missing)}")
+    return 0 if runs else 1
 
 
 if __name__ == "__main__":

@@ -337,3 +337,88 @@ def test_impossible_planner_inputs_name_the_field(kwargs, message):
     shape = kwargs.pop("shape", GPT3)
     with pytest.raises(ValueError, match=message):
         plan(shape, hw=load_hardware("a100_dgx"), **kwargs)
+
+
+# Shortest training time (Lamy-Poirier, 2021) at the critical batch (Kaplan et al., 2020).
+
+
+def test_critical_batch_arithmetic_by_hand():
+    from jaxmeg.perf import scaling
+
+    # B_crit(2) = 2e8 / 2^(1/0.21) = 2e8 / 27.134 = 7.371e6 tokens.
+    assert scaling.critical_batch_tokens(2.0) == pytest.approx(7.371e6, rel=1e-3)
+    # At the critical batch S = 2 S_min and E = 2 E_min; at twice it, 1.5 S_min and 3 E_min.
+    assert scaling.steps(1000, 5e6, 5e6) == 2000 and scaling.steps(1000, 1e7, 5e6) == 1500
+    assert scaling.tokens(1e9, 5e6, 5e6) == 2e9 and scaling.tokens(1e9, 1e7, 5e6) == 3e9
+    # N = 12 l h^2 = 12 x 128 x 25600^2 = 1.00663e12; (N_c / N)^0.076 = 87.42^0.076 = 1.4046;
+    # S_min(2) = 2100 / (2 - 1.4046)^(1/0.76) = 2100 / 0.5954^1.3158 = 2100 / 0.5055 = 4154.
+    n = scaling.non_embedding_parameters(25600, 128)
+    assert n == 12 * 128 * 25600**2
+    target = scaling.target_from_loss(2.0, n)
+    assert target.min_steps == pytest.approx(4154, rel=1e-3)
+    assert target.min_tokens == pytest.approx(7.371e6 * 4154, rel=2e-3)
+    budget = scaling.target_from_tokens(450e9, n)
+    assert budget.tokens(budget.critical_batch_tokens) == pytest.approx(450e9)
+    with pytest.raises(ValueError, match="target loss 1.2 is not above 1.4046"):
+        scaling.target_from_loss(1.2, n)
+
+
+def test_zero_shards_states_and_breadth_first_gathers_once_per_chunk():
+    from jaxmeg.perf.model import bytes_per_step, memory_per_gpu, params_per_gpu
+
+    hw = load_hardware("a100_dgx")
+    base = Layout(tensor=8, pipe=8, data=4, chunks=2, microbatches=8, schedule="interleaved_1f1b")
+    params = params_per_gpu(GPT3, base)
+    states = {z: memory_per_gpu(GPT3, dataclasses.replace(base, zero_stage=z), hw).model_states
+              for z in (0, 1, 3)}  # fmt: skip
+    assert states[0] == 16 * params and states[1] == pytest.approx((6 + 12 / 4) * params)
+    assert states[3] < states[1] < states[0]
+    depth = bytes_per_step(GPT3, dataclasses.replace(base, zero_stage=3))["data"]
+    breadth = dataclasses.replace(base, zero_stage=3, schedule="breadth_first")
+    # Gathers 2 v m vs 2 v, reduce-scatters v m vs v: m times the bytes depth-first.
+    assert depth == pytest.approx(8 * bytes_per_step(GPT3, breadth)["data"])
+    with pytest.raises(ValueError, match=r"zero_stage must be one of \[0, 1, 3\], got 2"):
+        dataclasses.replace(base, zero_stage=2)
+
+
+def _plan(*flags):
+    return subprocess.run(
+        [sys.executable, "scripts/plan.py", "--hidden", "4096", "--layers", "32", "--heads",
+         "32", "--seq", "2048", "--vocab", "51200", "--gpus", "256", *flags],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=CLEAN_ENV,
+    )  # fmt: skip
+
+
+def test_shortest_time_plans_every_method():
+    from jaxmeg.perf.planner import METHODS
+
+    result = _plan("--objective", "shortest_time", "--target-loss", "2.5", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert set(out["methods"]) == {m.name for m in METHODS}
+    for run in out["methods"].values():
+        assert run["days"] > 0 and run["gpus"] <= 256
+        assert run["gpus"] == run["tensor"] * run["pipe"] * run["data"]
+        for key in (
+            "chunks",
+            "microbatch",
+            "microbatches",
+            "memory_per_gpu_gb",
+            "data_bytes_per_step",
+        ):
+            assert key in run
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--objective", "fastest", "--target-loss", "2.5"], "--objective"),
+        (["--objective", "shortest_time", "--target-loss", "2.5", "--zero-stage", "2"],
+         "--zero-stage"),
+        (["--objective", "shortest_time", "--target-loss", "-1"], "--target-loss"),
+        (["--objective", "shortest_time", "--target-loss", "0.5"], "--target-loss"),
+    ],
+)  # fmt: skip
+def test_bad_shortest_time_inputs_exit_2_naming_the_flag(flags, named):
+    result = _plan(*flags)
+    assert result.returncode == 2 and named in result.stderr, result.stderr

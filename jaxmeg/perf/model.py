@@ -4,7 +4,10 @@ bytes per link and time per step, from the model shape, the layout and a hardwar
 References: Narayanan et al., 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM" (eq. 2 parameters, eq. 3 FLOPs, section 2.2 bubble, section 5.1
 training time); Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
-Transformer Models" (activation bytes per layer, table 2).
+Transformer Models" (activation bytes per layer, table 2); Rajbhandari et al., 2020, "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models" (sharded model states);
+Lamy-Poirier, 2021, "Layered gradient accumulation and modular pipeline parallelism" (the
+breadth-first schedule's gathers once per chunk and its overlapped data-parallel traffic).
 
 Words: t tensor, p pipe, d data, v chunks, b microbatch, m microbatches per replica,
 B = d m b sequences per step, s sequence, h hidden, a heads, l layers, V vocabulary, Lc layers
@@ -28,6 +31,12 @@ import functools
 import numpy as np
 
 from jaxmeg.config import MESH_AXES, OUTER_AXES, REMAT_POLICIES, ModelConfig
+from jaxmeg.perf.collectives import (
+    ZERO_STAGES,
+    data_parallel_collectives,
+    model_state_bytes,
+    ring_all_reduce_seconds,
+)
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import StageLayout
@@ -80,8 +89,17 @@ class Layout:
     """1F1B warm-up (`parallel.pipeline_warmup`); sets how many inputs a stage keeps."""
     stage_layers: tuple[int, ...] = ()
     """Layers per stage (`parallel.stage_layers`); empty = the even split l / p."""
+    zero_stage: int = 0
+    """ZeRO sharding over the data group (Rajbhandari et al., 2020), one of `ZERO_STAGES`:
+    0 none; 1 the fp32 master weights and Adam moments; 3 also the weights and gradients, the
+    weights all-gathered per chunk per use and the gradients reduce-scattered. Modelled here
+    only (jaxmeg's config has no such field)."""
 
     def __post_init__(self) -> None:
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"
+            )
         if self.recompute not in REMAT_POLICIES:
             raise ValueError(
                 f"recompute must be one of {list(REMAT_POLICIES)}, got {self.recompute!r}"
@@ -139,7 +157,8 @@ class Memory:
     params: float
     """Parameter count held by one GPU (the busiest stage)."""
     model_states: float
-    """Bytes: fp32 params, fp32 gradients, Adam first and second moments (16 B / param)."""
+    """Bytes of fp32 params, fp32 gradients, Adam first and second moments (16 B / param),
+    less what ZeRO shards (`collectives.model_state_bytes`)."""
     activations: float
     """Bytes of activations kept for the backward at the busiest moment."""
     workspace: float
@@ -171,6 +190,15 @@ def params_per_gpu(shape: Shape, layout: Layout) -> float:
     return busiest_stage_layers(shape, layout) * layer / layout.tensor + embedding
 
 
+def chunk_params_per_gpu(shape: Shape, layout: Layout) -> float:
+    """Parameters of the busiest chunk split t ways (its Lc layers and the embedding): what
+    ZeRO-3 gathers at once."""
+    h = shape.hidden
+    layer = 12 * h * h + 13 * h
+    lc = busiest_stage_layers(shape, layout) // layout.chunks
+    return lc * layer / layout.tensor + shape.vocab * h / layout.tensor + shape.seq_len * h
+
+
 def layer_activation_bytes(shape: Shape, layout: Layout, flash_attention: bool = True) -> float:
     """Korthikanti et al. table 2, 16-bit activations, per layer per microbatch.
 
@@ -199,7 +227,10 @@ def _ring_slots(schedule: str, p: int, v: int, warmup: str) -> int:
 def stored_microbatches(layout: Layout) -> int:
     """K, the (microbatch, chunk) inputs a stage keeps for its backward at once: the stage-input
     ring of the schedule's tick table (`num_input_slots`, the same for every m) for 1F1B-type
-    schedules, m for GPipe, 1 without a pipeline (microbatches run one after another)."""
+    schedules, m for GPipe, m v for breadth-first (every microbatch's input to every chunk
+    waits for the backward), 1 without a pipeline (microbatches run one after another)."""
+    if layout.schedule == "breadth_first" and (layout.pipe > 1 or layout.chunks > 1):
+        return layout.microbatches * layout.chunks
     if layout.pipe == 1:
         return 1
     if layout.schedule == "gpipe":
@@ -210,10 +241,10 @@ def stored_microbatches(layout: Layout) -> int:
 def kept_bytes_per_microbatch(shape: Shape, layout: Layout) -> float:
     """Bytes one ring slot holds for the backward: the chunk's input (2 s b h, /t with sequence
     parallelism) and, unless `full`, the residuals of its Lc layers at the remat choice's
-    per-layer count. Without a pipeline, every layer keeps its per-layer count."""
+    per-layer count. Without a pipeline or chunks, every layer keeps its per-layer count."""
     lc = busiest_stage_layers(shape, layout) // layout.chunks
     per_layer = layer_activation_bytes(shape, layout)
-    if layout.pipe == 1:
+    if layout.pipe == 1 and layout.chunks == 1:
         return lc * per_layer
     chunk_input = layer_activation_bytes(shape, dataclasses.replace(layout, recompute="full"))
     return chunk_input + (0.0 if layout.recompute == "full" else lc * per_layer)
@@ -221,21 +252,22 @@ def kept_bytes_per_microbatch(shape: Shape, layout: Layout) -> float:
 
 def recompute_working_bytes(shape: Shape, layout: Layout) -> float:
     """Residuals alive while `full` recompute runs: a whole chunk's (the executor recomputes
-    the chunk at once), one layer's without a pipeline; none for the other choices."""
+    the chunk at once), one layer's without a pipeline or chunks; none for the other choices."""
     if layout.recompute != "full":
         return 0.0
     all_kept = layer_activation_bytes(shape, dataclasses.replace(layout, recompute="none"))
     lc = busiest_stage_layers(shape, layout) // layout.chunks
-    return all_kept * (lc if layout.pipe > 1 else 1)
+    return all_kept * (lc if layout.pipe > 1 or layout.chunks > 1 else 1)
 
 
 def memory_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> Memory:
-    """Model states at 16 B/param; activations: K ring slots of what the remat choice keeps
+    """Model states at 16 B/param less ZeRO's sharding (`collectives.model_state_bytes`);
+    activations: K ring slots of what the remat choice keeps
     (`stored_microbatches` x `kept_bytes_per_microbatch`), the recompute working set, the last
     stage's fp32 logits and one received activation; the hardware's workspace. The busiest
     stage's."""
     params = params_per_gpu(shape, layout)
-    states = 16.0 * params
+    states = model_state_bytes(params, chunk_params_per_gpu(shape, layout), layout)
     stored = stored_microbatches(layout) * kept_bytes_per_microbatch(shape, layout)
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
     logits = 3 * 4 * s * b * shape.vocab / t  # fp32 logits, softmax and gradient
@@ -245,14 +277,6 @@ def memory_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> Memory:
 
 # ---------------------------------------------------------------------------------------------
 # Communication and time
-
-
-def _ring_all_reduce_seconds(nbytes: float, n: int, link: tuple[float, float]) -> float:
-    """Ring all-reduce: 2 (n-1)/n of the message over the link, 2 (n-1) latency steps."""
-    if n == 1:
-        return 0.0
-    gb_per_s, latency_us = link
-    return 2 * (n - 1) / n * nbytes / (gb_per_s * 1e9) + 2 * (n - 1) * latency_us * 1e-6
 
 
 def _gemm_seconds(m: float, n: float, k: float, hw: Hardware) -> float:
@@ -276,7 +300,7 @@ class StepTime:
     p2p: float
     """Seconds of pipeline sends on the critical path."""
     data_parallel: float
-    """Seconds of the gradient all-reduce (not overlapped)."""
+    """Seconds of data-parallel traffic on the critical path (`data_parallel_seconds`)."""
     optimizer: float
     """Seconds of the optimizer step (memory bound)."""
     bubble: float
@@ -365,10 +389,30 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     replicated = 12 * tokens * h / (t if layout.sequence_parallel else 1)
     softmax = 6 * b * heads * s * s * 2 / hbm_bytes_per_s
     elementwise = (replicated + 16 * tokens * h / t) * 2 / hbm_bytes_per_s + softmax
-    all_reduce = _ring_all_reduce_seconds(2 * tokens * h, t, tensor_link(layout, hw))
+    all_reduce = ring_all_reduce_seconds(2 * tokens * h, t, tensor_link(layout, hw))
     forward = gemms + attention + elementwise + 2 * all_reduce
     backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce
     return LayerSeconds(forward, backward, attention + softmax)
+
+
+def data_parallel_seconds(
+    shape: Shape, layout: Layout, hw: Hardware, compute_seconds: float
+) -> float:
+    """Seconds of data-parallel traffic on the critical path. Depth-first, none of it overlaps
+    compute (as in the Megatron-LM measurements): a gradient is final only after the last
+    microbatch. Breadth-first, chunk c's gradient is final once every microbatch has passed
+    back through it, while the backward of chunks c-1 .. 0 is still to run, and the next
+    chunk's weights can be gathered while this one computes (Lamy-Poirier, 2021, sections 4-5):
+    only the first gather and the last reduce-scatter, 1/v of the traffic, must wait, and the
+    rest hides behind the step's compute C: max(T / v, T - C)."""
+    link = data_link(layout, hw)
+    collectives = data_parallel_collectives(
+        params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
+    )
+    total = sum(c.seconds(layout.data, link) for c in collectives)
+    if layout.schedule != "breadth_first":
+        return total
+    return max(total / layout.chunks, total - compute_seconds)
 
 
 def _pipe_message_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
@@ -395,8 +439,8 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     """Megatron's pipeline: (m + (p - 1) / v) microbatch slots of the busiest stage's forward +
     backward; the backward reruns what the remat choice did not keep (`LayerSeconds.recompute`:
     a forward for full). The last stage's logits and the pipeline sends are on the critical
-    path; the data-parallel all-reduce and the optimizer step follow the flush (no overlap, as
-    in the Megatron-LM measurements)."""
+    path; the data-parallel traffic (`data_parallel_seconds`) and the optimizer step (on the
+    1/d shard with ZeRO) follow the flush."""
     p, v, m = layout.pipe, layout.chunks, layout.microbatches
     layer = layer_seconds(shape, layout, hw)
     layers = busiest_stage_layers(shape, layout)
@@ -411,9 +455,10 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back
         p2p = 2 * v * (m + (p - 1) / v) * _pipe_message_seconds(shape, layout, hw)
-    params = params_per_gpu(shape, layout)
-    dp = _ring_all_reduce_seconds(2 * params, layout.data, data_link(layout, hw))
-    optimizer = 16 * params * 2 / (hw.hbm_tb_per_s * 1e12)
+    compute = m * (forward + backward)
+    dp = data_parallel_seconds(shape, layout, hw, compute)
+    updated = params_per_gpu(shape, layout) / (layout.data if layout.zero_stage else 1)
+    optimizer = 16 * updated * 2 / (hw.hbm_tb_per_s * 1e12)
     return StepTime(forward, backward, pipeline, p2p, dp, optimizer, bubble)
 
 
@@ -436,8 +481,8 @@ def bytes_per_step(
 
     tensor: 2 all-reduces of b s h per layer in the forward and 2 in the backward (+2 more for
     the recomputed forward with `recompute="full"`), each moving 2 (t-1)/t of the message; pipe:
-    b s h per microbatch per boundary each way (/t with scatter-gather); data: the fp32
-    gradients, 2 (d-1)/d of them. Layers are the busiest stage's.
+    b s h per microbatch per boundary each way (/t with scatter-gather); data: the
+    `collectives.data_parallel_collectives` on a ring of d. Layers are the busiest stage's.
     """
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
     message = s * b * h * compute_bytes
@@ -449,9 +494,10 @@ def bytes_per_step(
     pipe_message = message / t if split else message
     sends = 2 * ticks if ticks is not None else 2 * layout.microbatches * layout.chunks
     pipe_bytes = sends * pipe_message if layout.pipe > 1 else 0
-    params = params_per_gpu(shape, layout)
-    d = layout.data
-    data_bytes = 4 * params * (2 * (d - 1) / d if d > 1 else 0)
+    collectives = data_parallel_collectives(
+        params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
+    )
+    data_bytes = sum(c.wire_bytes(layout.data) for c in collectives)
     return {
         "tensor_message": float(message),
         "tensor_all_reduces": float(tensor),

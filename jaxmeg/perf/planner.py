@@ -1,5 +1,6 @@
 """The parallel-configuration planner: every (t, p, d, v, b, recompute) that fits in memory,
-ranked by predicted step time for a fixed global batch."""
+ranked by predicted step time for a fixed global batch; and, per pipeline method, the layout
+that reaches a target loss soonest at the critical batch (`shortest_time`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxmeg.perf.model import (
     step_time,
     tflops_per_gpu,
 )
+from jaxmeg.perf.scaling import Target
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
 MAX_CHUNKS = 8
@@ -46,6 +48,7 @@ class Plan:
             "recompute": lay.recompute,
             "sequence_parallel": lay.sequence_parallel,
             "outer_axis": lay.outer_axis,
+            "zero_stage": lay.zero_stage,
             "tflops_per_gpu": round(self.tflops_per_gpu, 2),
             "percent_of_peak": round(self.percent_of_peak, 2),
             "step_time_s": round(self.step_time_s, 4),
@@ -76,6 +79,7 @@ def candidate_layouts(
     recompute: tuple[str, ...] = ("full", "selective"),
     sequence_parallel: bool = False,
     outer_axis: str = "pipe",
+    zero_stage: int = 0,
 ) -> Iterator[Layout]:
     """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only."""
     # A tensor group stays inside a node and splits it evenly (t divides the GPUs per node).
@@ -102,7 +106,7 @@ def candidate_layouts(
                         yield Layout(
                             tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
                             recompute=r, sequence_parallel=sequence_parallel,
-                            outer_axis=outer_axis,
+                            outer_axis=outer_axis, zero_stage=zero_stage,
                             schedule="interleaved_1f1b" if v > 1 else "1f1b",
                         )  # fmt: skip
 
@@ -132,7 +136,7 @@ def evaluate(shape: Shape, layout: Layout, hw: Hardware, tokens: float | None = 
 def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
     """Raises ValueError naming the field and value of the first impossible input."""
     fields = {"gpus": gpus, "batch": batch, **{f"shape.{k}": v for k, v in vars(shape).items()}}
-    fields.update({k: v for k, v in pins.items() if type(v) is int})
+    fields.update({k: v for k, v in pins.items() if type(v) is int and k != "zero_stage"})
     for name, value in fields.items():
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -154,3 +158,139 @@ def plan(
     ]
     fitting = [p for p in plans if p.memory_per_gpu_gb <= hw.memory_gb]
     return sorted(fitting, key=lambda p: (p.step_time_s, p.layout.tensor * p.layout.pipe))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shortest training time to a target (Lamy-Poirier, 2021, section 6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    schedule: str
+    """Pipeline schedule (`parallel.schedule`); runs of one stage and one chunk are plain."""
+    zero_stage: int
+    """`Layout.zero_stage`."""
+
+
+METHODS = (
+    Method("1f1b", "1f1b", 0),
+    Method("interleaved_1f1b", "interleaved_1f1b", 0),
+    Method("interleaved_1f1b+zero1", "interleaved_1f1b", 1),
+    Method("breadth_first+zero1", "breadth_first", 1),
+    Method("breadth_first+zero3", "breadth_first", 3),
+)
+"""Depth-first Megatron (Narayanan et al., 2021) without and with a sharded optimizer, and
+breadth-first modular pipelines (Lamy-Poirier, 2021) with ZeRO stages 1 and 3."""
+
+BATCH_WINDOW = 2.0
+"""A layout's batch d m b must lie within this factor of the critical batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FastestRun:
+    method: Method
+    plan: Plan
+    steps: float
+    """S = S_min (1 + B_crit / B) (`scaling.Target.steps`)."""
+    tokens: float
+    """E = E_min (1 + B / B_crit)."""
+
+    @property
+    def days(self) -> float:
+        return self.steps * self.plan.step_time_s / 86400
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method.name,
+            "schedule": self.method.schedule,
+            "zero_stage": self.plan.layout.zero_stage,
+            "days": round(self.days, 3),
+            "gpus": self.plan.layout.gpus,
+            "batch": self.plan.layout.global_batch,
+            "steps": round(self.steps),
+            "tokens": float(f"{self.tokens:.4g}"),
+            **self.plan.as_dict(),
+        }
+
+
+def _data_sizes(limit: int) -> list[int]:
+    """2^k and 3 x 2^k up to `limit`, and `limit` itself."""
+    sizes = {limit} | {f << k for f in (1, 3) for k in range(limit.bit_length()) if f << k <= limit}
+    return sorted(sizes)
+
+
+def _chunk_options(method: Method, stage_layers: int, pipe: int) -> list[int]:
+    """v: 1 for 1f1b; 2 .. MAX_CHUNKS dividing l / p for interleaved; every divisor of l / p
+    for breadth-first, up to one layer per chunk (modular pipeline parallelism)."""
+    if method.schedule == "1f1b":
+        return [1]
+    if method.schedule == "interleaved_1f1b":
+        return [v for v in _divisors(stage_layers) if 1 < v <= MAX_CHUNKS] if pipe > 1 else []
+    return _divisors(stage_layers)
+
+
+def _microbatches(method: Method, target_batch: float, d: int, b: int, p: int, v: int) -> int:
+    """m nearest target_batch / (d b): a multiple of p for interleaved, at least p for
+    breadth-first with chunks (below it every stage stalls before each chunk)."""
+    step = p if method.schedule == "interleaved_1f1b" else 1
+    m = max(step, step * round(target_batch / (d * b * step)))
+    if method.schedule == "breadth_first" and v > 1:
+        m = max(m, p)
+    return m
+
+
+def shortest_time_layouts(
+    shape: Shape, max_gpus: int, target: Target, hw: Hardware, method: Method,
+    *, recompute: tuple[str, ...] = ("full", "selective"), sequence_parallel: bool = False,
+    outer_axis: str = "pipe",
+) -> Iterator[Layout]:  # fmt: skip
+    """Layouts of up to `max_gpus` GPUs for `method` whose batch d m b lies within
+    BATCH_WINDOW of the critical batch: t dividing the heads and a node, p the layers, d over
+    `_data_sizes`, b in MICROBATCH_SIZES, v per `_chunk_options`, m per `_microbatches`."""
+    target_batch = target.critical_batch_tokens / shape.seq_len
+    for t in [t for t in _divisors(shape.heads) if hw.gpus_per_node % t == 0]:
+        for p in _divisors(shape.layers):
+            if t * p > max_gpus:
+                continue
+            for d in _data_sizes(max_gpus // (t * p)):
+                for b in MICROBATCH_SIZES:
+                    if d * b > BATCH_WINDOW * target_batch:
+                        continue
+                    for v in _chunk_options(method, shape.layers // p, p):
+                        m = _microbatches(method, target_batch, d, b, p, v)
+                        if not 1 / BATCH_WINDOW <= d * m * b / target_batch <= BATCH_WINDOW:
+                            continue
+                        schedule = method.schedule if p > 1 or v > 1 else "1f1b"
+                        for r in recompute:
+                            yield Layout(
+                                tensor=t, pipe=p, data=d, chunks=v, microbatch=b,
+                                microbatches=m, recompute=r, sequence_parallel=sequence_parallel,
+                                outer_axis=outer_axis, schedule=schedule,
+                                zero_stage=method.zero_stage,
+                            )  # fmt: skip
+
+
+def shortest_time(
+    shape: Shape, max_gpus: int, target: Target, hw: Hardware,
+    methods: tuple[Method, ...] = METHODS, **options,
+) -> list[FastestRun]:  # fmt: skip
+    """Per method, the layout that reaches `target` soonest: the least S(B) x step time over
+    the layouts that fit in memory, S(B) = S_min (1 + B_crit / B) for B = d m b s tokens
+    (`scaling`). A method with no fitting layout is left out."""
+    check_inputs(shape, max_gpus, 1)
+    runs = []
+    for method in methods:
+        best, best_seconds = None, float("inf")
+        for layout in shortest_time_layouts(shape, max_gpus, target, hw, method, **options):
+            if memory_per_gpu(shape, layout, hw).total > hw.memory_gb * 1e9:
+                continue
+            batch_tokens = layout.global_batch * shape.seq_len
+            seconds = target.steps(batch_tokens) * step_time(shape, layout, hw).total
+            if seconds < best_seconds:
+                best, best_seconds = layout, seconds
+        if best is not None:
+            batch_tokens = best.global_batch * shape.seq_len
+            runs.append(FastestRun(method, evaluate(shape, best, hw), target.steps(batch_tokens),
+                                   target.tokens(batch_tokens)))  # fmt: skip
+    return runs
