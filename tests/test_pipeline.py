@@ -270,23 +270,38 @@ def test_gpipe_memory_grows_with_microbatches():
     assert large - small >= 3 * p * STAGE_INPUT_BYTES, (small, large)
 
 
-def test_data_parallel_reduction_runs_once_per_step_outside_the_tick_loop():
-    """Manual `data` in the executor: the gradients are reduced over `data` after the tick loop,
-    not per microbatch inside it, so the number of data collectives does not grow with m."""
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "breadth_first"])
+def test_layer_gradients_are_reduced_inside_the_tick_loop_once_per_chunk(schedule):
+    """Manual `data`: each chunk's layer gradients are reduced over `data` inside the tick loop,
+    in the tick of the chunk's last backward (one chunk's bytes per reduction, v per stage and
+    step: the `reduce_chunk` column), never per microbatch; after the loop only the shared
+    gradients and the loss, in one all-reduce over pipe x data. Nothing grows with m."""
+    from jaxmeg.parallel import hlo_module
     from jaxmeg.parallel.hlo import collectives
+    from jaxmeg.pipeline.tick_table import build_tick_table, final_backward_chunks
+    from jaxmeg.training.pipeline_step import build_schedule
+    from jaxmeg.training.state import abstract_state
 
     def data_collectives(microbatches):
-        trainable = trainable_for(config(2, 2, 2, "interleaved_1f1b", 2, microbatches))
+        trainable = trainable_for(config(2, 2, 2, schedule, 2, microbatches))
         text = compile_step(trainable)[0].as_text()
         found = collectives(text, trainable.mesh)
         (entry,) = re.findall(r"^ENTRY %?([\w.\-]+)", text, re.MULTILINE)
-        # The pipe permutes run in the tick loop's body, not in the entry computation.
-        assert any(c.kind == "collective-permute" and c.computation != entry for c in found)
-        return [c for c in found if "data" in c.axes], entry
+        loop = hlo_module.reachable(hlo_module.computations(text), hlo_module.tick_loop_body(text))
+        in_loop = [c for c in found if "data" in c.axes and c.computation in loop]
+        after = [c for c in found if "data" in c.axes and c.computation == entry]
+        assert len(in_loop) + len(after) == len([c for c in found if "data" in c.axes])
+        final = final_backward_chunks(build_tick_table(build_schedule(trainable)))
+        for stage in range(2):  # each chunk's gradients become final exactly once per stage
+            assert sorted(final[:, stage][final[:, stage] >= 0].tolist()) == [0, 1]
+        layers = abstract_state(trainable)["params"]["blocks"]["layers"]
+        chunk_bytes = sum(
+            int(np.prod(a.sharding.shard_shape(a.shape))) * 4 // 2 for a in jax.tree.leaves(layers)
+        )
+        return in_loop, after, chunk_bytes
 
-    (few, entry_few), (many, entry_many) = data_collectives(2), data_collectives(8)
-    assert few and all(c.computation == entry_few for c in few)
-    assert all(c.computation == entry_many for c in many)
-    # Stage gradients and (pipe-summed) shared gradients: at most one all-reduce each.
-    assert len(few) == len(many) <= 2
-    assert {(c.kind, c.bytes) for c in few} == {(c.kind, c.bytes) for c in many}
+    for microbatches in (2, 8):
+        in_loop, after, chunk_bytes = data_collectives(microbatches)
+        assert in_loop and all(c.axes == {"data"} for c in in_loop)
+        assert sum(c.bytes for c in in_loop) == chunk_bytes
+        assert [c.axes for c in after] == [{"data", "pipe"}]

@@ -24,7 +24,9 @@ slot's receive is written, so the activation send overlaps the backward. The ppe
 outside the branches: a pipe collective inside a stage-dependent branch deadlocks; collectives
 over `tensor` inside the branches are fine (a tensor group shares a stage).
 
-Accumulation and the reductions over `data` and `pipe` live in `gradients`.
+Accumulation and the reductions over `data` and `pipe` live in `gradients`; with `data` > 1 a
+chunk's layer gradients are reduced in the tick of its last backward on its stage, inside the
+loop (the `reduce_chunk` column), overlapping the backward of the chunks still running.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients, residuals
 from jaxmeg.pipeline.layout import StageLayout
-from jaxmeg.pipeline.tick_table import FIELDS, TickTable
+from jaxmeg.pipeline.tick_table import FIELDS, TickTable, final_backward_chunks
 
 IDLE = 0
 F_FIRST, F_MIDDLE, F_LAST, F_EMBED = 1, 2, 3, 4
@@ -130,6 +132,11 @@ def make_pipeline_loss_and_grads(
     whole_model = p * v == 1
     columns = {name: getattr(table, name) for name in FIELDS}
     columns["f_kind"], columns["b_kind"] = kind_columns(table, v)
+    columns["reduce_chunk"] = final_backward_chunks(table)
+    # Reducing each chunk inside the loop leaves the stage gradients typed as varying over
+    # `data` though their values agree, which shard_map's type check cannot know: it is off then
+    # (the equivalence tests check the values).
+    reduce_in_loop = mesh.shape["data"] > 1
     columns = {name: jnp.asarray(col, jnp.int32) for name, col in columns.items()}
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
     forward_pairs = _ring_pairs(p, 1, wrap=v > 1)
@@ -316,11 +323,14 @@ def make_pipeline_loss_and_grads(
             c, d_x = backward_slot(c, row)
             c = {**c, "inputs": _write(c["inputs"], row["recv_act_slot"], received_x)}
             received_cot = send(d_x, backward_pairs)
-            return {**c, "cots": _write(c["cots"], row["recv_cot_slot"], received_cot)}
+            c = {**c, "cots": _write(c["cots"], row["recv_cot_slot"], received_cot)}
+            if reduce_in_loop:
+                c["g_stage"] = gradients.reduce_final_chunk(c["g_stage"], row["reduce_chunk"])
+            return c
 
         out = jax.lax.fori_loop(0, table.num_ticks, tick, carry)
         loss, g_stage, g_shared = gradients.reduce_step(
-            out["g_stage"], out["g_shared"], out["loss"]
+            out["g_stage"], out["g_shared"], out["loss"], stage_grads_reduced=reduce_in_loop
         )
         g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
         return loss, (g_stage, g_shared)
@@ -331,5 +341,5 @@ def make_pipeline_loss_and_grads(
         in_specs=(P(None, "pipe"), P(), P("data"), P("data")),
         out_specs=(P(), (P(None, "pipe"), P())),
         axis_names=frozenset(manual),
-        check_vma=not gradients.trivial(mesh.shape),
+        check_vma=not (gradients.trivial(mesh.shape) or reduce_in_loop),
     )

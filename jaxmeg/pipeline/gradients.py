@@ -8,7 +8,11 @@ tick loop's carry; a step then makes
                      the first stage plus head grads of the last; with tied embeddings, the two
                      copies' sum) and the mean over replicas at once;
   loss:              the same (only the last stage has it).
-A sharded optimizer (reduce-scatter) or a compressed reduction replaces `reduce_over_data`.
+With `data` > 1 each chunk's layer gradients are reduced inside the tick loop, in the tick of
+the chunk's last backward on its stage (`reduce_final_chunk`), so the reduction overlaps the
+backward of the chunks still running; after the loop only the shared gradients and the loss are
+reduced. A sharded optimizer (reduce-scatter) or a compressed reduction replaces
+`reduce_over_data`.
 When `data` and `pipe` both have size 1 the reductions are skipped: they are the identity, and
 XLA refuses a cross-device reduction in a manual partition whose manual axes all have size 1
 (the mesh (1, 1, t) with t > 1; the executor then runs its shard_map without type checks).
@@ -64,8 +68,20 @@ def _sum_stages_mean_replicas(tree):
     return jax.tree.map(lambda a: a / replicas, summed) if replicas > 1 else summed
 
 
-def reduce_step(stage_grads, shared_grads, loss):
+def reduce_final_chunk(stage_grads, chunk):
+    """stage_grads [v, ...] with chunk `chunk` reduced over `data` (nothing when chunk is -1).
+    The same on every replica of a stage (they run the same table row), so the collective may
+    sit under this stage-dependent `lax.cond`."""
+    safe = jnp.maximum(chunk, 0)
+    part = jax.tree.map(lambda a: a[safe], stage_grads)
+    part = jax.lax.cond(chunk >= 0, reduce_over_data, lambda tree: tree, part)
+    return jax.tree.map(lambda a, p: a.at[safe].set(p), stage_grads, part)
+
+
+def reduce_step(stage_grads, shared_grads, loss, stage_grads_reduced: bool = False):
     """(loss, stage_grads, shared_grads) of the whole step, identical on every device of a
     stage (see the module docstring for the collectives)."""
     shared_grads, loss = _sum_stages_mean_replicas((shared_grads, loss))
-    return loss, reduce_over_data(stage_grads), shared_grads
+    if not stage_grads_reduced:
+        stage_grads = reduce_over_data(stage_grads)
+    return loss, stage_grads, shared_grads
