@@ -22,6 +22,8 @@ from jaxmeg.pipeline.layout import LayoutError, StageLayout
 MESH_AXES = ("data", "pipe", "tensor")
 OUTER_AXES = ("pipe", "data")
 """The `parallel.outer_axis` choices: the mesh axis that varies slowest over devices."""
+ZERO_STAGES = (0, 1, 3)
+"""The sharded-optimizer stages `parallel.zero_stage` accepts (see `jaxmeg.parallel.zero`)."""
 REMAT_POLICIES = ("none", "selective", "full")
 """The `model.remat` choices; the performance model and the planner take them from here."""
 DTYPES = ("float32", "bfloat16", "float16")
@@ -105,6 +107,12 @@ class ParallelConfig:
     pipeline_warmup: str = "min_bubble"
     """1F1B warm-up: `min_memory` (Megatron's p-s-1 forwards) or `min_bubble` (more warm-up
     forwards so the lockstep executor reaches the asynchronous bubble)."""
+    zero_stage: int = 0
+    """Sharded optimizer (ZeRO, Megatron's distributed optimizer): 0 = off; 1 = fp32 master
+    weights and Adam moments split over `data` (embedding and head over `pipe` x `data`),
+    gradients reduce-scattered, weights all-gathered each step; 3 = the weights also stay split
+    in the tick loop and each chunk is gathered when used (once per chunk and phase with
+    `breadth_first`, once per use with depth-first schedules)."""
     outer_axis: str = "pipe"
     """Which of `pipe` and `data` varies slowest over devices and so spans hosts first
     (Megatron's default: pipe)."""
@@ -454,6 +462,15 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     if par.chunks < 1:
         raise ConfigError(f"parallel.chunks must be >= 1, got {par.chunks}")
+    if par.zero_stage not in ZERO_STAGES:
+        raise ConfigError(
+            f"parallel.zero_stage must be one of {list(ZERO_STAGES)}, got {par.zero_stage}"
+        )
+    if par.zero_stage and data == 1:
+        raise ConfigError(
+            f"parallel.zero_stage = {par.zero_stage} splits the optimizer over parallel.data, "
+            f"which is 1; use parallel.data > 1 or zero_stage 0"
+        )
     if par.chunks > 1 and par.schedule not in schedules.CHUNKED:
         raise ConfigError(
             f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b or "

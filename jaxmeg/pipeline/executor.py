@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,45 @@ class StageFunctions:
     chunk: Callable
     head_loss: Callable
     chunk_recompute: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSharding:
+    """How a data group splits the params (a sharded optimizer; `jaxmeg.parallel.zero`).
+
+    stage: 0 none; 1 gradients reduce-scattered, params arrive whole; 3 params also arrive
+        split and each chunk is all-gathered when a slot uses it (`gather_columns`).
+    stage_dims: tree like stage_params, the global dim split over `data` (-1 none).
+    shared_dims: tree like shared, the dim split over `shared_axes` (-1 none).
+    """
+
+    stage: int = 0
+    stage_dims: Any = None
+    shared_dims: Any = None
+    shared_axes: tuple[str, ...] = ("pipe", "data")
+    gather_per_chunk: bool = False
+    """ZeRO-3: gather a chunk once per run of consecutive slots on it (breadth_first) instead
+    of at every use."""
+
+
+def gather_columns(table: TickTable, per_chunk: bool) -> tuple[np.ndarray, np.ndarray]:
+    """bool [num_ticks, p]: where the F (B) slot all-gathers its chunk's weights under ZeRO-3.
+    breadth_first: when the chunk differs from the slot's previous chunk on that stage (2 v
+    gathers per stage and step, whatever m); the depth-first schedules: at every action."""
+    gathers = []
+    for mb, chunk in ((table.f_mb, table.f_chunk), (table.b_mb, table.b_chunk)):
+        active = mb >= 0
+        if not per_chunk:
+            gathers.append(active)
+            continue
+        gather = np.zeros_like(active)
+        for s in range(table.num_stages):
+            previous = -1
+            for t in np.flatnonzero(active[:, s]):
+                gather[t, s] = chunk[t, s] != previous
+                previous = chunk[t, s]
+        gathers.append(gather)
+    return gathers[0], gathers[1]
 
 
 def kind_columns(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,15 +153,36 @@ def _ring_pairs(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
     return [(s, (s + step) % p) for s in range(p) if wrap or 0 <= s + step < p]
 
 
+def _split(shape: tuple, dim: int, parts: int) -> tuple:
+    return (*shape[:dim], shape[dim] // parts, *shape[dim + 1 :])
+
+
+def _spec_with(lead: tuple, dim: int, axes) -> P:
+    """PartitionSpec with `lead` entries, then `axes` on `dim` (if >= 0)."""
+    entries = list(lead)
+    if dim >= 0:
+        entries += [None] * (dim + 1 - len(entries))
+        entries[dim] = axes
+    return P(*entries)
+
+
 def make_pipeline_loss_and_grads(
-    fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh, *, microbatches: int
+    fns: StageFunctions,
+    table: TickTable,
+    layout: StageLayout,
+    mesh: Mesh,
+    *,
+    microbatches: int,
+    zero: ZeroSharding = ZeroSharding(),
 ) -> Callable:
     """Returns `f(stage_params, shared, tokens, targets) -> (loss, (stage_grads, shared_grads))`.
 
     stage_params: leaves [v, p, Lc, ...] (`layout.shape`), `p` on `pipe`.
     shared: embedding and head params, replicated over `pipe`.
     tokens, targets: [global_batch, seq] on `data`; each replica's rows are m microbatches.
-    Gradients come back in fp32, in the same layouts, equal on every replica.
+    Gradients come back in fp32, in the same layouts, equal on every replica (split over the
+    data group with a sharded optimizer, as `zero` says; with ZeRO-3 the params arrive split
+    the same way).
     """
     p, v, m = layout.num_stages, layout.num_chunks, microbatches
     if mesh.shape["pipe"] != p or table.num_stages != p:
@@ -137,6 +198,23 @@ def make_pipeline_loss_and_grads(
     # `data` though their values agree, which shard_map's type check cannot know: it is off then
     # (the equivalence tests check the values).
     reduce_in_loop = mesh.shape["data"] > 1
+    stage_dims = shared_dims = local_stage_dims = None
+    d = mesh.shape["data"]
+    if zero.stage:
+        # local stage gradients are [v, Lc, ...]: the global dim less the pipe dim
+        local_stage_dims = jax.tree.map(lambda dim: dim - 1 if dim >= 0 else dim, zero.stage_dims)
+        stage_dims = zero.stage_dims
+        shared_dims = zero.shared_dims
+        grad_specs = (
+            jax.tree.map(lambda dim: _spec_with((None, "pipe"), dim, "data"), stage_dims),
+            jax.tree.map(lambda dim: _spec_with((), dim, zero.shared_axes), shared_dims),
+        )
+    else:
+        grad_specs = (P(None, "pipe"), P())
+    param_specs = grad_specs if zero.stage == 3 else (P(None, "pipe"), P())
+    gathering = zero.stage == 3
+    if gathering:
+        columns["f_gather"], columns["b_gather"] = gather_columns(table, zero.gather_per_chunk)
     columns = {name: jnp.asarray(col, jnp.int32) for name, col in columns.items()}
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
     forward_pairs = _ring_pairs(p, 1, wrap=v > 1)
@@ -144,18 +222,40 @@ def make_pipeline_loss_and_grads(
     store = fns.chunk_recompute is None and not whole_model
     manual = gradients.MANUAL_AXES
 
+    def gather_chunk(chunk_shard):
+        """A chunk's weights [Lc, ...] whole from their split over `data` (ZeRO-3)."""
+        return jax.tree.map(
+            lambda a, dim: (
+                a if dim < 0 else jax.lax.all_gather(a, "data", axis=dim - 2, tiled=True)
+            ),
+            chunk_shard,
+            stage_dims,
+        )
+
     def per_device(stage_params, shared, tokens, targets):
         params = _varying(jax.tree.map(lambda a: a[:, 0], stage_params), "data")  # [v, Lc, ...]
-        shared = _varying(shared, manual)
+        if gathering:
+            shared = jax.tree.map(
+                lambda a, dim: (
+                    a if dim < 0 else jax.lax.all_gather(a, zero.shared_axes, axis=dim, tiled=True)
+                ),
+                shared,
+                shared_dims,
+            )
+        shared = _varying_everywhere(shared, manual)
         tokens_MxBxS = tokens.reshape(m, -1, tokens.shape[-1])
         targets_MxBxS = targets.reshape(m, -1, targets.shape[-1])
         stage = jax.lax.axis_index("pipe")
         x_abstract = jax.eval_shape(fns.embed, shared, tokens_MxBxS[0])
 
-        def chunk_params(chunk):
+        def chunk_shard(chunk):
             if v == 1:
                 return jax.tree.map(lambda a: a[0], params)
             return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], params)
+
+        def chunk_params(chunk):
+            shard = chunk_shard(chunk)
+            return _varying_everywhere(gather_chunk(shard), manual) if gathering else shard
 
         def real_layers(chunk):
             return chunk_layers[jnp.maximum(chunk, 0), stage]
@@ -179,9 +279,24 @@ def make_pipeline_loss_and_grads(
             ],
             "loss": jnp.zeros((), jnp.float32),
         }
-        carry = _varying(carry, manual)
-        carry["g_stage"] = gradients.zeros_f32(params)
+        if gathering:
+            gathered = chunk_params(0)
+            carry["f_params"] = gathered
+            carry["b_params"] = gathered
+            g_like = jax.tree.map(lambda a, g: jnp.zeros((v, *g.shape), a.dtype), params, gathered)
+        else:
+            g_like = params
+        carry["g_stage"] = gradients.zeros_f32(g_like)
+        if zero.stage and reduce_in_loop:  # the split accumulator the reductions write into
+            carry["g_reduced"] = gradients.zeros_f32(
+                jax.tree.map(
+                    lambda a, dim: a if dim < 0 else jnp.zeros(_split(a.shape, dim, d)),
+                    carry["g_stage"],
+                    local_stage_dims,
+                )
+            )
         carry["g_shared"] = gradients.zeros_f32(shared)
+        carry = _varying_everywhere(carry, manual)
 
         def _switch(index, branches):
             typed = [lambda b=b: _varying_everywhere(b(), manual) for b in branches]
@@ -189,7 +304,8 @@ def make_pipeline_loss_and_grads(
 
         def forward_slot(c, row):
             chunk, mb = row["f_chunk"], jnp.maximum(row["f_mb"], 0)
-            cp, real = chunk_params(chunk), real_layers(chunk)
+            cp = c["f_params"] if gathering else chunk_params(chunk)
+            real = real_layers(chunk)
             x_in = c["inputs"][jnp.maximum(row["f_slot"], 0)]
             tokens_BxS, targets_BxS = tokens_MxBxS[mb], targets_MxBxS[mb]
             no_stored = [jnp.zeros(a.shape, a.dtype) for a in (split.stored if store else ())]
@@ -259,7 +375,8 @@ def make_pipeline_loss_and_grads(
 
         def backward_slot(c, row):
             chunk, mb = row["b_chunk"], jnp.maximum(row["b_mb"], 0)
-            cp, real = chunk_params(chunk), real_layers(chunk)
+            cp = c["b_params"] if gathering else chunk_params(chunk)
+            real = real_layers(chunk)
             slot = jnp.maximum(row["b_slot"], 0)
             x = c["inputs"][slot]
             cot = c["cots"][jnp.maximum(row["b_cot_slot"], 0)]
@@ -316,8 +433,17 @@ def make_pipeline_loss_and_grads(
         def send(x, pairs):
             return jax.lax.ppermute(x, "pipe", pairs) if pairs else jnp.zeros_like(x)
 
+        def gather_if(flag, chunk, buffer):
+            return jax.lax.cond(flag > 0, lambda: chunk_params(chunk), lambda: buffer)
+
         def tick(t, c):
             row = {name: col[t, stage] for name, col in columns.items()}
+            if gathering:
+                c = {
+                    **c,
+                    "f_params": gather_if(row["f_gather"], row["f_chunk"], c["f_params"]),
+                    "b_params": gather_if(row["b_gather"], row["b_chunk"], c["b_params"]),
+                }
             c, y = forward_slot(c, row)
             received_x = send(y, forward_pairs)
             c, d_x = backward_slot(c, row)
@@ -325,12 +451,26 @@ def make_pipeline_loss_and_grads(
             received_cot = send(d_x, backward_pairs)
             c = {**c, "cots": _write(c["cots"], row["recv_cot_slot"], received_cot)}
             if reduce_in_loop:
-                c["g_stage"] = gradients.reduce_final_chunk(c["g_stage"], row["reduce_chunk"])
+                key = "g_reduced" if zero.stage else "g_stage"
+                c[key] = gradients.reduce_final_chunk(
+                    c["g_stage"], c[key], row["reduce_chunk"], local_stage_dims
+                )
             return c
 
         out = jax.lax.fori_loop(0, table.num_ticks, tick, carry)
+        scatter = {}
+        if zero.stage:
+            scatter = {
+                "stage_dims": None if reduce_in_loop else local_stage_dims,
+                "shared_dims": shared_dims,
+                "shared_axes": zero.shared_axes,
+            }
         loss, g_stage, g_shared = gradients.reduce_step(
-            out["g_stage"], out["g_shared"], out["loss"], stage_grads_reduced=reduce_in_loop
+            out["g_reduced"] if zero.stage and reduce_in_loop else out["g_stage"],
+            out["g_shared"],
+            out["loss"],
+            stage_grads_reduced=reduce_in_loop,
+            **scatter,
         )
         g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
         return loss, (g_stage, g_shared)
@@ -338,8 +478,8 @@ def make_pipeline_loss_and_grads(
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(None, "pipe"), P(), P("data"), P("data")),
-        out_specs=(P(), (P(None, "pipe"), P())),
+        in_specs=(*param_specs, P("data"), P("data")),
+        out_specs=(P(), grad_specs),
         axis_names=frozenset(manual),
-        check_vma=not (gradients.trivial(mesh.shape) or reduce_in_loop),
+        check_vma=not (gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage),
     )

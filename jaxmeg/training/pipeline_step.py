@@ -25,12 +25,12 @@ import jax.numpy as jnp
 
 from jaxmeg.models import GPT, Block, cross_entropy
 from jaxmeg.models.gpt import REMAT_POLICY
-from jaxmeg.parallel import activation_rules, make_constrain
+from jaxmeg.parallel import activation_rules, make_constrain, zero
 from jaxmeg.pipeline import schedules
-from jaxmeg.pipeline.executor import StageFunctions
+from jaxmeg.pipeline.executor import StageFunctions, ZeroSharding
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
 from jaxmeg.pipeline.tick_table import build_tick_table
-from jaxmeg.training.state import Trainable
+from jaxmeg.training.state import Trainable, zero_dims
 
 
 def _all_but_casts(prim, *_, **__) -> bool:
@@ -103,15 +103,31 @@ def build_schedule(trainable: Trainable) -> schedules.Schedule:
     )
 
 
+def zero_sharding(trainable: Trainable) -> ZeroSharding:
+    """What the executor needs to know of `parallel.zero_stage`."""
+    par = trainable.cfg.parallel
+    if par.zero_stage == 0:
+        return ZeroSharding()
+    dims = zero_dims(trainable)
+    return ZeroSharding(
+        stage=par.zero_stage,
+        stage_dims=dims["blocks"]["layers"],
+        shared_dims={k: v for k, v in dims.items() if k != "blocks"},
+        shared_axes=zero.SHARED_AXES,
+        gather_per_chunk=par.schedule == "breadth_first",
+    )
+
+
 def make_loss_and_grads(trainable: Trainable) -> Callable:
     """(params, tokens, targets) -> (mean loss, fp32 grads), params and grads in the run's
-    layout, for every mesh (pipe = 1 included)."""
+    layout and shardings, for every mesh (pipe = 1 included)."""
     run = executor(
         stage_functions(trainable),
         build_tick_table(build_schedule(trainable)),
         trainable.layout,
         trainable.mesh,
         microbatches=trainable.cfg.train.microbatches,
+        zero=zero_sharding(trainable),
     )
 
     def loss_and_grads(params, tokens, targets):

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config, padded_vocab_size
 from jaxmeg.models import GPT
-from jaxmeg.parallel import named, param_rules, param_specs
+from jaxmeg.parallel import named, param_rules, param_specs, zero
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.training.optimizer import make_optimizer
 
@@ -136,12 +136,37 @@ def vocab_dims(trainable: Trainable) -> TrainState:
     return {"step": NO_VOCAB_DIM, "params": param_dims, "opt_state": opt_dims}
 
 
-def state_specs(trainable: Trainable) -> TrainState:
-    """PartitionSpecs of the train state, derived from the params' logical axes."""
+def _params_in_run_layout(trainable: Trainable):
+    """(PartitionSpecs from the rules, ShapeDtypeStructs) of the params in the run's layout."""
     boxed = jax.eval_shape(lambda key: _init_boxed_params(trainable, key), jax.random.key(0))
-    p_specs = _stage_specs(param_specs(boxed, param_rules(trainable.cfg.parallel)))
-    abstract_params = jax.eval_shape(
+    specs = _stage_specs(param_specs(boxed, param_rules(trainable.cfg.parallel)))
+    shapes = jax.eval_shape(
         lambda params: to_stage_layout(params, trainable.layout), nn.meta.unbox(boxed)
+    )
+    return specs, shapes
+
+
+def zero_dims(trainable: Trainable):
+    """Per param leaf (run layout) the dim its data group splits (`jaxmeg.parallel.zero`);
+    all NO_DIM with `parallel.zero_stage` 0."""
+    specs, shapes = _params_in_run_layout(trainable)
+    if trainable.cfg.parallel.zero_stage == 0:
+        return jax.tree.map(lambda _: zero.NO_DIM, shapes)
+    return zero.zero_dims(shapes, specs, trainable.mesh.shape, _in_blocks)
+
+
+def state_specs(trainable: Trainable) -> TrainState:
+    """PartitionSpecs of the train state, derived from the params' logical axes; with a sharded
+    optimizer, params and optimizer state also split over the data group."""
+    p_specs, abstract_params = _params_in_run_layout(trainable)
+    p_specs = jax.tree_util.tree_map_with_path(
+        lambda path, spec, dim, shape: zero.with_zero_axes(
+            spec, dim, zero.STAGE_AXES if _in_blocks(path) else zero.SHARED_AXES, len(shape.shape)
+        ),
+        p_specs,
+        zero_dims(trainable),
+        abstract_params,
+        is_leaf=_is_spec,
     )
     abstract_opt = jax.eval_shape(trainable.tx.init, abstract_params)
     opt_specs = optax.tree_map_params(

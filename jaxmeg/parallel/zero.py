@@ -1,0 +1,79 @@
+"""Sharded optimizer (`parallel.zero_stage`): which dim of each parameter a data group splits.
+
+ZeRO (Rajbhandari et al., 2020) as Megatron's distributed optimizer does it:
+  stage 1  the fp32 master weights and both Adam moments are split over `data`: each replica
+           updates 1/d of them, from gradients reduce-scattered over `data` (half the bytes of
+           an all-reduce's reduce phase); the updated weights are all-gathered for the next
+           step's forward.
+  stage 3  the same, and the weights stay split while the tick loop runs: each chunk's weights
+           are all-gathered when a slot uses them and dropped after (once per chunk and phase
+           with `breadth_first`, once per use with the depth-first schedules).
+The embedding and head, replicated over `pipe`, are split over `pipe` x `data` instead.
+
+Each parameter (in the run's layout) is split on one dim: the first dim after the layer slots
+(for layer stacks [v, p, Lc, ...]: the parameter's own dims, then Lc) that no other mesh axis
+splits and whose size the shard count divides; a parameter without one (too small) stays
+replicated and is all-reduced as before. `zero_dims` gives that dim per leaf, -1 for none.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+NO_DIM = -1
+STAGE_AXES = ("data",)
+SHARED_AXES = ("pipe", "data")
+"""Mesh axes that split a layer-stack leaf / an embedding or head leaf (pipe major)."""
+
+
+def _entry_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def zero_dim(shape: tuple[int, ...], spec: P, shards: int, candidates: list[int]) -> int:
+    """The first dim in `candidates` that `spec` leaves unsplit and `shards` divides."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for dim in candidates:
+        if entries[dim] is None and shape[dim] % shards == 0:
+            return dim
+    return NO_DIM
+
+
+def zero_dims(shapes, specs, mesh_shape, is_layer_stack) -> object:
+    """Per leaf of `shapes` (ShapeDtypeStructs in the run's layout) the dim split over the
+    data group (`is_layer_stack(path)`: layer stacks, split over `data`; others over
+    `pipe` x `data`), NO_DIM where none fits."""
+
+    def pick(path, shape_struct, spec):
+        shape = tuple(shape_struct.shape)
+        if is_layer_stack(path):
+            shards = mesh_shape["data"]
+            candidates = [*range(3, len(shape)), 2]
+        else:
+            shards = mesh_shape["data"] * mesh_shape["pipe"]
+            candidates = list(range(len(shape)))
+        return zero_dim(shape, spec, shards, candidates)
+
+    return jax.tree_util.tree_map_with_path(pick, shapes, specs)
+
+
+def with_zero_axes(spec: P, dim: int, axes: tuple[str, ...], ndim: int) -> P:
+    """`spec` with `axes` added on `dim` (unchanged for NO_DIM)."""
+    if dim == NO_DIM:
+        return spec
+    entries = list(spec) + [None] * (ndim - len(spec))
+    entries[dim] = axes if len(axes) > 1 else axes[0]
+    return P(*entries)
+
+
+def manual_only(spec: P, manual: tuple[str, ...]) -> P:
+    """`spec` with every mesh axis outside `manual` dropped (shard_map specs may name only
+    its manual axes)."""
+    kept = []
+    for entry in spec:
+        axes = tuple(a for a in _entry_axes(entry) if a in manual)
+        kept.append(None if not axes else axes if len(axes) > 1 else axes[0])
+    return P(*kept)
