@@ -137,6 +137,23 @@ BAD = [
         r"got parallel.schedule=interleaved_1f1b",
     ),
     (["parallel.stage_layers=[a]"], r"parallel.stage_layers must be a list of integers"),
+    (
+        ["parallel.data=-1", "parallel.zero_stage=2"],
+        r"parallel.zero_stage must be one of \[0, 1, 3\], got 2",
+    ),
+    (
+        ["parallel.zero_stage=1"],
+        r"parallel.zero_stage = 1 splits the optimizer over parallel.data, which is 1",
+    ),
+    (
+        [
+            "parallel.data=2",
+            "parallel.pipe=4",
+            "parallel.schedule=breadth_first",
+            "parallel.chunks=3",
+        ],
+        r"model.layers \(8\) must be divisible by parallel.pipe \* parallel.chunks = 4 \* 3 = 12",
+    ),
 ]
 
 

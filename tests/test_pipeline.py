@@ -207,6 +207,26 @@ def test_more_layouts_match_single_device(case):
     check_against_single_device(mesh, schedule, chunks, factor, model=model, tol=tol, **parallel)
 
 
+# Sharded optimizer: every schedule on (2,2,2), (2,4,1) and, with one stage, (4,1,2).
+ZERO_CASES = [
+    pytest.param(mesh, schedule, chunks, zero_stage, id="d{}p{}t{}-{}-v{}-zero{}".format(
+        *mesh, schedule, chunks, zero_stage))
+    for zero_stage in (1, 3)
+    for mesh, schedule, chunks in [
+        ((2, 2, 2), "1f1b", 1), ((2, 2, 2), "interleaved_1f1b", 2), ((2, 2, 2), "breadth_first", 4),
+        ((2, 4, 1), "1f1b", 1), ((2, 4, 1), "interleaved_1f1b", 2), ((2, 4, 1), "breadth_first", 2),
+        ((4, 1, 2), "1f1b", 1), ((4, 1, 2), "breadth_first", 1),
+    ]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh,schedule,chunks,zero_stage", ZERO_CASES)
+def test_sharded_optimizer_matches_single_device(mesh, schedule, chunks, zero_stage):
+    """Params arrive split over the data group (ZeRO-3) or whole (ZeRO-1); the gradients come
+    back reduce-scattered, in the state's split: put together, they equal one device's."""
+    check_against_single_device(mesh, schedule, chunks, 2, zero_stage=zero_stage)
+
+
 def test_padding_layers_are_never_updated():
     """Uneven stages: after two AdamW steps every padding slot of the params and of the
     optimizer state is still exactly zero (zero gradients, zero moments, zero decay)."""

@@ -94,6 +94,27 @@ def test_uneven_stages_match_one_device_and_resume_on_any_layout(
         )
 
 
+LAYERED = [
+    "--cpu-devices", "8", "--set", "parallel.schedule=breadth_first", "--set", "parallel.chunks=2",
+    "--set", "train.microbatches=4",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [
+        ["--set", "parallel.data=2", "--set", "parallel.pipe=4", "--set", "parallel.zero_stage=3"],
+        ["--set", "parallel.data=4", "--set", "parallel.pipe=2", "--set", "parallel.zero_stage=1"],
+    ],
+    ids=["zero3-d2p4", "zero1-d4p2"],
+)
+def test_breadth_first_with_sharded_optimizer_matches_one_device(
+    tmp_path, small_corpus, single_device_losses, zero
+):
+    losses = train([*LAYERED, *zero, "--steps", "5", *small_corpus], tmp_path, "zero")
+    np.testing.assert_allclose([r["loss"] for r in losses], single_device_losses, rtol=1e-4)
+
+
 def test_compile_only_reports_memory(small_corpus):
     result = subprocess.run(
         [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml", "--compile-only",

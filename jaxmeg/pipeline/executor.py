@@ -153,8 +153,9 @@ def _ring_pairs(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
     return [(s, (s + step) % p) for s in range(p) if wrap or 0 <= s + step < p]
 
 
-def _split(shape: tuple, dim: int, parts: int) -> tuple:
-    return (*shape[:dim], shape[dim] // parts, *shape[dim + 1 :])
+def _split(shape: tuple, dim: int, parts: float) -> tuple:
+    """`shape` with dim `dim` divided by `parts` (multiplied, for parts = 1 / n)."""
+    return (*shape[:dim], int(shape[dim] / parts), *shape[dim + 1 :])
 
 
 def _spec_with(lead: tuple, dim: int, axes) -> P:
@@ -263,11 +264,26 @@ def make_pipeline_loss_and_grads(
         def zeros_x(*lead):
             return jnp.zeros((*lead, *x_abstract.shape), x_abstract.dtype)
 
+        if gathering:  # the slots' gathered chunks, filled by their first gather
+            whole_chunk = _varying_everywhere(
+                jax.tree.map(
+                    lambda a, dim: jnp.zeros(
+                        a.shape if dim < 0 else _split(a.shape, dim - 2, 1 / d), a.dtype
+                    ),
+                    chunk_shard(0),
+                    stage_dims,
+                ),
+                manual,
+            )
+            g_like = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), whole_chunk)
+        else:
+            whole_chunk, g_like = chunk_params(0), params
+
         split = None
         if store:
             x_probe = _varying(zeros_x(), manual)
             split = residuals.trace_split(
-                lambda cp, x: fns.chunk(cp, x, real_layers(0)), chunk_params(0), x_probe
+                lambda cp, x: fns.chunk(cp, x, real_layers(0)), whole_chunk, x_probe
             )
 
         carry = {
@@ -280,12 +296,7 @@ def make_pipeline_loss_and_grads(
             "loss": jnp.zeros((), jnp.float32),
         }
         if gathering:
-            gathered = chunk_params(0)
-            carry["f_params"] = gathered
-            carry["b_params"] = gathered
-            g_like = jax.tree.map(lambda a, g: jnp.zeros((v, *g.shape), a.dtype), params, gathered)
-        else:
-            g_like = params
+            carry["f_params"] = carry["b_params"] = whole_chunk
         carry["g_stage"] = gradients.zeros_f32(g_like)
         if zero.stage and reduce_in_loop:  # the split accumulator the reductions write into
             carry["g_reduced"] = gradients.zeros_f32(
