@@ -12,7 +12,7 @@ import pytest
 from jaxmeg import config as C
 from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import collectives
-from jaxmeg.pipeline.executor import gather_columns
+from jaxmeg.pipeline.tick_columns import gather_columns
 from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training.pipeline_step import build_schedule
 from jaxmeg.training.trainer import compile_step, memory_report

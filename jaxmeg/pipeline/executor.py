@@ -37,17 +37,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients, residuals
 from jaxmeg.pipeline.layout import StageLayout
-from jaxmeg.pipeline.tick_table import FIELDS, TickTable, final_backward_chunks
-
-IDLE = 0
-F_FIRST, F_MIDDLE, F_LAST, F_EMBED = 1, 2, 3, 4
-B_CHUNK, B_FIRST, B_WHOLE = 1, 2, 3
+from jaxmeg.pipeline.tick_columns import (
+    F_EMBED,
+    F_FIRST,
+    IDLE,
+    final_backward_chunks,
+    gather_columns,
+    kind_columns,
+)
+from jaxmeg.pipeline.tick_table import FIELDS, TickTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,43 +87,6 @@ class ZeroSharding:
     gather_per_chunk: bool = False
     """ZeRO-3: gather a chunk once per run of consecutive slots on it (breadth_first) instead
     of at every use."""
-
-
-def gather_columns(table: TickTable, per_chunk: bool) -> tuple[np.ndarray, np.ndarray]:
-    """bool [num_ticks, p]: where the F (B) slot all-gathers its chunk's weights under ZeRO-3.
-    breadth_first: when the chunk differs from the slot's previous chunk on that stage (2 v
-    gathers per stage and step, whatever m); the depth-first schedules: at every action."""
-    gathers = []
-    for mb, chunk in ((table.f_mb, table.f_chunk), (table.b_mb, table.b_chunk)):
-        active = mb >= 0
-        if not per_chunk:
-            gathers.append(active)
-            continue
-        gather = np.zeros_like(active)
-        for s in range(table.num_stages):
-            previous = -1
-            for t in np.flatnonzero(active[:, s]):
-                gather[t, s] = chunk[t, s] != previous
-                previous = chunk[t, s]
-        gathers.append(gather)
-    return gathers[0], gathers[1]
-
-
-def kind_columns(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
-    """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static)."""
-    p, v = table.num_stages, num_chunks
-    stage = np.arange(p)[None, :]
-    if p * v == 1:
-        f_kind = np.where(table.f_mb >= 0, F_EMBED, IDLE)
-        b_kind = np.where(table.b_mb >= 0, B_WHOLE, IDLE)
-        return f_kind.astype(np.int32), b_kind.astype(np.int32)
-    f_first = (stage == 0) & (table.f_chunk == 0)
-    f_last = (stage == p - 1) & (table.f_chunk == v - 1)
-    f_kind = np.where(f_first, F_FIRST, np.where(f_last, F_LAST, F_MIDDLE))
-    b_kind = np.where((stage == 0) & (table.b_chunk == 0), B_FIRST, B_CHUNK)
-    f_kind = np.where(table.f_mb >= 0, f_kind, IDLE)
-    b_kind = np.where(table.b_mb >= 0, b_kind, IDLE)
-    return f_kind.astype(np.int32), b_kind.astype(np.int32)
 
 
 def _varying(tree, axes):

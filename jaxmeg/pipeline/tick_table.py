@@ -248,17 +248,3 @@ def build_tick_table(schedule: Schedule) -> TickTable:
         steady_k, steady_j = _steady_state_ring_sizes(schedule)
         input_slots, cot_slots = max(input_slots, steady_k), max(cot_slots, steady_j)
     return TickTable(**arrays, num_input_slots=max(input_slots, 1), num_cot_slots=max(cot_slots, 1))
-
-
-def final_backward_chunks(table: TickTable) -> np.ndarray:
-    """int32 [num_ticks, p]: the chunk whose last backward on that stage runs in that tick (its
-    gradients are final from then on), -1 elsewhere."""
-    final = np.full(table.b_mb.shape, -1, np.int32)
-    for s in range(table.num_stages):
-        seen: set[int] = set()
-        for t in reversed(range(table.num_ticks)):
-            chunk = int(table.b_chunk[t, s])
-            if table.b_mb[t, s] >= 0 and chunk not in seen:
-                seen.add(chunk)
-                final[t, s] = chunk
-    return final
