@@ -63,8 +63,10 @@ def test_schedule_change_on_resume_is_named():
     assert schedule_changes(meta, longer) == ["optimizer.decay_steps 280 -> 580"]
 
 
-def reshard_config(data, pipe, tensor, schedule="1f1b", chunks=1):
-    cfg = tiny_config(data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks)
+def reshard_config(data, pipe, tensor, schedule="1f1b", chunks=1, zero_stage=0):
+    cfg = tiny_config(
+        data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, zero_stage=zero_stage
+    )
     model = dataclasses.replace(cfg.model, vocab_size=1024, layers=4, heads=8)
     return dataclasses.replace(
         cfg, model=model, train=C.TrainConfig(global_batch=16, microbatch_size=1)
@@ -108,6 +110,26 @@ def test_checkpoint_reshards_to_any_mesh(tmp_path):
         # One more step from the restored state == the same step on the original mesh (fp32:
         # loss to 1e-5 relative, parameters to 1e-5 absolute; the AdamW update itself is
         # lr-sized, so this is far below one step's change).
+        loss, params = one_step(target, restored, tokens)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_checkpoint_moves_between_zero_stages(tmp_path):
+    """A ZeRO-3 breadth-first run's checkpoint is canonical: a ZeRO-1 run on another mesh and an
+    unsharded one read the same arrays, and their next step equals the source's."""
+    source = trainable_for(reshard_config(2, 2, 2, "breadth_first", 2, zero_stage=3))
+    state, tokens, saved = train_one_step_and_save(source, tmp_path, {"padded_vocab": source.vocab})
+    ref_loss, ref_params = one_step(source, state, tokens)
+    for mesh, zero_stage in [((4, 1, 2), 1), ((1, 2, 4), 0)]:
+        target = trainable_for(reshard_config(*mesh, zero_stage=zero_stage))
+        reader = Checkpointer(tmp_path, target)
+        _, restored, _ = reader.restore_latest()
+        reader.close()
+        got = jax.tree.map(np.asarray, to_canonical_layout(restored, target.layout))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
+            np.testing.assert_array_equal(a, b)
         loss, params = one_step(target, restored, tokens)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
