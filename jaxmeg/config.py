@@ -108,11 +108,12 @@ class ParallelConfig:
     """1F1B warm-up: `min_memory` (Megatron's p-s-1 forwards) or `min_bubble` (more warm-up
     forwards so the lockstep executor reaches the asynchronous bubble)."""
     zero_stage: int = 0
-    """Sharded optimizer (ZeRO, Megatron's distributed optimizer): 0 = off; 1 = fp32 master
-    weights and Adam moments split over `data` (embedding and head over `pipe` x `data`),
-    gradients reduce-scattered, weights all-gathered each step; 3 = the weights also stay split
-    in the tick loop and each chunk is gathered when used (once per chunk and phase with
-    `breadth_first`, once per use with depth-first schedules)."""
+    """Sharded optimizer (ZeRO, Megatron's distributed optimizer), needs parallel.data > 1: 0 =
+    off; 1 = master weights (`model.param_dtype`) and Adam moments split over `data` (embedding
+    and head over `pipe` x `data`), gradients reduce-scattered, weights all-gathered each step;
+    3 = the weights also stay split in the tick loop and each slot gathers a chunk when its order
+    moves to it (2 v gathers per stage and step with `breadth_first`). Gradient accumulators are
+    not split."""
     outer_axis: str = "pipe"
     """Which of `pipe` and `data` varies slowest over devices and so spans hosts first
     (Megatron's default: pipe)."""

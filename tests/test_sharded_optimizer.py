@@ -12,6 +12,7 @@ import pytest
 from jaxmeg import config as C
 from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import collectives
+from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.tick_columns import gather_columns
 from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training.pipeline_step import build_schedule
@@ -61,15 +62,15 @@ def test_split_optimizer_state_cuts_argument_bytes():
 @pytest.mark.parametrize("microbatches", [2, 8])
 def test_zero3_breadth_first_gathers_each_chunk_twice_per_step(microbatches):
     """ZeRO-3 + breadth_first (p = 2, v = 4): each stage all-gathers a chunk's weights once for
-    its forwards and once for its backwards, 2 v = 8 gathers per step whatever m; the gathers
-    and the gradient reduce-scatters over `data` all sit in the tick loop, none outside it
-    (outside: only the embedding/head over pipe x data and the grad norm's scalars)."""
+    its forwards and once for its backwards, 2 v = 8 gathers per step whatever m (interleaved
+    1F1B switches chunk every p microbatches, so its count grows with m); the gathers and the
+    gradient reduce-scatters over `data` all sit in the tick loop, none outside it (outside:
+    only the embedding/head over pipe x data and the grad norm's scalars)."""
     trainable, step = compiled((4, 2, 1), 3, microbatches)
-    table = build_tick_table(build_schedule(trainable))
-    forward, backward = gather_columns(table, per_chunk=True)
+    forward, backward = gather_columns(build_tick_table(build_schedule(trainable)))
     assert (forward.sum(axis=0) + backward.sum(axis=0)).tolist() == [2 * 4, 2 * 4]
-    depth_first = sum(c.sum() for c in gather_columns(table, per_chunk=False))
-    assert depth_first == 2 * 2 * 4 * microbatches  # every use: 2 slots x p x v x m
+    interleaved = build_tick_table(schedules.build("interleaved_1f1b", 2, microbatches, 4))
+    assert sum(c.sum() for c in gather_columns(interleaved)) == 2 * 2 * 4 * microbatches // 2
 
     text = step.as_text()
     loop = hlo_module.reachable(hlo_module.computations(text), hlo_module.tick_loop_body(text))

@@ -1,13 +1,17 @@
 """Sharded optimizer (`parallel.zero_stage`): which dim of each parameter a data group splits.
 
 ZeRO (Rajbhandari et al., 2020) as Megatron's distributed optimizer does it:
-  stage 1  the fp32 master weights and both Adam moments are split over `data`: each replica
+  stage 1  the master weights (`model.param_dtype`, fp32 by default) and both Adam moments are
+           split over `data`: each replica
            updates 1/d of them, from gradients reduce-scattered over `data` (half the bytes of
            an all-reduce's reduce phase); the updated weights are all-gathered for the next
            step's forward.
-  stage 3  the same, and the weights stay split while the tick loop runs: each chunk's weights
-           are all-gathered when a slot uses them and dropped after (once per chunk and phase
-           with `breadth_first`, once per use with the depth-first schedules).
+  stage 3  the same, and the weights stay split while the tick loop runs: each of the F and B
+           slots all-gathers a chunk's weights when its order moves to that chunk and keeps them
+           until it moves on (2 v gathers per stage and step with `breadth_first`, 2 with
+           `1f1b`, about 2 v m / p with `interleaved_1f1b`).
+The fp32 gradient accumulators are not split (whole-stage, plus the split ones the in-loop
+reduce-scatters fill).
 The embedding and head, replicated over `pipe`, are split over `pipe` x `data` instead.
 
 Each parameter (in the run's layout) is split on one dim: the first dim after the layer slots
@@ -69,11 +73,13 @@ def with_zero_axes(spec: P, dim: int, axes: tuple[str, ...], ndim: int) -> P:
     return P(*entries)
 
 
-def manual_only(spec: P, manual: tuple[str, ...]) -> P:
-    """`spec` with every mesh axis outside `manual` dropped (shard_map specs may name only
-    its manual axes)."""
+def without_zero_axes(spec: P) -> P:
+    """`spec` with the data group's split removed (what `with_zero_axes` added): checkpoints
+    store the canonical arrays the same way whatever the zero stage."""
     kept = []
     for entry in spec:
-        axes = tuple(a for a in _entry_axes(entry) if a in manual)
+        axes = _entry_axes(entry)
+        if axes in (STAGE_AXES, SHARED_AXES):
+            axes = ()
         kept.append(None if not axes else axes if len(axes) > 1 else axes[0])
     return P(*kept)

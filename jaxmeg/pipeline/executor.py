@@ -75,7 +75,8 @@ class ZeroSharding:
     """How a data group splits the params (a sharded optimizer; `jaxmeg.parallel.zero`).
 
     stage: 0 none; 1 gradients reduce-scattered, params arrive whole; 3 params also arrive
-        split and each chunk is all-gathered when a slot uses it (`gather_columns`).
+        split, and each slot all-gathers a chunk when its order moves to it and keeps it until
+        the next (`tick_columns.gather_columns`).
     stage_dims: tree like stage_params, the global dim split over `data` (-1 none).
     shared_dims: tree like shared, the dim split over `shared_axes` (-1 none).
     """
@@ -84,9 +85,6 @@ class ZeroSharding:
     stage_dims: Any = None
     shared_dims: Any = None
     shared_axes: tuple[str, ...] = ("pipe", "data")
-    gather_per_chunk: bool = False
-    """ZeRO-3: gather a chunk once per run of consecutive slots on it (breadth_first) instead
-    of at every use."""
 
 
 def _varying(tree, axes):
@@ -119,9 +117,14 @@ def _ring_pairs(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
     return [(s, (s + step) % p) for s in range(p) if wrap or 0 <= s + step < p]
 
 
-def _split(shape: tuple, dim: int, parts: float) -> tuple:
-    """`shape` with dim `dim` divided by `parts` (multiplied, for parts = 1 / n)."""
-    return (*shape[:dim], int(shape[dim] / parts), *shape[dim + 1 :])
+def _split(shape: tuple, dim: int, parts: int) -> tuple:
+    """`shape` with dim `dim` divided by `parts`."""
+    return (*shape[:dim], shape[dim] // parts, *shape[dim + 1 :])
+
+
+def _whole(shape: tuple, dim: int, parts: int) -> tuple:
+    """`shape` with dim `dim` multiplied by `parts` (the inverse of `_split`)."""
+    return (*shape[:dim], shape[dim] * parts, *shape[dim + 1 :])
 
 
 def _spec_with(lead: tuple, dim: int, axes) -> P:
@@ -152,6 +155,8 @@ def make_pipeline_loss_and_grads(
     the same way).
     """
     p, v, m = layout.num_stages, layout.num_chunks, microbatches
+    if zero.stage and gradients.trivial(mesh.shape):
+        raise ValueError(f"zero stage {zero.stage} needs a data axis > 1, the mesh is {mesh.shape}")
     if mesh.shape["pipe"] != p or table.num_stages != p:
         raise ValueError(
             f"layout has {p} stages, the mesh's pipe axis {mesh.shape['pipe']}, the tick table "
@@ -181,7 +186,7 @@ def make_pipeline_loss_and_grads(
     param_specs = grad_specs if zero.stage == 3 else (P(None, "pipe"), P())
     gathering = zero.stage == 3
     if gathering:
-        columns["f_gather"], columns["b_gather"] = gather_columns(table, zero.gather_per_chunk)
+        columns["f_gather"], columns["b_gather"] = gather_columns(table)
     columns = {name: jnp.asarray(col, jnp.int32) for name, col in columns.items()}
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
     forward_pairs = _ring_pairs(p, 1, wrap=v > 1)
@@ -234,7 +239,7 @@ def make_pipeline_loss_and_grads(
             whole_chunk = _varying_everywhere(
                 jax.tree.map(
                     lambda a, dim: jnp.zeros(
-                        a.shape if dim < 0 else _split(a.shape, dim - 2, 1 / d), a.dtype
+                        a.shape if dim < 0 else _whole(a.shape, dim - 2, d), a.dtype
                     ),
                     chunk_shard(0),
                     stage_dims,
@@ -262,7 +267,9 @@ def make_pipeline_loss_and_grads(
             "loss": jnp.zeros((), jnp.float32),
         }
         if gathering:
-            carry["f_params"] = carry["b_params"] = whole_chunk
+            carry["b_params"] = whole_chunk
+            if not whole_model:  # with p v = 1 the F slot only embeds
+                carry["f_params"] = whole_chunk
         carry["g_stage"] = gradients.zeros_f32(g_like)
         if zero.stage and reduce_in_loop:  # the split accumulator the reductions write into
             carry["g_reduced"] = gradients.zeros_f32(
@@ -281,7 +288,10 @@ def make_pipeline_loss_and_grads(
 
         def forward_slot(c, row):
             chunk, mb = row["f_chunk"], jnp.maximum(row["f_mb"], 0)
-            cp = c["f_params"] if gathering else chunk_params(chunk)
+            if whole_model:
+                cp = None  # the F slot only embeds
+            else:
+                cp = c["f_params"] if gathering else chunk_params(chunk)
             real = real_layers(chunk)
             x_in = c["inputs"][jnp.maximum(row["f_slot"], 0)]
             tokens_BxS, targets_BxS = tokens_MxBxS[mb], targets_MxBxS[mb]
@@ -416,11 +426,9 @@ def make_pipeline_loss_and_grads(
         def tick(t, c):
             row = {name: col[t, stage] for name, col in columns.items()}
             if gathering:
-                c = {
-                    **c,
-                    "f_params": gather_if(row["f_gather"], row["f_chunk"], c["f_params"]),
-                    "b_params": gather_if(row["b_gather"], row["b_chunk"], c["b_params"]),
-                }
+                c = {**c, "b_params": gather_if(row["b_gather"], row["b_chunk"], c["b_params"])}
+                if not whole_model:
+                    c["f_params"] = gather_if(row["f_gather"], row["f_chunk"], c["f_params"])
             c, y = forward_slot(c, row)
             received_x = send(y, forward_pairs)
             c, d_x = backward_slot(c, row)

@@ -45,17 +45,19 @@ def final_backward_chunks(table: TickTable) -> np.ndarray:
     return final
 
 
-def gather_columns(table: TickTable, per_chunk: bool) -> tuple[np.ndarray, np.ndarray]:
-    """bool [num_ticks, p]: where the F (B) slot all-gathers its chunk's weights under ZeRO-3.
-    breadth_first: when the chunk differs from the slot's previous chunk on that stage (2 v
-    gathers per stage and step, whatever m); the depth-first schedules: at every action."""
+def gather_columns(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
+    """bool [num_ticks, p]: where the F (B) slot all-gathers its chunk's weights under ZeRO-3:
+    when the chunk differs from the one that slot last used on that stage (each slot keeps its
+    gathered chunk until then). `breadth_first`: 2 v gathers per stage and step whatever m;
+    `1f1b`: 2; `interleaved_1f1b`: about 2 v m / p (its order switches chunk every p
+    microbatches). With p v = 1 the F slot only embeds and gathers nothing."""
     gathers = []
-    for mb, chunk in ((table.f_mb, table.f_chunk), (table.b_mb, table.b_chunk)):
+    for kind, (mb, chunk) in enumerate(((table.f_mb, table.f_chunk), (table.b_mb, table.b_chunk))):
         active = mb >= 0
-        if not per_chunk:
-            gathers.append(active)
-            continue
         gather = np.zeros_like(active)
+        if kind == 0 and table.num_stages == 1:  # p v = 1
+            gathers.append(gather)
+            continue
         for s in range(table.num_stages):
             previous = -1
             for t in np.flatnonzero(active[:, s]):

@@ -19,7 +19,8 @@ runs the whole model from the stored input, so no cotangent is buffered.
 
 Ring sizes depend on the schedule family (p, v, warm-up), not on m: for 1F1B-type schedules the
 rings are sized for the steady state, the peak at m = 2p (the same at any larger m), so a step's
-memory is the same for any m; GPipe keeps all m stage inputs, its rings grow with m.
+memory is the same for any m; GPipe keeps all m stage inputs and breadth_first all m v, so their
+rings grow with m.
 
 Placement is greedy and keeps each stage's order: in every tick each stage runs its next action
 if its inputs have arrived, a forward in the F slot and then, if the next action is a backward

@@ -114,7 +114,6 @@ def zero_sharding(trainable: Trainable) -> ZeroSharding:
         stage_dims=dims["blocks"]["layers"],
         shared_dims={k: v for k, v in dims.items() if k != "blocks"},
         shared_axes=zero.SHARED_AXES,
-        gather_per_chunk=par.schedule == "breadth_first",
     )
 
 

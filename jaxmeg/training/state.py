@@ -100,8 +100,8 @@ def _stage_specs(specs):
 def canonical_specs(trainable: Trainable):
     """Specs of the state in canonical layout: layers [L, ...] split in contiguous blocks over
     `pipe` where they divide evenly (for v = 1 exactly the executor's placement; for v > 1 one
-    all-to-all away), else replicated over `pipe`."""
-    specs = state_specs(trainable)
+    all-to-all away), else replicated over `pipe`; never split over the data group."""
+    specs = jax.tree.map(zero.without_zero_axes, state_specs(trainable), is_leaf=_is_spec)
     layout = trainable.layout
     on_pipe = "pipe" if not layout.uneven and layout.num_stages > 1 else None
     return map_layer_leaves(lambda spec: P(on_pipe, *spec[3:]), specs, is_leaf=_is_spec)
