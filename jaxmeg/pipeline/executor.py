@@ -221,7 +221,7 @@ def make_pipeline_loss_and_grads(
         x_abstract = jax.eval_shape(fns.embed, shared, tokens_MxBxS[0])
 
         def chunk_shard(chunk):
-            if v == 1:
+            if v == 1:  # a static index: no dynamic-slice copy of the stage's weights per slot
                 return jax.tree.map(lambda a: a[0], params)
             return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], params)
 
