@@ -199,41 +199,35 @@ def efficiency_tables(stage_counts: tuple[int, ...] = (2, 4, 8), chunks=(2, 3, 4
                      f"{bound3:.3f}", eff(lean, 3), eff(fast, 3),
                      f"{r_lean.input_slots[0]} / {r_fast.input_slots[0]}")
             )  # fmt: skip
-    lines += [
-        "",
+
+    def chunked_table(title: str, cell) -> list[str]:
+        """A table over p, m (multiples of p up to 4p) and v, one `cell(p, m, v)` each."""
+        table = ["", title, "", _row("p", "m", *[f"v={v}" for v in chunks])]
+        table.append(_row(*["---"] * (2 + len(chunks))))
+        for p in stage_counts:
+            for m in range(p, 4 * p + 1, p):
+                table.append(_row(p, m, *[cell(p, m, v) for v in chunks]))
+        return table
+
+    def interleaved(p, m, v):
+        inter = build("interleaved_1f1b", p, m, num_chunks=v)
+        return f"{validate(inter).async_bound:.3f} / {eff(inter, 2)} / {eff(inter, 3)}"
+
+    def breadth_against_interleaved(p, m, v):
+        breadth = build("breadth_first", p, m, num_chunks=v)
+        inter = build("interleaved_1f1b", p, m, num_chunks=v)
+        stored = f"{validate(breadth).input_slots[0]} / {validate(inter).input_slots[0]}"
+        return f"{eff(breadth, 2)} / {eff(inter, 2)}; {stored}"
+
+    lines += chunked_table(
         "Interleaved 1F1B (`interleaved_1f1b`, Megatron's order): bound / lockstep with "
         "backward = 2 / lockstep with backward = 3",
-        "",
-        _row("p", "m", *[f"v={v}" for v in chunks]),
-        _row(*["---"] * (2 + len(chunks))),
-    ]
-    for p in stage_counts:
-        for m in range(p, 4 * p + 1, p):
-            cells = []
-            for v in chunks:
-                inter = build("interleaved_1f1b", p, m, num_chunks=v)
-                report = validate(inter)
-                cells.append(f"{report.async_bound:.3f} / {eff(inter, 2)} / {eff(inter, 3)}")
-            lines.append(_row(p, m, *cells))
-    lines += [
-        "",
+        interleaved,
+    )
+    lines += chunked_table(
         "Breadth-first (`breadth_first`, layered gradient accumulation) against interleaved 1F1B "
         "at equal v: lockstep efficiency with backward = 2, and stage-0 stored inputs "
         "(breadth-first / interleaved). The bubble is the same; breadth-first keeps m v inputs.",
-        "",
-        _row("p", "m", *[f"v={v}" for v in chunks]),
-        _row(*["---"] * (2 + len(chunks))),
-    ]
-    for p in stage_counts:
-        for m in range(p, 4 * p + 1, p):
-            cells = []
-            for v in chunks:
-                breadth = build("breadth_first", p, m, num_chunks=v)
-                inter = build("interleaved_1f1b", p, m, num_chunks=v)
-                r_breadth, r_inter = validate(breadth), validate(inter)
-                cells.append(
-                    f"{eff(breadth, 2)} / {eff(inter, 2)}; "
-                    f"{r_breadth.input_slots[0]} / {r_inter.input_slots[0]}"
-                )
-            lines.append(_row(p, m, *cells))
+        breadth_against_interleaved,
+    )
     return "\n".join(lines)
