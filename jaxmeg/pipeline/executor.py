@@ -170,11 +170,12 @@ def make_pipeline_loss_and_grads(
     # `data` though their values agree, which shard_map's type check cannot know: it is off then
     # (the equivalence tests check the values).
     reduce_in_loop = mesh.shape["data"] > 1
-    stage_dims = shared_dims = local_stage_dims = None
+    stage_dims = shared_dims = local_stage_dims = chunk_dims = None
     d = mesh.shape["data"]
     if zero.stage:
-        # local stage gradients are [v, Lc, ...]: the global dim less the pipe dim
-        local_stage_dims = jax.tree.map(lambda dim: dim - 1 if dim >= 0 else dim, zero.stage_dims)
+        # stage leaves are [v, p, Lc, ...]; per device [v, Lc, ...]; one chunk [Lc, ...]
+        local_stage_dims = gradients.drop_leading_dims(zero.stage_dims, 1)
+        chunk_dims = gradients.drop_leading_dims(zero.stage_dims, 2)
         stage_dims = zero.stage_dims
         shared_dims = zero.shared_dims
         grad_specs = (
@@ -197,11 +198,9 @@ def make_pipeline_loss_and_grads(
     def gather_chunk(chunk_shard):
         """A chunk's weights [Lc, ...] whole from their split over `data` (ZeRO-3)."""
         return jax.tree.map(
-            lambda a, dim: (
-                a if dim < 0 else jax.lax.all_gather(a, "data", axis=dim - 2, tiled=True)
-            ),
+            lambda a, dim: a if dim < 0 else jax.lax.all_gather(a, "data", axis=dim, tiled=True),
             chunk_shard,
-            stage_dims,
+            chunk_dims,
         )
 
     def per_device(stage_params, shared, tokens, targets):
@@ -239,10 +238,10 @@ def make_pipeline_loss_and_grads(
             whole_chunk = _varying_everywhere(
                 jax.tree.map(
                     lambda a, dim: jnp.zeros(
-                        a.shape if dim < 0 else _whole(a.shape, dim - 2, d), a.dtype
+                        a.shape if dim < 0 else _whole(a.shape, dim, d), a.dtype
                     ),
                     chunk_shard(0),
-                    stage_dims,
+                    chunk_dims,
                 ),
                 manual,
             )
@@ -438,7 +437,7 @@ def make_pipeline_loss_and_grads(
             if reduce_in_loop:
                 key = "g_reduced" if zero.stage else "g_stage"
                 c[key] = gradients.reduce_final_chunk(
-                    c["g_stage"], c[key], row["reduce_chunk"], local_stage_dims
+                    c["g_stage"], c[key], row["reduce_chunk"], chunk_dims
                 )
             return c
 

@@ -70,18 +70,22 @@ def _sum_stages_mean_replicas(tree):
     return jax.tree.map(lambda a: a / replicas, summed) if replicas > 1 else summed
 
 
-def reduce_final_chunk(stage_grads, reduced, chunk, dims=None):
+def drop_leading_dims(dims, count: int):
+    """Split dims (-1 = none) of arrays seen without their first `count` dims."""
+    return jax.tree.map(lambda dim: dim - count if dim >= 0 else dim, dims)
+
+
+def reduce_final_chunk(stage_grads, reduced, chunk, chunk_dims=None):
     """Reduce chunk `chunk` of stage_grads [v, ...] over `data` into `reduced` [v, ...] (nothing
-    when chunk is -1): a mean (`reduced` is `stage_grads`, updated in place) or, with `dims` (a
-    sharded optimizer: per leaf the dim of stage_grads to split, -1 for none), a reduce-scatter
-    into the split accumulator. The same on every replica of a stage (they run the same table
-    row), so the collective may sit under this stage-dependent `lax.cond`."""
+    when chunk is -1): a mean (`reduced` is `stage_grads`, updated in place) or, with
+    `chunk_dims` (a sharded optimizer: per leaf the dim of one chunk to split, -1 for none), a
+    reduce-scatter into the split accumulator. The same on every replica of a stage (they run
+    the same table row), so the collective may sit under this stage-dependent `lax.cond`."""
     safe = jnp.maximum(chunk, 0)
     part = jax.tree.map(lambda a: a[safe], stage_grads)
-    if dims is None:
+    if chunk_dims is None:
         reduce = reduce_over_data
     else:
-        chunk_dims = jax.tree.map(lambda dim: dim - 1 if dim >= 0 else dim, dims)
         reduce = functools.partial(reduce_scatter, dims=chunk_dims, axes=("data",))
     current = jax.tree.map(lambda a: a[safe], reduced)
     part = jax.lax.cond(chunk >= 0, reduce, lambda _: current, part)
@@ -111,7 +115,7 @@ def reduce_step(
     stage_grads_reduced: bool = False,
     stage_dims=None,
     shared_dims=None,
-    shared_axes: tuple[str, ...] = ("pipe", "data"),
+    shared_axes: tuple[str, ...] = (),
 ):
     """(loss, stage_grads, shared_grads) of the whole step (see the module docstring for the
     collectives). With `stage_dims` / `shared_dims` (a sharded optimizer: per leaf the local dim
