@@ -7,7 +7,8 @@ places tensor-parallel collectives from the sharding rules.
 
 The mesh is a `jax.sharding.Mesh` over an explicit device grid rather than `jax.make_mesh`,
 because `make_mesh` chooses its own device order (and makes axes Explicit by default); the
-order above is what keeps a tensor group on one host's NVLink.
+order above is what keeps a tensor group on one host's NVLink. With a cluster file the order
+comes from `jaxmeg.parallel.placement` (NIC-aware, Holmes) instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxmeg.config import MESH_AXES, ParallelConfig, resolve_mesh_shape
+from jaxmeg.parallel.placement import megatron_grid
 
 
 def simulate_cpu_devices(count: int) -> None:
@@ -37,14 +39,18 @@ def simulate_cpu_devices(count: int) -> None:
             ) from err
 
 
-def make_mesh(par: ParallelConfig, devices: list | None = None) -> Mesh:
-    """Builds the mesh for `par` (with `-1` axes inferred) over `devices` (default: all)."""
+def make_mesh(par: ParallelConfig, devices: list | None = None, placement=None) -> Mesh:
+    """Builds the mesh for `par` (with `-1` axes inferred) over `devices` (default: all), in
+    Megatron's device order, or in `placement`'s (a `jaxmeg.parallel.placement.Placement`)."""
     devices = list(jax.devices() if devices is None else devices)
     devices.sort(key=lambda d: (d.process_index, d.id))
     data, pipe, tensor = resolve_mesh_shape(par, len(devices))
-    grid = np.array(devices, dtype=object)
-    if par.outer_axis == "pipe":
-        grid = grid.reshape(pipe, data, tensor).transpose(1, 0, 2)
+    if placement is None:
+        ids = megatron_grid([d.id for d in devices], data, pipe, tensor, par.outer_axis)
     else:
-        grid = grid.reshape(data, pipe, tensor)
+        ids = placement.grid
+        if ids.shape != (data, pipe, tensor):
+            raise ValueError(f"placement grid {ids.shape} != mesh shape {(data, pipe, tensor)}")
+    by_id = {d.id: d for d in devices}
+    grid = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
