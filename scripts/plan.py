@@ -1,7 +1,10 @@
 """Plan a 3D-parallel layout: every (tensor, pipe, data, chunks, microbatch, recompute) that fits
 in memory, ranked by the predicted step time (--objective step_time, the default); or, per
 pipeline method, the layout of up to --gpus GPUs that reaches a target loss soonest at the
-critical batch (--objective shortest_time). docs/planner.md explains the model.
+critical batch (--objective shortest_time). With --cluster FILE (configs/clusters/), the layouts
+of that cluster of node groups with different NICs, each with its NIC-aware placement and
+self-adapting partition, next to Megatron's placement and even split. docs/planner.md explains
+the models.
 
   python scripts/plan.py --config configs/megatron_1t.yaml --gpus 3072 --batch 3072 \
       --hardware a100_dgx --tokens 450e9
@@ -9,6 +12,7 @@ critical batch (--objective shortest_time). docs/planner.md explains the model.
       --objective shortest_time --tokens 450e9
   python scripts/plan.py --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \
       --gpus 1536 --batch 1536 --tensor 8 --json
+  python scripts/plan.py --config configs/megatron_7.5b.yaml --cluster holmes_ib_roce --json
 """
 
 from __future__ import annotations
@@ -46,8 +50,18 @@ def parse_args(argv):
     model.add_argument("--heads", type=int)
     model.add_argument("--seq", type=int)
     model.add_argument("--vocab", type=int)
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs (shortest_time: at most)")
-    parser.add_argument("--batch", type=int, help="global batch in sequences (step_time)")
+    parser.add_argument(
+        "--gpus", type=int, help="GPUs (shortest_time: at most); with --cluster, its GPUs"
+    )
+    parser.add_argument(
+        "--batch", type=int,
+        help="global batch in sequences (step_time); with --cluster, default the config's",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cluster", metavar="FILE",
+        help="a cluster file or name (configs/clusters/): rank its layouts, placements (auto vs "
+        "megatron) and partitions",
+    )  # fmt: skip
     parser.add_argument("--hardware", default="a100_dgx", help="profile name or YAML path")
     parser.add_argument("--objective", choices=OBJECTIVES, default="step_time")
     parser.add_argument(
@@ -74,6 +88,14 @@ def parse_args(argv):
         "--json", action="store_true", help="print the best plan (per method) as JSON"
     )
     args = parser.parse_args(argv)
+    if args.cluster:
+        if args.objective != "step_time":
+            parser.error("--cluster ranks by step time; it takes no --objective shortest_time")
+        if args.batch is None and not args.config:
+            parser.error("--cluster needs --batch or a --config with train.global_batch")
+        return args
+    if args.gpus is None:
+        parser.error("--gpus is required (without --cluster)")
     if args.objective == "step_time" and args.batch is None:
         parser.error("--batch is required with --objective step_time")
     if args.objective == "shortest_time" and (args.target_loss is None) == (args.tokens is None):
@@ -117,6 +139,8 @@ def main(argv=None) -> int:
     pins = {k: getattr(args, k) for k in ("tensor", "pipe", "chunks", "microbatch")}
     if args.recompute:
         pins["recompute"] = (args.recompute,)
+    if args.cluster:
+        return cluster_report(args, shape, pins)
     if args.objective == "shortest_time":
         return shortest_time_report(args, shape, hw, pins)
     if args.zero_stage is not None:
@@ -162,6 +186,77 @@ def main(argv=None) -> int:
             row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"
         print(row)
     return 0
+
+
+def cluster_report(args, shape, pins) -> int:
+    """Layouts of a cluster file, NIC-aware placement and partition against Megatron's
+    (`jaxmeg.perf.cluster_planner.plan_cluster`)."""
+    from jaxmeg import config
+    from jaxmeg.parallel.cluster import load_cluster
+    from jaxmeg.perf.cluster_planner import plan_cluster
+
+    if pins.pop("chunks", None) not in (None, 1):
+        print("error: --cluster plans one chunk per stage (uneven stages)", file=sys.stderr)
+        return 2
+    try:
+        cluster = load_cluster(args.cluster)
+        batch = args.batch or config.load(args.config).train.global_batch
+        if args.gpus not in (None, cluster.gpus):
+            raise ValueError(f"--gpus {args.gpus}, but cluster {cluster.name!r} has {cluster.gpus}")
+        plans = plan_cluster(
+            shape,
+            cluster,
+            batch,
+            sequence_parallel=args.sequence_parallel,
+            outer_axis=args.outer_axis,
+            **pins,
+        )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not plans:
+        print(
+            f"error: no layout of cluster {cluster.name!r} with batch {batch} fits with these pins",
+            file=sys.stderr,
+        )
+        return 1
+    rows = [p.as_dict() for p in plans[: args.top]]
+    if args.json:
+        print(json.dumps({**rows[0], "cluster": cluster.name, "ranked": rows}))
+        return 0
+    groups = ", ".join(
+        f"{g.name}: {g.nodes} x {g.gpus_per_node} {g.gpu} {g.nic} "
+        f"{g.nic_gbps:g} Gb/s x {g.nics_per_node}"
+        for g in cluster.groups
+    )
+    print(
+        f"cluster {cluster.name} ({groups}); batch {batch} x {shape.seq_len}; "
+        f"{len(plans)} layouts fit, fastest (auto) first"
+    )
+    print(
+        f"{'t':>2} {'p':>3} {'d':>3} {'b':>2} {'recomp':>9} {'mem GB':>6} | {'auto layers':<28} "
+        f"{'TFLOP/s':>7} {'step s':>7} | {'megatron layers':<28} {'TFLOP/s':>7} {'step s':>7}"
+    )
+    for row in rows:
+        meg = row["megatron"]
+        print(
+            f"{row['tensor']:>2} {row['pipe']:>3} {row['data']:>3} {row['microbatch']:>2} "
+            f"{row['recompute']:>9} {row['memory_per_gpu_gb']:>6.1f} | "
+            f"{_stage_summary(row):<28} {row['tflops_per_gpu']:>7.1f} {row['step_time_s']:>7.3f} | "
+            f"{_stage_summary(meg):<28} {meg['tflops_per_gpu']:>7.1f} {meg['step_time_s']:>7.3f}"
+        )
+    return 0
+
+
+def _stage_summary(row) -> str:
+    """Layers per stage by group, e.g. `ib 19 | roce 17`."""
+    parts, groups, layers = [], row["stage_groups"], row["stage_layers"]
+    for s, (group, n) in enumerate(zip(groups, layers, strict=True)):
+        if s and group == groups[s - 1]:
+            parts[-1] += f",{n}"
+        else:
+            parts.append(f"{group} {n}")
+    return " | ".join(parts)
 
 
 def shortest_time_report(args, shape, hw, pins) -> int:

@@ -182,21 +182,31 @@ def busiest_stage_layers(shape: Shape, layout: Layout) -> int:
     return max(stage_layout(shape, layout).stage_layers)
 
 
+def layer_parameters(shape: Shape) -> float:
+    """One layer's parameters, 12 h^2 + 13 h (eq. 2's per-layer term)."""
+    return 12 * shape.hidden * shape.hidden + 13 * shape.hidden
+
+
+def shared_parameters_per_gpu(shape: Shape, tensor: int) -> float:
+    """The vocab-parallel word embedding (V h / t, tied with the head) and the positions (s h)."""
+    return shape.vocab * shape.hidden / tensor + shape.seq_len * shape.hidden
+
+
 def params_per_gpu(shape: Shape, layout: Layout) -> float:
     """Layer parameters of the busiest stage split t ways, plus the vocab-parallel embedding."""
-    h = shape.hidden
-    layer = 12 * h * h + 13 * h
-    embedding = shape.vocab * h / layout.tensor + shape.seq_len * h
-    return busiest_stage_layers(shape, layout) * layer / layout.tensor + embedding
+    layers = busiest_stage_layers(shape, layout)
+    return layers * layer_parameters(shape) / layout.tensor + shared_parameters_per_gpu(
+        shape, layout.tensor
+    )
 
 
 def chunk_params_per_gpu(shape: Shape, layout: Layout) -> float:
     """Parameters of the busiest chunk split t ways (its Lc layers and the embedding): what
     ZeRO-3 gathers at once."""
-    h = shape.hidden
-    layer = 12 * h * h + 13 * h
     lc = busiest_stage_layers(shape, layout) // layout.chunks
-    return lc * layer / layout.tensor + shape.vocab * h / layout.tensor + shape.seq_len * h
+    return lc * layer_parameters(shape) / layout.tensor + shared_parameters_per_gpu(
+        shape, layout.tensor
+    )
 
 
 def layer_activation_bytes(shape: Shape, layout: Layout, flash_attention: bool = True) -> float:
@@ -311,7 +321,7 @@ class StepTime:
         return self.pipeline + self.p2p + self.data_parallel + self.optimizer
 
 
-def _link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
+def hardware_link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
     """(achievable GB/s, latency us): datasheet bandwidth x the collectives' efficiency."""
     if inside_node:
         return hw.intra_node_gb_per_s * hw.collective_efficiency, hw.intra_node_latency_us
@@ -338,18 +348,18 @@ def inside_node(layout: Layout, hw: Hardware, axis: str) -> bool:
 
 def tensor_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
     """A tensor group is consecutive GPUs: NVLink while it fits in a node."""
-    return _link(hw, inside_node(layout, hw, "tensor"))
+    return hardware_link(hw, inside_node(layout, hw, "tensor"))
 
 
 def pipe_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
     """Pipeline neighbours are t GPUs apart (outer_axis data) or t d (outer_axis pipe); the
     pipeline moves at the pace of its slowest hop, so one hop across nodes makes it inter-node."""
-    return _link(hw, inside_node(layout, hw, "pipe"))
+    return hardware_link(hw, inside_node(layout, hw, "pipe"))
 
 
 def data_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
     """A data group is t GPUs apart (outer_axis pipe) or t p (outer_axis data)."""
-    return _link(hw, inside_node(layout, hw, "data"))
+    return hardware_link(hw, inside_node(layout, hw, "data"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,8 +425,11 @@ def data_parallel_seconds(
     return max(total / layout.chunks, total - compute_seconds)
 
 
-def _pipe_message_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
-    """One activation (or cotangent) of 2 s b h bytes from a stage to its neighbour.
+def pipe_message_seconds(
+    shape: Shape, layout: Layout, hw: Hardware, link: tuple[float, float] | None = None
+) -> float:
+    """One activation (or cotangent) of 2 s b h bytes from a stage to its neighbour, over
+    `link` (GB/s, latency us; default `pipe_link`).
 
     With Megatron's scatter/gather each of the t ranks of a tensor group sends 1/t of it on its
     own link, and the receivers all-gather the t pieces over the tensor group before the stage
@@ -424,7 +437,7 @@ def _pipe_message_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
     """
     message = 2 * shape.seq_len * layout.microbatch * shape.hidden
     t = layout.tensor
-    gb_per_s, latency_us = pipe_link(layout, hw)
+    gb_per_s, latency_us = pipe_link(layout, hw) if link is None else link
     if not (layout.pipe_scatter_gather or layout.sequence_parallel) or t == 1:
         return message / (gb_per_s * 1e9) + latency_us * 1e-6
     send = message / t / (gb_per_s * 1e9) + latency_us * 1e-6
@@ -433,6 +446,19 @@ def _pipe_message_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
     gb_per_s, latency_us = tensor_link(layout, hw)
     gather = (t - 1) / t * message / (gb_per_s * 1e9) + (t - 1) * latency_us * 1e-6
     return send + gather
+
+
+def logits_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
+    """The output projection's forward for one microbatch (its backward is two of these)."""
+    tokens = shape.seq_len * layout.microbatch
+    return _gemm_seconds(tokens, shape.vocab / layout.tensor, shape.hidden, hw)
+
+
+def optimizer_seconds(params: float, layout: Layout, hw: Hardware) -> float:
+    """The optimizer step of `params` parameters, memory bound: 16 bytes per parameter read
+    and written, on the 1/d shard with ZeRO."""
+    updated = params / (layout.data if layout.zero_stage else 1)
+    return 16 * updated * 2 / (hw.hbm_tb_per_s * 1e12)
 
 
 def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
@@ -444,8 +470,7 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     p, v, m = layout.pipe, layout.chunks, layout.microbatches
     layer = layer_seconds(shape, layout, hw)
     layers = busiest_stage_layers(shape, layout)
-    tokens = shape.seq_len * layout.microbatch
-    logits_f = _gemm_seconds(tokens, shape.vocab / layout.tensor, shape.hidden, hw)
+    logits_f = logits_seconds(shape, layout, hw)
     # The last stage also runs the output projection; lockstep or not, the pipeline moves at
     # the pace of its slowest stage, counted as the busiest one plus the head.
     forward = layers * layer.forward + logits_f
@@ -454,11 +479,10 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back
-        p2p = 2 * v * (m + (p - 1) / v) * _pipe_message_seconds(shape, layout, hw)
+        p2p = 2 * v * (m + (p - 1) / v) * pipe_message_seconds(shape, layout, hw)
     compute = m * (forward + backward)
     dp = data_parallel_seconds(shape, layout, hw, compute)
-    updated = params_per_gpu(shape, layout) / (layout.data if layout.zero_stage else 1)
-    optimizer = 16 * updated * 2 / (hw.hbm_tb_per_s * 1e12)
+    optimizer = optimizer_seconds(params_per_gpu(shape, layout), layout, hw)
     return StepTime(forward, backward, pipeline, p2p, dp, optimizer, bubble)
 
 
