@@ -27,6 +27,10 @@ ZERO_STAGES = (0, 1, 3)
 REMAT_POLICIES = ("none", "selective", "full")
 """The `model.remat` choices; the performance model and the planner take them from here."""
 DTYPES = ("float32", "bfloat16", "float16")
+PLACEMENTS = ("auto", "megatron")
+"""The `parallel.placement` choices (see `jaxmeg.parallel.placement`)."""
+STAGE_LAYERS_MODES = ("auto", "measured")
+"""The words `parallel.stage_layers` accepts besides a list; resolved to a list before `validate`."""
 
 
 class ConfigError(ValueError):
@@ -100,10 +104,19 @@ class ParallelConfig:
     chunks: int = 1
     """Model chunks (virtual stages) per pipeline stage, v; > 1 only with interleaved_1f1b or
     breadth_first."""
-    stage_layers: tuple = ()
+    stage_layers: tuple | str = ()
     """Layers per pipeline stage, one entry per stage, e.g. [5, 3] (sum = model.layers, every
-    entry >= 1; gpipe and 1f1b only). Empty = the even split L / (p v). Shorter stages are padded
-    to the longest with identity layers that are never updated and counted nowhere."""
+    entry >= 1; gpipe, 1f1b and breadth_first with chunks = 1). Empty = the even split L / (p v).
+    Shorter stages are padded to the longest with identity layers that are never updated and
+    counted nowhere. `auto`: the split that minimises the slowest stage's time by the performance
+    model, given each stage's node group (`scripts/train.py --cluster`); `measured`: the same
+    partitioner fed by a short probe on the devices, saved in the run directory and reused on
+    resume (see `jaxmeg.training.stage_probe`)."""
+    placement: str = "auto"
+    """Which device takes which mesh coordinate: `auto` (with a cluster file, NIC-aware as in
+    Holmes: node groups take whole pipeline stages in file order, so data-parallel groups stay
+    inside one NIC type; without one, the same as `megatron`) or `megatron` (devices in process
+    order, `outer_axis` slowest, blind to NICs)."""
     pipeline_warmup: str = "min_bubble"
     """1F1B warm-up: `min_memory` (Megatron's p-s-1 forwards) or `min_bubble` (more warm-up
     forwards so the lockstep executor reaches the asynchronous bubble)."""
@@ -246,6 +259,8 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
             raise ConfigError(f"{name} must be a string, got {value!r}")
         return value
     if isinstance(default, tuple):
+        if value in STAGE_LAYERS_MODES and field.name == "stage_layers":
+            return value
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             value = [value] if isinstance(value, int) else yaml.safe_load(f"[{value}]")
         if not isinstance(value, (list, tuple)) or not all(
@@ -434,6 +449,12 @@ def validate(cfg: Config, num_devices: int) -> Config:
     _check_choice("parallel.schedule", par.schedule, schedules.NAMES)
     _check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
     _check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)
+    _check_choice("parallel.placement", par.placement, PLACEMENTS)
+    if isinstance(par.stage_layers, str):
+        raise ConfigError(
+            f"parallel.stage_layers={par.stage_layers} is resolved by the trainer before "
+            f"validation (jaxmeg.training.partitioning.resolve_stage_layers)"
+        )
     for name in ("hidden", "layers", "heads", "mlp_ratio", "seq_len", "vocab_multiple"):
         _check_positive(f"model.{name}", getattr(m, name))
     if m.vocab_size < 1:

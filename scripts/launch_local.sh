@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start N training processes on this machine, splitting JAXMEG_CPU_DEVICES (default 8) simulated
 # CPU devices among them, joined by jax.distributed over a free localhost port: the way to debug
-# multi-host behaviour without a cluster. Extra arguments go to every scripts/train.py.
+# multi-host behaviour without a cluster. Extra arguments go to every scripts/train.py. Process i
+# is node `local<i>` (JAXMEG_NODE_NAME); with `--cluster FILE` it takes the i-th node of the file.
 #
 #   scripts/launch_local.sh 2 --config configs/gpt_tiny.yaml --set parallel.pipe=2 --out runs/a
 #
@@ -48,7 +49,8 @@ trap 'on_signal HUP' HUP
 trap terminate_running EXIT
 
 for ((i = 0; i < n; i++)); do
-  ${detach[@]+"${detach[@]}"} "$python" "$here/train.py" --cpu-devices $((total / n)) \
+  # Each process plays a node of its own (a cluster file's node groups tell them apart).
+  JAXMEG_NODE_NAME=local$i ${detach[@]+"${detach[@]}"} "$python" "$here/train.py" --cpu-devices $((total / n)) \
     --coordinator "127.0.0.1:$port" --num-processes "$n" --process-id "$i" "$@" &
   running[$!]=$i
 done

@@ -4,6 +4,8 @@ python scripts/train.py [--config configs/gpt_tiny.yaml] [--set section.key=valu
 python scripts/train.py --cpu-devices 8 --set parallel.data=2 --set parallel.tensor=4
 python scripts/train.py --config configs/gpt_1.3b.yaml --compile-only
 python scripts/train.py --out runs/a --steps 100    # later: --steps 300 resumes at 100
+python scripts/train.py --cpu-devices 8 --cluster configs/clusters/local_2x4.yaml \
+    --set parallel.pipe=2 --set parallel.data=2 --set parallel.tensor=2 --set parallel.stage_layers=auto
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-resume", action="store_true", help="refuse to start if --out holds checkpoints"
     )
+    parser.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="cluster file (configs/clusters/*.yaml, or a name there): node groups by NIC type;\n"
+        "sets each process's NCCL variables and, with parallel.placement=auto, keeps data-\n"
+        "parallel groups inside one group and crosses groups only between pipeline stages",
+    )
     group = parser.add_argument_group("multi-process (also from JAXMEG_* or SLURM variables)")
     group.add_argument("--coordinator", help="HOST:PORT of process 0")
     group.add_argument("--num-processes", type=int)
@@ -89,11 +98,21 @@ def report_error(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def join_process_group(args: argparse.Namespace) -> None:
+def join_process_group(args: argparse.Namespace):
+    """Joins the processes; with --cluster, first sets this process's NCCL variables for its
+    node group's NIC, and afterwards shares every process's group (a ClusterJob, else None)."""
     from jaxmeg.parallel import distributed
 
     spec = distributed.cluster_spec(args.coordinator, args.num_processes, args.process_id)
+    job = None
+    if args.cluster:
+        from jaxmeg.parallel.cluster import load_cluster
+        from jaxmeg.parallel.cluster_job import ClusterJob
+
+        process_id, processes = (spec.process_id, spec.num_processes) if spec else (0, 1)
+        job = ClusterJob.start(load_cluster(args.cluster), process_id, processes)
     distributed.initialize(spec, args.init_timeout)
+    return job.exchange() if job else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
         simulate_cpu_devices(args.cpu_devices)
     try:
-        join_process_group(args)
+        cluster_job = join_process_group(args)
     except ValueError as err:  # before the group exists, each process reports its own error
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -113,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args)
         if args.compile_only:
-            report = trainer.compile_only(cfg)
+            report = trainer.compile_only(cfg, cluster_job)
             if is_lead():
                 print(json.dumps(report))
             return 0
@@ -123,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             resume=not args.no_resume,
             metrics_file=args.metrics_file,
             show_progress=not args.no_progress,
+            cluster_job=cluster_job,
         )
     except config.ConfigError as err:
         report_error(f"config error: {err}")

@@ -137,6 +137,8 @@ BAD = [
         r"got parallel.schedule=interleaved_1f1b",
     ),
     (["parallel.stage_layers=[a]"], r"parallel.stage_layers must be a list of integers"),
+    (["parallel.stage_layers=fastest"], r"parallel.stage_layers must be a list of integers"),
+    (["parallel.placement=holmes"], r"parallel.placement must be one of \['auto', 'megatron'\]"),
     (
         ["parallel.data=-1", "parallel.zero_stage=2"],
         r"parallel.zero_stage must be one of \[0, 1, 3\], got 2",
@@ -194,3 +196,19 @@ def test_steps_override_keeps_the_schedule():
     assert C.with_steps(fixed, 3).optimizer.decay_steps == 50
     validated = C.validate(C.apply_overrides(stopped_early, ["model.vocab_size=512"]), 1)
     assert validated.optimizer.decay_steps == 280
+
+
+def test_stage_layers_words_resolve_before_validation():
+    from jaxmeg.training.partitioning import resolve
+
+    cfg = C.apply_overrides(
+        C.Config(), ["model.vocab_size=512", "parallel.pipe=2", "parallel.stage_layers=auto"]
+    )
+    assert cfg.parallel.stage_layers == "auto"
+    with pytest.raises(C.ConfigError, match="resolved by the trainer before validation"):
+        C.validate(cfg, 2)
+    # Without a cluster file every stage costs the same per layer; the last also runs the head.
+    layout = resolve(cfg, devices=2)
+    assert layout.cfg.parallel.stage_layers == (4, 4)
+    big_vocab = C.apply_overrides(cfg, ["model.vocab_size=1000"])  # head ~ 1.7 layers
+    assert resolve(big_vocab, devices=2).cfg.parallel.stage_layers == (5, 3)

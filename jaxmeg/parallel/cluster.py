@@ -16,9 +16,10 @@ only traffic that crosses groups should be pipeline sends.
       - {groups: [ib, roce], nic: ethernet, gbps: 25}
 
 Which group a process is in, first match wins: the variable JAXMEG_NODE_GROUP (a group name);
-this host's name in a group's `hosts` (`node[01-04]` ranges as SLURM writes them); the node's
+this node's name in a group's `hosts` (`node[01-04]` ranges as SLURM writes them); the node's
 position in the job (SLURM_NODEID, else the process id when there is one process per node),
-counted through the groups in file order.
+counted through the groups in file order. A node's name is JAXMEG_NODE_NAME, else the host name
+(scripts/launch_local.sh names each local process a node of its own).
 """
 
 from __future__ import annotations
@@ -270,6 +271,12 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
     return from_dict(raw, str(path))
 
 
+def node_name(env=None) -> str:
+    """This process's node: JAXMEG_NODE_NAME, else the host name."""
+    env = os.environ if env is None else env
+    return env.get("JAXMEG_NODE_NAME") or socket.gethostname()
+
+
 def group_of_this_node(
     cluster: Cluster,
     process_id: int = 0,
@@ -279,7 +286,7 @@ def group_of_this_node(
 ) -> tuple[str, str]:
     """(group name, how it was found) for the node this process runs on."""
     env = os.environ if env is None else env
-    host = socket.gethostname() if host is None else host
+    host = node_name(env) if host is None else host
     if env.get("JAXMEG_NODE_GROUP"):
         return cluster.group(env["JAXMEG_NODE_GROUP"]).name, "JAXMEG_NODE_GROUP"
     listed = any(g.hosts for g in cluster.groups)

@@ -19,10 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxmeg.config import ConfigError
-
-PLACEMENTS = ("auto", "megatron")
-"""The `parallel.placement` choices."""
+from jaxmeg.config import PLACEMENTS, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,12 +180,15 @@ def cross_group_pipeline_edges(p: Placement) -> int:
     return int(np.sum(group[:, 1:, :] != group[:, :-1, :]))
 
 
-def cluster_records(cluster) -> list[DeviceRecord]:
-    """One record per GPU of `cluster` (a `jaxmeg.parallel.cluster.Cluster`), nodes in file order;
-    hosts are the listed names or `<group><node>`. Stands in for a job that fills the cluster."""
+def cluster_records(cluster, ids=None) -> list[DeviceRecord]:
+    """One record per GPU of `cluster` (a `jaxmeg.parallel.cluster.Cluster`), nodes in file order,
+    with device ids `ids` (default 0, 1, ...); hosts are the listed names or `<group><node>`.
+    Stands in for a job that fills the cluster (the planner, simulated devices)."""
+    ids = list(range(cluster.gpus) if ids is None else ids)
     records = []
     for g in cluster.groups:
         for node in range(g.nodes):
             host = g.hosts[node] if g.hosts else f"{g.name}{node}"
-            records += [DeviceRecord(len(records), host, g.name) for _ in range(g.gpus_per_node)]
+            records += [DeviceRecord(ids[len(records) + k], host, g.name)
+                        for k in range(g.gpus_per_node)]  # fmt: skip
     return records

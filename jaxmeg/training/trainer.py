@@ -14,8 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmeg.config import Config, to_dict, validate
+from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import make_mesh
+from jaxmeg.training import partitioning
 from jaxmeg.training.flops import model_flops_per_step, peak_tflops_per_device
 from jaxmeg.training.run_log import RunLog, say
 from jaxmeg.training.state import Trainable, abstract_state, init_state
@@ -97,18 +98,27 @@ def _expected_vocab(cfg: Config) -> Config:
     return cfg
 
 
-def prepare(cfg: Config, dataset=None) -> Trainable:
+def prepare(cfg: Config, dataset=None, cluster_job=None, out_dir: str | None = None) -> Trainable:
     """Validated config (vocabulary from the dataset, else the config, else the default
-    corpus's BPE size) -> mesh -> Trainable."""
+    corpus's BPE size) -> placement and stage partition (`partitioning`) -> mesh -> Trainable."""
     cfg = with_vocab(cfg, dataset.vocab_size) if dataset is not None else _expected_vocab(cfg)
-    cfg = validate(cfg, jax.device_count())
-    return Trainable.create(cfg, make_mesh(cfg.parallel))
+    layout = partitioning.resolve(cfg, cluster_job, out_dir)
+    if cluster_job is not None:
+        say(cluster_job.describe())
+        say(layout.placement.describe())
+    if layout.costs:
+        costs = ", ".join(f"{c.per_layer_s:.3g}/layer + {c.fixed_s:.3g}" for c in layout.costs)
+        say(
+            f"stage_layers={cfg.parallel.stage_layers}: {list(layout.cfg.parallel.stage_layers)} "
+            f"from the {layout.source} (stage costs {costs})"
+        )
+    return Trainable.create(layout.cfg, make_mesh(layout.cfg.parallel, placement=layout.placement))
 
 
-def compile_only(cfg: Config) -> dict[str, Any]:
+def compile_only(cfg: Config, cluster_job=None) -> dict[str, Any]:
     """Compiles the train step for the configured mesh without data or running it."""
     dataset = open_dataset(cfg) if cfg.data.dataset else None
-    trainable = prepare(cfg, dataset)
+    trainable = prepare(cfg, dataset, cluster_job)
     compiled, seconds = compile_step(trainable)
     return {"compile_seconds": round(seconds, 3), **memory_report(compiled)}
 
@@ -299,26 +309,31 @@ def train(
     resume: bool = True,
     metrics_file: str | None = None,
     show_progress: bool = True,
+    cluster_job=None,
 ) -> dict[str, Any]:
     """Trains up to step `cfg.train.steps` and returns a summary with the per-step losses.
 
     With `out_dir`: resumes from its newest readable checkpoint (unless `resume` is False),
     saves every `checkpoint.every` steps, at the end and on SIGTERM/SIGINT, and writes
-    TensorBoard event files and metrics.jsonl there. The signal handlers are installed first,
+    TensorBoard event files and metrics.jsonl there. `cluster_job` (a
+    `jaxmeg.parallel.cluster_job.ClusterJob`) places the devices by node group. The signal
+    handlers are installed first,
     so a signal during start-up (data preparation, restore, compile) also ends the run cleanly.
     """
     with StopSignals() as signals:
-        return _train(cfg, signals, out_dir, resume, metrics_file, show_progress)
+        return _train(cfg, signals, out_dir, resume, metrics_file, show_progress, cluster_job)
 
 
-def _train(cfg, signals, out_dir, resume, metrics_file, show_progress) -> dict[str, Any]:
+def _train(
+    cfg, signals, out_dir, resume, metrics_file, show_progress, cluster_job
+) -> dict[str, Any]:
     from jaxmeg.data import BatchLoader
 
     # Bad layouts and batches are reported before the dataset is built (minutes of tokenizing on
     # a first run), with the vocabulary the data is expected to have; the real one follows.
-    validate(_expected_vocab(cfg), jax.device_count())
+    partitioning.resolve(_expected_vocab(cfg), cluster_job, partition=False)
     dataset = open_dataset(cfg, show_progress)
-    trainable = prepare(cfg, dataset)
+    trainable = prepare(cfg, dataset, cluster_job, out_dir)
     cfg = trainable.cfg
     _describe(trainable, dataset)
     loader = BatchLoader(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)

@@ -1,0 +1,95 @@
+"""A run's device placement and stage partition, settled before the config is validated.
+
+With a cluster file (`scripts/train.py --cluster`), `jaxmeg.parallel.placement` decides which
+device takes which mesh coordinate and so which node group each pipeline stage runs on. Then
+`parallel.stage_layers` may be a word instead of a list:
+  auto      layers per stage that minimise the slowest stage's time (`jaxmeg.perf.partition`),
+            stage costs from the performance model for each stage's group (GPU profile, data-
+            parallel reduction over the group's NIC); without a cluster file, every stage costs
+            the same per layer and the last one also pays for the LM head;
+  measured  the same partitioner fed by a short probe on the devices (`stage_probe`), saved in
+            the run directory and reused when the run resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxmeg.config import Config, ConfigError, resolve_mesh_shape, validate
+from jaxmeg.parallel.placement import Placement, place
+from jaxmeg.perf.partition import StageCost, balance
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLayout:
+    cfg: Config
+    """Validated, `parallel.stage_layers` a list."""
+    placement: Placement | None
+    """None = Megatron's device order without a cluster file."""
+    costs: tuple[StageCost, ...] = ()
+    """The stage costs an `auto` or `measured` partition was chosen from."""
+    source: str = ""
+    """Where the costs came from (performance model, probe, saved probe)."""
+
+
+def _with_stage_layers(cfg: Config, stage_layers) -> Config:
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=tuple(stage_layers))
+    )
+
+
+def model_costs(cfg: Config, job, placement: Placement | None) -> list[StageCost]:
+    """Per-stage costs from the performance model: by node group with a cluster file; without
+    one, equal per layer, and the last stage also runs the head (its forward is V / (4 h (1 +
+    s / 6h)) layers' worth of matmul FLOPs)."""
+    if job is not None:
+        from jaxmeg.perf.cluster_model import stage_costs_for_config
+
+        return stage_costs_for_config(cfg, job.cluster, placement.stage_groups(), placement)
+    m, pipe = cfg.model, cfg.parallel.pipe
+    head = m.vocab_size / (4 * m.hidden * (1 + m.seq_len / (6 * m.hidden)))
+    return [StageCost(1.0, head if s == pipe - 1 else 0.0) for s in range(pipe)]
+
+
+def resolve(
+    cfg: Config,
+    job=None,
+    out_dir: str | None = None,
+    partition: bool = True,
+    devices: int | None = None,
+) -> RunLayout:
+    """Validates `cfg` (vocabulary known) for this job's devices, places them, and turns
+    `parallel.stage_layers: auto | measured` into a list (with `partition=False`, only checks
+    that it can: no probe runs). Raises ConfigError before any compile for a layout that cannot
+    be placed or partitioned."""
+    par = cfg.parallel
+    devices = jax.device_count() if devices is None else devices
+    records = job.device_records() if job is not None else None  # the cluster fits the devices
+    mode = par.stage_layers if isinstance(par.stage_layers, str) else None
+    if mode:
+        _, pipe, _ = resolve_mesh_shape(par, devices)
+        if cfg.model.layers < pipe:
+            raise ConfigError(
+                f"parallel.stage_layers={mode} needs model.layers ({cfg.model.layers}) >= "
+                f"parallel.pipe ({pipe})"
+            )
+        cfg = _with_stage_layers(cfg, balance([StageCost(1.0)] * pipe, cfg.model.layers))
+    cfg = validate(cfg, devices)
+    placement = None
+    if job is not None:
+        d, p, t = (cfg.parallel.data, cfg.parallel.pipe, cfg.parallel.tensor)
+        placement = place(records, job.cluster.group_names, d, p, t, par.placement,
+                          par.outer_axis)  # fmt: skip
+    if not mode or not partition:
+        return RunLayout(cfg, placement)
+    if mode == "auto":
+        costs, source = model_costs(cfg, job, placement), "performance model"
+    else:
+        from jaxmeg.training.stage_probe import probe_costs
+
+        costs, source = probe_costs(cfg, placement, out_dir)
+    layers = balance(costs, cfg.model.layers)
+    return RunLayout(validate(_with_stage_layers(cfg, layers), devices), placement, tuple(costs),
+                     source)  # fmt: skip

@@ -1,0 +1,106 @@
+"""Runs on a cluster file: two processes on two NIC groups train like one device with the pipe
+axis across them; the measured partition is saved and reused; bad clusters are named errors
+before anything compiles."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.test_train_cli import (
+    CLEAN_ENV,
+    ROOT,
+    read_metrics,
+    run_train,
+    single_device_losses,  # noqa: F401  (a fixture)
+)
+
+pytestmark = pytest.mark.timeout(900)
+MESH_222 = ["--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2"]
+
+
+def test_two_nic_groups_on_two_processes_match_one_device(
+    tmp_path, small_corpus, single_device_losses  # noqa: F811
+):
+    # outer_axis=data: Megatron's order would put each data group across the two processes;
+    # the NIC-aware placement puts the pipe axis across them instead.
+    run = subprocess.run(
+        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml",
+         "--cluster", "configs/clusters/local_2x4.yaml", *MESH_222,
+         "--set", "parallel.outer_axis=data", "--set", "parallel.placement=auto",
+         "--steps", "5", "--no-progress", "--metrics-file", str(tmp_path / "m"), *small_corpus],
+        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=800,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ib (infiniband): processes 0 (local0); NCCL_NET=IB" in run.stderr
+    assert "roce (roce): processes 1 (local1); NCCL_NET=IB NCCL_IB_DISABLE=0 NCCL_IB_GID_INDEX=3" in (
+        run.stderr
+    )
+    assert "  stage 0: ib (local0)\n  stage 1: roce (local1)\n" in run.stderr
+    losses = [r["loss"] for r in read_metrics(tmp_path / "m")]
+    np.testing.assert_allclose(losses, single_device_losses, rtol=1e-4)
+
+
+def write_cluster(tmp_path, groups: list[dict], name: str = "c") -> str:
+    links = [{"groups": [a["name"], b["name"]], "nic": "ethernet", "gbps": 25}
+             for a, b in zip(groups, groups[1:])]  # fmt: skip
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "groups": groups, "links": links}))
+    return str(path)
+
+
+def group(name: str, nic: str, nodes: int = 1, gpus: int = 1, **extra) -> dict:
+    return {"name": name, "nodes": nodes, "gpus_per_node": gpus, "gpu": "a100_dgx", "nic": nic,
+            "nic_gbps": 100, **extra}  # fmt: skip
+
+
+def test_measured_partition_is_saved_and_reused(tmp_path, small_corpus):
+    cluster = write_cluster(tmp_path, [group("fast", "infiniband"), group("slow", "ethernet")])
+    out = tmp_path / "run"
+    args = ["--cpu-devices", "2", "--cluster", cluster, "--set", "parallel.pipe=2",
+            "--set", "parallel.stage_layers=measured", "--out", str(out), *small_corpus]  # fmt: skip
+    first = run_train([*args, "--steps", "1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "stage_probe.json").is_file()
+    chosen = re.search(r"stage_layers=measured: (\[[0-9, ]+\]) from the probe", first.stderr)
+    assert chosen, first.stderr[-3000:]
+    second = run_train([*args, "--steps", "2"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"stage_layers=measured: {chosen[1]} from the saved probe" in second.stderr
+    assert "resumed from step 1" in second.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "groups, args, message",
+    [
+        ([group("a", "omnipath", gpus=2)], [], "unknown NIC type 'omnipath'"),
+        ([group("a", "infiniband", gpus=1), group("b", "roce", gpus=3)],
+         ["--set", "parallel.data=2", "--set", "parallel.pipe=2"],
+         "node group 'a' has 1 GPUs, which do not split into whole pipeline stages of "
+         r"parallel.data \* parallel.tensor = 2 \* 1 = 2 GPUs"),
+        ([group("a", "infiniband", gpus=2, hosts=["gpu01"]), group("b", "roce", gpus=2, hosts=["gpu02"])],
+         ["--set", "parallel.pipe=2"], "host 'elsewhere' is in no group"),
+        ([group("a", "infiniband", gpus=2), group("b", "roce", gpus=4)], ["--set", "parallel.pipe=2"],
+         r"has 6 GPUs \(a 1 x 2 \+ b 1 x 4\), but the job has 4 devices"),
+    ],
+    ids=["unknown-nic", "group-too-small", "host-in-no-group", "gpu-total"],
+)  # fmt: skip
+def test_bad_clusters_are_named_before_compile(tmp_path, small_corpus, groups, args, message):
+    cluster = write_cluster(tmp_path, groups)
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--cpu-devices", "4", "--cluster", cluster, *args,
+         "--no-progress", *small_corpus],
+        cwd=ROOT, env={**CLEAN_ENV, "JAXMEG_NODE_NAME": "elsewhere"}, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(message, result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "compiled" not in result.stderr
