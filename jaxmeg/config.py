@@ -207,6 +207,43 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """Pipeline-aware communication compression (Optimus-CC, Song et al., ASPLOS 2023); all off
+    by default. Low-rank factors are fp32; a rank at or above a matrix's smaller side sends that
+    matrix whole (exact), so one rank can serve a whole model."""
+
+    pipe_grad_rank: int = 0
+    """Rank r of the activation gradients a stage sends to the previous stage (0 = off): the
+    cotangent, viewed as [b s, h], goes as factors P [b s, r] and Q [h, r] from one power
+    iteration with a warm-started, orthogonalised Q kept per link; forward activations are never
+    compressed."""
+    pipe_error_feedback: str = "lazy"
+    """`lazy`: the sender keeps what compression lost and adds it to the next microbatch's
+    gradient on the same link (lazy error propagation; the buffers are training state, kept
+    across steps and checkpointed); `none`: the loss is dropped."""
+    pipe_grad_phase: str = "all"
+    """`all`: every backward transfer is compressed; `epilogue`: only those on the critical path
+    of the schedule (`jaxmeg.pipeline.critical_path`; for 1F1B the sender's cool-down transfers
+    and its last steady-state one)."""
+    fused_embedding_sync: bool = False
+    """Reduce the tied embedding/head gradients of the first and last stage and their data-
+    parallel average in ONE all-reduce over {first, last stage} x data; the middle stages take
+    no part (without it, every pipe stage joins the reduction)."""
+    data_grad_rank: int = 0
+    """PowerSGD rank of the data-parallel gradient reduction (0 = off): per weight matrix P = M Q,
+    all-reduce P, orthogonalise, Q = M^T P, all-reduce Q, with error feedback; vectors (biases,
+    norms) are all-reduced whole."""
+    data_grad_stages: int = -1
+    """Compress the data-parallel reduction only on pipeline stages < k (-1 = all stages)."""
+    warmup_steps: int = 0
+    """Optimizer steps at the start that reduce data-parallel gradients uncompressed."""
+
+
+ERROR_FEEDBACK = ("lazy", "none")
+PIPE_GRAD_PHASES = ("all", "epilogue")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The network."""
@@ -220,6 +257,8 @@ class Config:
     """The loop."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Saving and resuming."""
+    compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
+    """Compressed pipeline and data-parallel communication (off by default)."""
 
 
 _SECTION_TYPES = {
@@ -229,6 +268,7 @@ _SECTION_TYPES = {
     "data": DataConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
+    "compression": CompressionConfig,
 }
 
 
@@ -435,6 +475,34 @@ def _check_positive(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be > 0, got {value}")
 
 
+def _validate_compression(comp: CompressionConfig, pipe: int, data: int) -> None:
+    for name in ("pipe_grad_rank", "data_grad_rank", "warmup_steps"):
+        if getattr(comp, name) < 0:
+            raise ConfigError(f"compression.{name} must be >= 0, got {getattr(comp, name)}")
+    _check_choice("compression.pipe_error_feedback", comp.pipe_error_feedback, ERROR_FEEDBACK)
+    _check_choice("compression.pipe_grad_phase", comp.pipe_grad_phase, PIPE_GRAD_PHASES)
+    if comp.pipe_grad_rank and pipe == 1:
+        raise ConfigError(
+            f"compression.pipe_grad_rank = {comp.pipe_grad_rank} compresses the gradients sent "
+            f"between pipeline stages, but parallel.pipe is 1"
+        )
+    if comp.pipe_grad_phase != "all" and not comp.pipe_grad_rank:
+        raise ConfigError(
+            f"compression.pipe_grad_phase = {comp.pipe_grad_phase} needs "
+            f"compression.pipe_grad_rank > 0"
+        )
+    if comp.data_grad_rank and data == 1:
+        raise ConfigError(
+            f"compression.data_grad_rank = {comp.data_grad_rank} compresses the data-parallel "
+            f"reduction, but parallel.data is 1"
+        )
+    if not -1 <= comp.data_grad_stages <= pipe or comp.data_grad_stages == 0:
+        raise ConfigError(
+            f"compression.data_grad_stages must be -1 (all) or a stage count in [1, "
+            f"parallel.pipe = {pipe}], got {comp.data_grad_stages}"
+        )
+
+
 def validate(cfg: Config, num_devices: int) -> Config:
     """Checks every field and returns the config with all `-1` sentinels resolved.
 
@@ -517,6 +585,7 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "
             f"parallel.pipe ({pipe})"
         )
+    _validate_compression(cfg.compression, pipe, data)
     _check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
     _check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
