@@ -14,6 +14,8 @@ from jaxmeg.pipeline.critical_path import (
     b_send_critical,
     backward_send_slack,
     compressed_per_link,
+    critical_per_link,
+    exposed_backward_sends,
     critical_backward_sends,
     table_orders,
 )
@@ -112,7 +114,7 @@ def test_1f1b_min_bubble_p4_m8_one_critical_send_per_link_the_last_microbatch():
     stage s's other cool-down backwards wait for their cotangents, but the last stage's pace
     sets the wait: B(m - 2) and B(m - 3) have slack 1 and 2 forwards on every link)."""
     sch = schedule("1f1b", 4, 8, warmup="min_bubble")
-    assert compressed_per_link(sch, "epilogue") == {(1, 0): 1, (2, 1): 1, (3, 2): 1}
+    assert critical_per_link(sch) == {(1, 0): 1, (2, 1): 1, (3, 2): 1}
     assert critical_backward_sends(sch) == last_microbatch_chain(4, 8, 1)
     slack = backward_send_slack(sch)
     assert [slack[(1, 0, mb)] for mb in range(8)] == [(n, 0) for n in (6, 6, 5, 4, 3, 2, 1, 0)]
@@ -124,7 +126,7 @@ def test_1f1b_min_memory_p4_m8_steady_state_sends_are_critical_too():
     activation up, takes exactly one F + B), so with any latency the longest path also runs
     through steady-state sends; of the cool-down only the last microbatch's are critical."""
     sch = schedule("1f1b", 4, 8)
-    assert compressed_per_link(sch, "epilogue") == {(1, 0): 3, (2, 1): 4, (3, 2): 4}
+    assert critical_per_link(sch) == {(1, 0): 3, (2, 1): 4, (3, 2): 4}
     assert critical_backward_sends(sch) == {(1, 0, mb) for mb in (0, 3, 7)} | {
         (s, 0, mb) for s in (2, 3) for mb in (0, 3, 4, 7)
     }
@@ -146,7 +148,7 @@ def test_min_bubble_and_interleaved_critical_sends_are_the_last_microbatchs_chai
 
 
 def test_interleaved_p4_v2_m8_counts():
-    counts = compressed_per_link(schedule("interleaved_1f1b", 4, 8, 2), "epilogue")
+    counts = critical_per_link(schedule("interleaved_1f1b", 4, 8, 2))
     assert counts == {(1, 0): 2, (2, 1): 2, (3, 2): 2, (0, 3): 1}
 
 
@@ -157,7 +159,7 @@ def test_breadth_first_every_send_is_critical_but_the_wrap_when_m_exceeds_p(p):
     for m in (p // 2 or 1, p, 2 * p):
         for v in (2, 3):
             sch = schedule("breadth_first", p, m, v)
-            critical = compressed_per_link(sch, "epilogue")
+            critical = critical_per_link(sch)
             every = compressed_per_link(sch, "all")
             wrap = (0, p - 1)
             assert critical == {**every, wrap: every[wrap] if m <= p else 0}, (m, v)
@@ -166,7 +168,7 @@ def test_breadth_first_every_send_is_critical_but_the_wrap_when_m_exceeds_p(p):
 def test_gpipe_every_send_is_critical():
     for p, m in ((2, 1), (4, 8), (4, 3)):
         sch = schedule("gpipe", p, m)
-        assert compressed_per_link(sch, "epilogue") == compressed_per_link(sch, "all")
+        assert critical_per_link(sch) == compressed_per_link(sch, "all")
 
 
 @pytest.mark.parametrize("args", CASES)
@@ -217,3 +219,30 @@ def test_bad_phase_and_deadlocking_orders_are_named():
     )  # fmt: skip
     with pytest.raises(ValueError, match="deadlock"):
         critical_backward_sends(stuck)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)])
+def test_epilogue_1f1b_compresses_p_minus_s_minus_1_per_link(p, m):
+    counts = compressed_per_link(schedule("1f1b", p, m, warmup="min_bubble"), "epilogue")
+    assert counts == {(s + 1, s): p - s - 1 for s in range(p - 1)}
+    assert compressed_per_link(schedule("1f1b", p, m, warmup="min_bubble"), "all") == {(s + 1, s): m for s in range(p - 1)}
+
+
+def test_epilogue_counts_of_the_other_schedules():
+    """The same rule (sends from the tick of the last forward on), not a 1F1B one."""
+    interleaved = compressed_per_link(schedule("interleaved_1f1b", 4, 8, 2, "min_bubble"), "epilogue")
+    assert interleaved == {(1, 0): 7, (2, 1): 6, (3, 2): 5, (0, 3): 4}
+    for name, v in (("gpipe", 1), ("breadth_first", 2)):  # every backward follows every forward
+        sch = schedule(name, 4, 8, v, "min_bubble")
+        assert compressed_per_link(sch, "epilogue") == compressed_per_link(sch, "all")
+    megatron = compressed_per_link(schedule("1f1b", 4, 8, warmup="min_memory"), "epilogue")
+    assert megatron == {(1, 0): 2, (2, 1): 1, (3, 2): 1}
+
+
+def test_exposed_sends_follow_the_last_forward_and_never_come_from_the_first_stage():
+    table = build_tick_table(schedule("1f1b", 4, 8, warmup="min_bubble"))
+    column = exposed_backward_sends(table)
+    last_forward = np.flatnonzero((table.f_mb >= 0).any(axis=1))[-1]
+    assert not column[:last_forward].any()
+    assert not column[:, 0].any()
+    assert np.array_equal(column[last_forward:, 1:] > 0, table.b_mb[last_forward:, 1:] >= 0)

@@ -1,7 +1,10 @@
-"""Which backward transfers of a schedule lie on its critical path.
+"""Which backward transfers of a schedule can delay the step.
 
-`compression.pipe_grad_phase: epilogue` compresses only the input cotangents whose transfer can
-delay the step. This module finds them from the orders alone, the same way for every schedule.
+`compression.pipe_grad_phase: epilogue` compresses only the input cotangents whose transfer the
+executor cannot hide: `exposed_backward_sends(table)`, the sends from the tick of the step's last
+forward on (the lockstep executor has nothing left to overlap them with; for 1F1B p - s - 1 per
+link). The rest of this module is the analysis of the asynchronous schedule, for comparison:
+the longest paths through its DAG, found from the orders alone, the same way for every schedule.
 
 The model is the asynchronous one of `schedules.async_time`, as a DAG: one node per action
 (kind, virtual stage, microbatch), lasting 1/v for a chunk's forward and `backward_cost`/v for
@@ -168,23 +171,59 @@ def link(stage: int, chunk: int, num_stages: int) -> tuple[int, int]:
     return (stage, prev_stage(stage, chunk, num_stages)[0])
 
 
-def compressed_per_link(
-    schedule: Schedule, phase: str, backward_cost: float = 2.0
-) -> dict[tuple[int, int], int]:
-    """Backward transfers per step that `compression.pipe_grad_phase` = `phase` compresses, per
-    link (sender, receiver) that carries any: `all` every one (m per link for v = 1; m v from
-    stage s + 1 to s and m (v - 1) on the wrap-around link from 0 to p - 1), `epilogue` the
-    critical ones."""
-    if phase not in PHASES:
-        raise ValueError(f"pipe_grad_phase must be one of {list(PHASES)}, got {phase!r}")
-    p, v = schedule.num_stages, schedule.num_chunks
-    sends = backward_send_slack(schedule, backward_cost)
-    if phase == "epilogue":
-        sends = critical_backward_sends(schedule, backward_cost)
+def _per_link(sends, p: int, v: int) -> dict[tuple[int, int], int]:
     counts = {link(s, c, p): 0 for s in range(p) for c in range(v) if (s, c) != (0, 0)}
     for s, c, _ in sends:
         counts[link(s, c, p)] += 1
     return counts
+
+
+def critical_per_link(schedule: Schedule, backward_cost: float = 2.0) -> dict[tuple[int, int], int]:
+    """Critical backward transfers of the asynchronous schedule per link (sender, receiver)."""
+    p, v = schedule.num_stages, schedule.num_chunks
+    return _per_link(critical_backward_sends(schedule, backward_cost), p, v)
+
+
+def exposed_backward_sends(table: TickTable) -> np.ndarray:
+    """int32 [num_ticks, p]: 1 where the B slot sends a cotangent that no forward can hide, the
+    column `compression.pipe_grad_phase: epilogue` compresses.
+
+    The executor runs in lockstep: a B slot's send must arrive before the receiver's next B
+    slot, and the F slot of the next tick runs in between on every stage that has a forward,
+    so the tick lasts at least that long anyway and the send overlaps it. From the tick of the
+    step's last forward on, no F slot is left: each send then adds its whole time to the step.
+    These are the epilogue's transfers. For `1f1b` (the `min_bubble` warm-up) they are the
+    sender's cool-down backwards and its last steady-state one, p - s - 1 per step on the link
+    from stage s + 1 to s; for the other schedules the same rule gives docs/schedules.md's
+    counts (every send for `gpipe` and `breadth_first`, whose backwards all follow the last
+    forward)."""
+    forwards = np.flatnonzero((table.f_mb >= 0).any(axis=1))
+    last_forward = int(forwards[-1]) if forwards.size else 0
+    p = table.num_stages
+    v = int(table.f_chunk.max()) + 1
+    stage = np.arange(p)[None, :]
+    sends = (table.b_mb >= 0) & ~((stage == 0) & (table.b_chunk == 0)) & (p * v > 1)
+    after = np.arange(table.num_ticks)[:, None] >= last_forward
+    return (sends & after).astype(np.int32)
+
+
+def compressed_per_link(schedule: Schedule, phase: str) -> dict[tuple[int, int], int]:
+    """Backward transfers per step that `compression.pipe_grad_phase` = `phase` compresses, per
+    link (sender, receiver) that carries any: `all` every one (m per link for v = 1; m v from
+    stage s + 1 to s and m (v - 1) on the wrap-around link from 0 to p - 1), `epilogue` those of
+    `exposed_backward_sends`."""
+    if phase not in PHASES:
+        raise ValueError(f"pipe_grad_phase must be one of {list(PHASES)}, got {phase!r}")
+    from jaxmeg.pipeline.tick_table import build_tick_table
+
+    p, v = schedule.num_stages, schedule.num_chunks
+    if phase == "all":
+        return _per_link(backward_send_slack(schedule), p, v)
+    table = build_tick_table(schedule)
+    column = exposed_backward_sends(table)
+    sends = [(int(s), int(table.b_chunk[t, s]), int(table.b_mb[t, s]))
+             for t, s in zip(*np.nonzero(column), strict=True)]  # fmt: skip
+    return _per_link(sends, p, v)
 
 
 def table_orders(table: TickTable) -> tuple[tuple[Action, ...], ...]:

@@ -37,12 +37,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.pipeline import gradients, residuals
+from jaxmeg.pipeline import compression, gradients, residuals
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_columns import (
+    B_CHUNK,
     F_EMBED,
     F_FIRST,
     IDLE,
@@ -144,8 +146,12 @@ def make_pipeline_loss_and_grads(
     *,
     microbatches: int,
     zero: ZeroSharding = ZeroSharding(),
+    pipe_compression: compression.PipeCompression | None = None,
 ) -> Callable:
-    """Returns `f(stage_params, shared, tokens, targets) -> (loss, (stage_grads, shared_grads))`.
+    """Returns `f(stage_params, shared, tokens, targets) -> (loss, (stage_grads, shared_grads))`,
+    or with `pipe_compression`, `f(..., targets, links) -> (loss, grads, links)`: `links` is the
+    compression state of the backward links, {"q": [p, d, v, h, r], "error": [p, d, v, n, h]
+    (lazy only)} fp32 on (pipe, data), kept across steps (`compression_state_shapes`).
 
     stage_params: leaves [v, p, Lc, ...] (`layout.shape`), `p` on `pipe`.
     shared: embedding and head params, replicated over `pipe`.
@@ -188,6 +194,15 @@ def make_pipeline_loss_and_grads(
     gathering = zero.stage == 3
     if gathering:
         columns["f_gather"], columns["b_gather"] = gather_columns(table)
+    pc = pipe_compression
+    if pc is not None:
+        sends = columns["b_kind"] == B_CHUNK
+        compress = np.asarray(pc.compress, bool) & sends
+        factor_ticks, whole_ticks = compress.any(1), (sends & ~compress).any(1)
+        columns["pipe_compress"] = compress
+        columns["factor_tick"] = np.repeat(factor_ticks[:, None], p, 1)
+        columns["whole_tick"] = np.repeat(whole_ticks[:, None], p, 1)
+        sends_factors, sends_whole = bool(factor_ticks.any()), bool(whole_ticks.any())
     columns = {name: jnp.asarray(col, jnp.int32) for name, col in columns.items()}
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
     forward_pairs = _ring_pairs(p, 1, wrap=v > 1)
@@ -203,7 +218,7 @@ def make_pipeline_loss_and_grads(
             chunk_dims,
         )
 
-    def per_device(stage_params, shared, tokens, targets):
+    def per_device(stage_params, shared, tokens, targets, links=None):
         params = _varying(jax.tree.map(lambda a: a[:, 0], stage_params), "data")  # [v, Lc, ...]
         if gathering:
             shared = jax.tree.map(
@@ -279,6 +294,8 @@ def make_pipeline_loss_and_grads(
                 )
             )
         carry["g_shared"] = gradients.zeros_f32(shared)
+        if pc is not None:
+            carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
         carry = _varying_everywhere(carry, manual)
 
         def _switch(index, branches):
@@ -417,7 +434,43 @@ def make_pipeline_loss_and_grads(
             return c, d_x
 
         def send(x, pairs):
-            return jax.lax.ppermute(x, "pipe", pairs) if pairs else jnp.zeros_like(x)
+            return jax.lax.ppermute(x, "pipe", pairs) if pairs else jax.tree.map(jnp.zeros_like, x)
+
+        def send_when(flag, static_any, x, pairs):
+            """ppermute `x` in the ticks where `flag` (the same on every stage) is set."""
+            zeros = lambda: jax.tree.map(jnp.zeros_like, x)  # noqa: E731
+            if not static_any or not pairs:
+                return zeros()
+            return jax.lax.cond(flag > 0, lambda: send(x, pairs), zeros)
+
+        def send_cotangent(c, row, d_x):
+            """The B slot's send, where `pipe_compression` says compressed: the link's error is
+            added (lazy), then either the factors or the whole gradient go, and the receiver
+            adds what arrived of both (the other is zero)."""
+            if pc is None:
+                return c, send(d_x, backward_pairs)
+            chunk = jnp.maximum(row["b_chunk"], 0)
+            here, sending = row["pipe_compress"] > 0, row["b_kind"] == B_CHUNK
+            g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
+            links_ = c["links"]
+            x = g + links_["error"][chunk] if pc.lazy else g
+            q_old = links_["q"][chunk]
+            p_, q_ = jax.lax.cond(
+                here,
+                lambda: compression.power_step(x, q_old),
+                lambda: (jnp.zeros((x.shape[0], pc.rank), x.dtype), q_old),
+            )
+            new = {"q": links_["q"].at[chunk].set(q_)}
+            if pc.lazy:
+                lost = jnp.where(here, x - compression.rebuild(p_, q_), 0.0)
+                error = jnp.where(sending, lost, links_["error"][chunk])
+                new["error"] = links_["error"].at[chunk].set(error)
+            whole = jnp.where(here, 0.0, x).astype(d_x.dtype).reshape(d_x.shape)
+            got_whole = send_when(row["whole_tick"], sends_whole, whole, backward_pairs)
+            factors = (jnp.where(here, p_, 0.0), jnp.where(here, q_, 0.0))
+            got_p, got_q = send_when(row["factor_tick"], sends_factors, factors, backward_pairs)
+            rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
+            return {**c, "links": new}, got_whole + rebuilt
 
         def gather_if(flag, chunk, buffer):
             return jax.lax.cond(flag > 0, lambda: chunk_params(chunk), lambda: buffer)
@@ -432,7 +485,7 @@ def make_pipeline_loss_and_grads(
             received_x = send(y, forward_pairs)
             c, d_x = backward_slot(c, row)
             c = {**c, "inputs": _write(c["inputs"], row["recv_act_slot"], received_x)}
-            received_cot = send(d_x, backward_pairs)
+            c, received_cot = send_cotangent(c, row, d_x)
             c = {**c, "cots": _write(c["cots"], row["recv_cot_slot"], received_cot)}
             if reduce_in_loop:
                 key = "g_reduced" if zero.stage else "g_stage"
@@ -457,13 +510,16 @@ def make_pipeline_loss_and_grads(
             **scatter,
         )
         g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
-        return loss, (g_stage, g_shared)
+        if pc is None:
+            return loss, (g_stage, g_shared)
+        return loss, (g_stage, g_shared), jax.tree.map(lambda a: a[None, None], out["links"])
 
+    link_specs = () if pc is None else (P("pipe", "data"),)
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(*param_specs, P("data"), P("data")),
-        out_specs=(P(), grad_specs),
+        in_specs=(*param_specs, P("data"), P("data"), *link_specs),
+        out_specs=(P(), grad_specs, *link_specs),
         axis_names=frozenset(manual),
-        check_vma=not (gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage),
+        check_vma=not (gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage or pc),
     )

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import named
+from jaxmeg.training.links import initial_link_state
 from jaxmeg.training.run_log import say
 from jaxmeg.training.state import (
     NO_VOCAB_DIM,
@@ -198,6 +199,14 @@ def _unsplit_vocab_spec(spec: P, dim: int, shape: tuple[int, ...], mesh: Mesh) -
     return P(*entries)
 
 
+def _without_links(tree: dict) -> dict:
+    return {k: v for k, v in tree.items() if k != "links"}
+
+
+def _link_shapes(links) -> dict[str, list[int]]:
+    return {k: list(v.shape) for k, v in (links or {}).items()}
+
+
 class Checkpointer:
     """Saves and restores one run's train state under `directory`."""
 
@@ -206,18 +215,20 @@ class Checkpointer:
         self.trainable = trainable
         self.keep = keep
         self.manager = self._open_manager()
-        layout, dims = trainable.layout, vocab_dims(trainable)
+        layout, dims = trainable.layout, _without_links(vocab_dims(trainable))
         vocab_size, padded = trainable.cfg.model.vocab_size, trainable.vocab
+        abstract = abstract_state(trainable)
+        self._links = abstract.get("links")
 
         def to_stored(state):
             return _trim_vocab(to_canonical_layout(state, layout), dims, vocab_size)
 
-        stored = jax.eval_shape(to_stored, abstract_state(trainable))
+        stored = jax.eval_shape(to_stored, _without_links(abstract))
         stored_shardings = named(
             trainable.mesh,
             jax.tree.map(
                 lambda spec, s, dim: _unsplit_vocab_spec(spec, dim, s.shape, trainable.mesh),
-                canonical_specs(trainable),
+                _without_links(canonical_specs(trainable)),
                 stored,
                 dims,
                 is_leaf=lambda x: isinstance(x, P),
@@ -226,7 +237,7 @@ class Checkpointer:
         self._to_stored = jax.jit(to_stored, out_shardings=stored_shardings)
         self._from_stored = jax.jit(
             lambda s: to_stage_layout(_pad_vocab(s, dims, padded), layout),
-            out_shardings=state_shardings(trainable),
+            out_shardings=_without_links(state_shardings(trainable)),
         )
         self._abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -236,17 +247,22 @@ class Checkpointer:
 
     def _open_manager(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
-        return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        return ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta", "links")
+        )
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict[str, Any], wait: bool = False) -> None:
         """Starts an asynchronous save of `state` at `step` (waits for it if `wait`)."""
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(self._to_stored(state)), meta=ocp.args.JsonSave(meta)
-        )
-        self.manager.save(step, args=args, force=True)
+        items = {
+            "state": ocp.args.StandardSave(self._to_stored(_without_links(state))),
+            "meta": ocp.args.JsonSave({**meta, "links": _link_shapes(self._links)}),
+        }
+        if self._links:  # per-link compression state, saved as it is (not canonical)
+            items["links"] = ocp.args.StandardSave(state["links"])
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         if wait:
             self.wait()
 
@@ -262,7 +278,7 @@ class Checkpointer:
             stored, err = self._read(step, path)
             if _everywhere(err is None):
                 state, meta = stored
-                return step, self._from_stored(state), meta
+                return step, self._with_links(self._from_stored(state), step, meta), meta
             _drop_closed_event_loop_reports()
             why = f"{type(err).__name__}: {str(err)[:300]}" if err else "on another process"
             if age == len(steps) - 1:
@@ -301,6 +317,26 @@ class Checkpointer:
         except Exception as err:  # noqa: BLE001
             return None, _unless_out_of_memory(err)
         return (restored["state"], meta), None
+
+    def _with_links(self, state, step: int, meta: dict):
+        """The state with the compressed links' state: the checkpoint's where it was saved for
+        the same links (any tensor size), else fresh, with a line saying so."""
+        if not self._links:
+            return state
+        saved, now = meta.get("links") or {}, _link_shapes(self._links)
+        if saved == now:
+            target = ocp.args.StandardRestore(self._links)
+            links = self.manager.restore(step, args=ocp.args.Composite(links=target))["links"]
+            return {**state, "links": links}
+        say(
+            f"compressed pipeline links start afresh: the checkpoint holds link state of shapes "
+            f"{saved or 'none'}, this run needs {now} (other pipe, data, chunks or microbatch)"
+        )
+        fresh = jax.jit(
+            lambda: initial_link_state(self.trainable.cfg, self.trainable.mesh.shape),
+            out_shardings=state_shardings(self.trainable)["links"],
+        )
+        return {**state, "links": fresh()}
 
     def _read_meta(self, step: int) -> dict:
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))

@@ -30,6 +30,7 @@ from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.executor import StageFunctions, ZeroSharding
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
 from jaxmeg.pipeline.tick_table import build_tick_table
+from jaxmeg.training import links
 from jaxmeg.training.state import Trainable, zero_dims
 
 
@@ -93,14 +94,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
 
 
 def build_schedule(trainable: Trainable) -> schedules.Schedule:
-    par, train = trainable.cfg.parallel, trainable.cfg.train
-    return schedules.build(
-        par.schedule,
-        trainable.pipe,
-        train.microbatches,
-        num_chunks=par.chunks,
-        warmup=par.pipeline_warmup,
-    )
+    return links.build_schedule(trainable.cfg, trainable.pipe)
 
 
 def zero_sharding(trainable: Trainable) -> ZeroSharding:
@@ -119,19 +113,26 @@ def zero_sharding(trainable: Trainable) -> ZeroSharding:
 
 def make_loss_and_grads(trainable: Trainable) -> Callable:
     """(params, tokens, targets) -> (mean loss, fp32 grads), params and grads in the run's
-    layout and shardings, for every mesh (pipe = 1 included)."""
+    layout and shardings, for every mesh (pipe = 1 included). With compressed backward links
+    (`links.link_state_shapes` not empty): (params, tokens, targets, link_state) -> (loss,
+    grads, link_state)."""
+    table = build_tick_table(build_schedule(trainable))
+    pc = links.pipe_compression(trainable.cfg, table)
     run = executor(
         stage_functions(trainable),
-        build_tick_table(build_schedule(trainable)),
+        table,
         trainable.layout,
         trainable.mesh,
         microbatches=trainable.cfg.train.microbatches,
         zero=zero_sharding(trainable),
+        pipe_compression=pc,
     )
 
-    def loss_and_grads(params, tokens, targets):
+    def loss_and_grads(params, tokens, targets, *link_state):
         shared = {k: v for k, v in params.items() if k != "blocks"}
-        loss, (stage_grads, shared_grads) = run(params["blocks"]["layers"], shared, tokens, targets)
-        return loss, {**shared_grads, "blocks": {"layers": stage_grads}}
+        loss, (stage_grads, shared_grads), *link_state = run(
+            params["blocks"]["layers"], shared, tokens, targets, *link_state
+        )
+        return loss, {**shared_grads, "blocks": {"layers": stage_grads}}, *link_state
 
     return loss_and_grads

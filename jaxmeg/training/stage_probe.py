@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmeg.config import Config, to_dict, validate
+from jaxmeg.config import CompressionConfig, Config, to_dict, validate
 from jaxmeg.parallel import make_mesh
 from jaxmeg.parallel.placement import Placement, megatron_grid
 from jaxmeg.perf.partition import StageCost
@@ -38,7 +38,7 @@ def _probe_config(cfg: Config, layers: int) -> Config:
     par = dataclasses.replace(cfg.parallel, pipe=1, chunks=1, stage_layers=(),
                               schedule="1f1b")  # fmt: skip
     model = dataclasses.replace(cfg.model, layers=layers)
-    return dataclasses.replace(cfg, model=model, parallel=par)
+    return dataclasses.replace(cfg, model=model, parallel=par, compression=CompressionConfig())
 
 
 def _time_step(cfg: Config, devices) -> float:

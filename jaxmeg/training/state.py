@@ -24,9 +24,12 @@ from jaxmeg.config import Config, padded_vocab_size
 from jaxmeg.models import GPT
 from jaxmeg.parallel import named, param_rules, param_specs, zero
 from jaxmeg.pipeline.layout import StageLayout
+from jaxmeg.training import links
 from jaxmeg.training.optimizer import make_optimizer
 
-TrainState = dict[str, Any]  # {"step": int32 scalar, "params": tree, "opt_state": tree}
+TrainState = dict[str, Any]
+"""{"step": int32 scalar, "params": tree, "opt_state": tree, and with compressed backward
+pipeline links "links": their state (`jaxmeg.training.links`)}."""
 BATCH_SPEC = P("data")
 
 
@@ -133,7 +136,11 @@ def vocab_dims(trainable: Trainable) -> TrainState:
         param_dims,
         transform_non_params=lambda _: NO_VOCAB_DIM,
     )
-    return {"step": NO_VOCAB_DIM, "params": param_dims, "opt_state": opt_dims}
+    dims = {"step": NO_VOCAB_DIM, "params": param_dims, "opt_state": opt_dims}
+    links = _link_state_shapes(trainable)
+    if links:
+        dims["links"] = {k: NO_VOCAB_DIM for k in links}
+    return dims
 
 
 def _params_in_run_layout(trainable: Trainable):
@@ -177,17 +184,28 @@ def state_specs(trainable: Trainable) -> TrainState:
         transform_non_params=lambda _: P(),
         is_leaf=lambda x: isinstance(x, P),
     )
-    return {"step": P(), "params": p_specs, "opt_state": opt_specs}
+    specs = {"step": P(), "params": p_specs, "opt_state": opt_specs}
+    links = _link_state_shapes(trainable)
+    if links:
+        specs["links"] = {k: P("pipe", "data") for k in links}
+    return specs
+
+
+def _link_state_shapes(trainable: Trainable):
+    return links.link_state_shapes(trainable.cfg, trainable.mesh.shape)
 
 
 def _state_from_key(trainable: Trainable, key: jax.Array) -> TrainState:
     params = nn.meta.unbox(_init_boxed_params(trainable, key))
     params = to_stage_layout(params, trainable.layout)
-    return {
+    state = {
         "step": jnp.zeros((), jnp.int32),
         "params": params,
         "opt_state": trainable.tx.init(params),
     }
+    if _link_state_shapes(trainable):
+        state["links"] = links.initial_link_state(trainable.cfg, trainable.mesh.shape)
+    return state
 
 
 def state_shardings(trainable: Trainable) -> TrainState:
