@@ -226,11 +226,12 @@ class CompressionConfig:
     of the schedule (`jaxmeg.pipeline.critical_path`; for 1F1B the sender's cool-down transfers
     and its last steady-state one)."""
     fused_embedding_sync: bool = False
-    """Reduce the tied embedding/head gradients of the first and last stage and their data-
+    """Not implemented yet (validation refuses true). Reduce the tied embedding/head gradients of the first and last stage and their data-
     parallel average in ONE all-reduce over {first, last stage} x data; the middle stages take
     no part (without it, every pipe stage joins the reduction)."""
     data_grad_rank: int = 0
-    """PowerSGD rank of the data-parallel gradient reduction (0 = off): per weight matrix P = M Q,
+    """Not implemented yet (validation refuses > 0). PowerSGD rank of the data-parallel gradient
+    reduction (0 = off): per weight matrix P = M Q,
     all-reduce P, orthogonalise, Q = M^T P, all-reduce Q, with error feedback; vectors (biases,
     norms) are all-reduced whole."""
     data_grad_stages: int = -1
@@ -496,6 +497,12 @@ def _validate_compression(comp: CompressionConfig, pipe: int, data: int) -> None
             f"compression.data_grad_rank = {comp.data_grad_rank} compresses the data-parallel "
             f"reduction, but parallel.data is 1"
         )
+    for name in ("fused_embedding_sync", "data_grad_rank"):
+        if getattr(comp, name):
+            raise ConfigError(
+                f"compression.{name} is not implemented yet (only the pipeline's backward "
+                f"links are compressed: compression.pipe_grad_*); leave it at its default"
+            )
     if not -1 <= comp.data_grad_stages <= pipe or comp.data_grad_stages == 0:
         raise ConfigError(
             f"compression.data_grad_stages must be -1 (all) or a stage count in [1, "
