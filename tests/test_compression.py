@@ -20,6 +20,7 @@ from jaxmeg.training.pipeline_step import build_schedule, make_loss_and_grads
 from jaxmeg.training.state import init_state
 from jaxmeg.training.trainer import compile_step
 from tests.helpers import put_batch, random_batch, trainable_for
+from tests.test_train_cli import single_device_losses  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -146,3 +147,51 @@ def test_epilogue_column_marks_p_minus_s_minus_1_sends_per_link():
         cfg, compression=dataclasses.replace(cfg.compression, pipe_grad_phase="all")), table)
     assert ((every.compress & (table.b_mb >= 0)).sum(axis=0)[1:] == 8).all()  # fmt: skip
     assert build_schedule  # the executor's schedule and this one come from the same place
+
+
+def test_link_state_survives_a_checkpoint_and_a_reshard(tmp_path, capsys):
+    from jaxmeg.config import to_dict
+    from jaxmeg.training.checkpoint import Checkpointer
+
+    saved_on = trainable_for(config((1, 2, 2), rank=2))
+    state = init_state(saved_on, seed=0)
+    rng = np.random.default_rng(0)
+    state["links"] = {
+        k: jax.device_put(rng.normal(size=v.shape).astype(np.float32), v.sharding)
+        for k, v in state["links"].items()
+    }
+    expected = jax.tree.map(np.asarray, state["links"])
+    writer = Checkpointer(tmp_path, saved_on)
+    writer.save(1, state, {"config": to_dict(saved_on.cfg)}, wait=True)
+    writer.close()
+    for mesh in [(1, 2, 2), (1, 2, 1)]:  # the same links on another tensor size
+        reader = Checkpointer(tmp_path, trainable_for(config(mesh, rank=2)))
+        _, restored, _ = reader.restore_latest()
+        reader.close()
+        for key, value in expected.items():
+            np.testing.assert_array_equal(np.asarray(restored["links"][key]), value, err_msg=key)
+    other = trainable_for(config((1, 4, 1), rank=2))  # other links: they start afresh
+    reader = Checkpointer(tmp_path, other)
+    _, restored, _ = reader.restore_latest()
+    reader.close()
+    assert "compressed pipeline links start afresh" in capsys.readouterr().err
+    assert not np.asarray(restored["links"]["error"]).any()
+    fresh = links.initial_link_state(other.cfg, other.mesh.shape)
+    np.testing.assert_array_equal(np.asarray(restored["links"]["q"]), np.asarray(fresh["q"]))
+
+
+def test_cli_trains_with_compressed_links_like_the_baseline(
+    tmp_path, small_corpus, single_device_losses  # noqa: F811
+):
+    from tests.test_train_cli import train
+
+    sets = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
+            "compression.pipe_grad_rank=4", "compression.pipe_grad_phase=epilogue",
+            "compression.pipe_error_feedback=lazy"]  # fmt: skip
+    records = train(
+        ["--cpu-devices", "8", *[a for s in sets for a in ("--set", s)], "--steps", "5",
+         *small_corpus], tmp_path, "compressed",
+    )  # fmt: skip
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.1, losses
+    np.testing.assert_allclose(losses, single_device_losses, rtol=2e-2)
