@@ -3,8 +3,10 @@ in memory, ranked by the predicted step time (--objective step_time, the default
 pipeline method, the layout of up to --gpus GPUs that reaches a target loss soonest at the
 critical batch (--objective shortest_time). With --cluster FILE (configs/clusters/), the layouts
 of that cluster of node groups with different NICs, each with its NIC-aware placement and
-self-adapting partition, next to Megatron's placement and even split. docs/planner.md explains
-the models.
+self-adapting partition, next to Megatron's placement and even split. --compression on | auto
+adds pipeline-aware communication compression (the `compression` config section) to the
+step-time ranking: every technique, or each where the model predicts it saves, and what it
+saves. docs/planner.md explains the models.
 
   python scripts/plan.py --config configs/megatron_1t.yaml --gpus 3072 --batch 3072 \
       --hardware a100_dgx --tokens 450e9
@@ -13,6 +15,8 @@ the models.
   python scripts/plan.py --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \
       --gpus 1536 --batch 1536 --tensor 8 --json
   python scripts/plan.py --config configs/megatron_7.5b.yaml --cluster holmes_ib_roce --json
+  python scripts/plan.py --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \
+      --gpus 1024 --batch 1536 --hardware a100_ethernet --compression auto
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ def positive_float(text: str) -> float:
 
 
 def parse_args(argv):
-    from jaxmeg.config import OUTER_AXES, REMAT_POLICIES
+    from jaxmeg.config import OUTER_AXES, PIPE_GRAD_PHASES, REMAT_POLICIES
     from jaxmeg.perf.collectives import ZERO_STAGES
+    from jaxmeg.perf.compression import DEFAULT_RANK, MODES
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -83,11 +88,26 @@ def parse_args(argv):
     parser.add_argument(
         "--outer-axis", choices=OUTER_AXES, default="pipe", help="slowest mesh axis (crosses nodes)"
     )
+    parser.add_argument(
+        "--compression", choices=MODES, default="off",
+        help="communication compression (step_time): off; on, every technique that applies; "
+        "auto, each where it predicts a saving",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compression-rank", type=int, default=DEFAULT_RANK,
+        help="rank of the compressed pipeline and data-parallel gradients",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipe-grad-phase", choices=PIPE_GRAD_PHASES, default="all",
+        help="which backward pipeline transfers are compressed (compression.pipe_grad_phase)",
+    )  # fmt: skip
     parser.add_argument("--top", type=int, default=15, help="rows of the table")
     parser.add_argument(
         "--json", action="store_true", help="print the best plan (per method) as JSON"
     )
     args = parser.parse_args(argv)
+    if args.compression != "off" and (args.cluster or args.objective != "step_time"):
+        parser.error("--compression applies to --objective step_time without --cluster")
     if args.cluster:
         if args.objective != "step_time":
             parser.error("--cluster ranks by step time; it takes no --objective shortest_time")
@@ -148,7 +168,9 @@ def main(argv=None) -> int:
     try:
         plans = plan(
             shape, args.gpus, args.batch, hw, args.tokens,
-            sequence_parallel=args.sequence_parallel, outer_axis=args.outer_axis, **pins,
+            sequence_parallel=args.sequence_parallel, outer_axis=args.outer_axis,
+            compression=args.compression, compression_rank=args.compression_rank,
+            pipe_grad_phase=args.pipe_grad_phase, **pins,
         )  # fmt: skip
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -171,6 +193,7 @@ def main(argv=None) -> int:
         f"{'t':>3} {'p':>3} {'d':>5} {'v':>2} {'b':>2} {'recomp':>9} {'TFLOP/s':>8} {'%peak':>6} "
         f"{'step s':>8} {'mem GB':>7} {'bubble':>7} {'TP GB':>8} {'PP GB':>7} {'DP GB':>7}"
         + (f" {'days':>7} {'8TP/nX':>7}" if args.tokens else "")
+        + (f" {'saved s':>7} {'compressed':<10}" if args.compression != "off" else "")
     )
     print(header)
     for p in plans[: args.top]:
@@ -184,8 +207,57 @@ def main(argv=None) -> int:
         )
         if args.tokens:
             row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"
+        if p.compression is not None:
+            row += f" {p.compression.saved_s:>7.3f} {_compressed_summary(p.compression):<10}"
         print(row)
+    if plans[0].compression is not None:
+        print_compression(plans[0].compression)
     return 0
+
+
+TECHNIQUE_CODES = {"pipe_grad": "P", "embedding_sync": "E", "data_grad": "D"}
+"""Table codes: P compressed backpropagation, E fused embedding sync, D data-parallel PowerSGD
+(with its stage count when not every stage)."""
+
+
+def _compressed_summary(cost) -> str:
+    """e.g. `P E D<3`: the techniques on; D<k when only stages < k compress."""
+    codes = []
+    for technique in cost.techniques:
+        if technique.on:
+            code = TECHNIQUE_CODES[technique.name]
+            stages = cost.config.data_grad_stages
+            if technique.name == "data_grad" and stages != -1:
+                code += f"<{stages}"
+            codes.append(code)
+    return " ".join(codes) or "-"
+
+
+def print_compression(cost) -> None:
+    """The fastest plan's techniques: bytes per GPU and in all, compute, seconds saved."""
+    comp = cost.config
+    print(
+        f"\ncompression of the fastest plan: step {cost.base_step_s:.3f} s -> {cost.step_s:.3f} s "
+        f"(saves {cost.saved_s:.3f} s, {100 * cost.saved_s / cost.base_step_s:.1f}%)"
+    )
+    settings = {
+        "pipe_grad": f"rank {comp.pipe_grad_rank}, {comp.pipe_grad_phase}, "
+        f"{comp.pipe_error_feedback} error feedback",
+        "embedding_sync": "fused: {first, last stage} x data",
+        "data_grad": f"rank {comp.data_grad_rank}, stages "
+        + ("all" if comp.data_grad_stages == -1 else f"< {comp.data_grad_stages}"),
+    }
+    print(
+        f"{'technique':<15} {'':<3} {'GB/GPU before':>13} {'after':>8} {'GB all before':>13} "
+        f"{'after':>9} {'compute s':>9} {'saved s':>8}  setting"
+    )
+    for t in cost.techniques:
+        print(
+            f"{t.name:<15} {'on' if t.on else 'off':<3} {t.per_gpu_bytes[0] / 1e9:>13.3f} "
+            f"{t.per_gpu_bytes[1] / 1e9:>8.3f} {t.total_bytes[0] / 1e9:>13.1f} "
+            f"{t.total_bytes[1] / 1e9:>9.1f} {t.compute_s:>9.4f} {t.saved_s:>8.4f}  "
+            + (settings[t.name] if t.on else "-")
+        )
 
 
 def cluster_report(args, shape, pins) -> int:

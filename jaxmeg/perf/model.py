@@ -420,22 +420,34 @@ def data_parallel_seconds(
         params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
     )
     total = sum(c.seconds(layout.data, link) for c in collectives)
+    return exposed_data_parallel_seconds(total, layout, compute_seconds)
+
+
+def exposed_data_parallel_seconds(total: float, layout: Layout, compute_seconds: float) -> float:
+    """What of `total` seconds of data-parallel traffic the step waits for: all of it
+    depth-first, max(T / v, T - C) breadth-first (`data_parallel_seconds`)."""
     if layout.schedule != "breadth_first":
         return total
     return max(total / layout.chunks, total - compute_seconds)
 
 
 def pipe_message_seconds(
-    shape: Shape, layout: Layout, hw: Hardware, link: tuple[float, float] | None = None
+    shape: Shape,
+    layout: Layout,
+    hw: Hardware,
+    link: tuple[float, float] | None = None,
+    message: float | None = None,
 ) -> float:
-    """One activation (or cotangent) of 2 s b h bytes from a stage to its neighbour, over
-    `link` (GB/s, latency us; default `pipe_link`).
+    """One activation (or cotangent) of 2 s b h bytes (or `message` bytes, the tensor group's
+    whole message) from a stage to its neighbour, over `link` (GB/s, latency us; default
+    `pipe_link`).
 
     With Megatron's scatter/gather each of the t ranks of a tensor group sends 1/t of it on its
     own link, and the receivers all-gather the t pieces over the tensor group before the stage
     can start (Narayanan et al., 2021, section 4.1); without it every rank sends it whole.
     """
-    message = 2 * shape.seq_len * layout.microbatch * shape.hidden
+    if message is None:
+        message = 2 * shape.seq_len * layout.microbatch * shape.hidden
     t = layout.tensor
     gb_per_s, latency_us = pipe_link(layout, hw) if link is None else link
     if not (layout.pipe_scatter_gather or layout.sequence_parallel) or t == 1:

@@ -1,13 +1,21 @@
 """The parallel-configuration planner: every (t, p, d, v, b, recompute) that fits in memory,
-ranked by predicted step time for a fixed global batch; and, per pipeline method, the layout
-that reaches a target loss soonest at the critical batch (`shortest_time`)."""
+ranked by predicted step time for a fixed global batch, with communication compression off, on
+or where it saves (`compression`); and, per pipeline method, the layout that reaches a target
+loss soonest at the critical batch (`shortest_time`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
 
-from jaxmeg.config import REMAT_POLICIES
+from jaxmeg.config import REMAT_POLICIES, CompressionConfig
+from jaxmeg.perf.compression import (
+    DEFAULT_RANK,
+    CompressionCost,
+    check_mode,
+    choose,
+    compression_cost,
+)
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.model import (
     Layout,
@@ -35,9 +43,15 @@ class Plan:
     bytes_per_step: dict
     training_days: float | None
     paper_days: float | None
+    compression: CompressionCost | None = None
+    """What compression turns on and saves; step time, TFLOP/s, days and the pipe and data
+    bytes above are with it. None: compression off."""
 
     def as_dict(self) -> dict:
         lay = self.layout
+        compression = (
+            {} if self.compression is None else {"compression": self.compression.as_dict()}
+        )
         return {
             "tensor": lay.tensor,
             "pipe": lay.pipe,
@@ -59,6 +73,7 @@ class Plan:
             "data_bytes_per_step": self.bytes_per_step["data"],
             "training_days": None if self.training_days is None else round(self.training_days, 2),
             "paper_estimate_days": None if self.paper_days is None else round(self.paper_days, 2),
+            **compression,
         }
 
 
@@ -111,25 +126,44 @@ def candidate_layouts(
                         )  # fmt: skip
 
 
-def evaluate(shape: Shape, layout: Layout, hw: Hardware, tokens: float | None = None) -> Plan:
+def evaluate(
+    shape: Shape,
+    layout: Layout,
+    hw: Hardware,
+    tokens: float | None = None,
+    compression: CompressionConfig | None = None,
+) -> Plan:
+    """The plan of one layout; with `compression` (a `compression` section), its step time,
+    TFLOP/s, days and pipe and data bytes are those of `jaxmeg.perf.compression`."""
     timing = step_time(shape, layout, hw)
     memory = memory_per_gpu(shape, layout, hw)
-    tflops = tflops_per_gpu(shape, layout, hw)
+    traffic = bytes_per_step(shape, layout)
+    cost, seconds = None, timing.total
+    if compression is not None:
+        cost = compression_cost(shape, layout, hw, compression, timing)
+        seconds = cost.step_s
+        traffic = {
+            **traffic,
+            "pipe": cost.pipe_grad.per_gpu_bytes[1],
+            "data": cost.data_grad.per_gpu_bytes[1],
+        }
+    tflops = tflops_per_gpu(shape, layout, hw) * timing.total / seconds
     days = paper = None
     if tokens:
         steps = tokens / (layout.global_batch * shape.seq_len)
-        days = steps * timing.total / 86400
+        days = steps * seconds / 86400
         paper = paper_training_days(shape, layout.gpus, tflops, tokens)
     return Plan(
         layout=layout,
         tflops_per_gpu=tflops,
         percent_of_peak=100 * tflops / hw.peak_tflops,
-        step_time_s=timing.total,
+        step_time_s=seconds,
         memory_per_gpu_gb=memory.total / 1e9,
         bubble=timing.bubble,
-        bytes_per_step=bytes_per_step(shape, layout),
+        bytes_per_step=traffic,
         training_days=days,
         paper_days=paper,
+        compression=cost,
     )
 
 
@@ -148,14 +182,28 @@ def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
 
 
 def plan(
-    shape: Shape, gpus: int, batch: int, hw: Hardware, tokens: float | None = None, **pins
+    shape: Shape,
+    gpus: int,
+    batch: int,
+    hw: Hardware,
+    tokens: float | None = None,
+    *,
+    compression: str = "off",
+    compression_rank: int = DEFAULT_RANK,
+    pipe_grad_phase: str = "all",
+    **pins,
 ) -> list[Plan]:
-    """Plans that fit in memory, fastest step first (same global batch, so same tokens)."""
+    """Plans that fit in memory, fastest step first (same global batch, so same tokens).
+    `compression` off, on or auto, per layout (`jaxmeg.perf.compression.choose`) at
+    `compression_rank`, the pipeline's transfers compressed by `pipe_grad_phase`."""
     check_inputs(shape, gpus, batch, **pins)
-    plans = [
-        evaluate(shape, layout, hw, tokens)
-        for layout in candidate_layouts(shape, gpus, batch, hw, **pins)
-    ]
+    check_mode(compression, compression_rank, pipe_grad_phase)
+    plans = []
+    for layout in candidate_layouts(shape, gpus, batch, hw, **pins):
+        comp = None
+        if compression != "off":
+            comp = choose(shape, layout, hw, compression, compression_rank, pipe_grad_phase)
+        plans.append(evaluate(shape, layout, hw, tokens, comp))
     fitting = [p for p in plans if p.memory_per_gpu_gb <= hw.memory_gb]
     return sorted(fitting, key=lambda p: (p.step_time_s, p.layout.tensor * p.layout.pipe))
 
