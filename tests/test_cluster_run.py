@@ -25,7 +25,9 @@ MESH_222 = ["--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "pa
 
 
 def test_two_nic_groups_on_two_processes_match_one_device(
-    tmp_path, small_corpus, single_device_losses  # noqa: F811
+    tmp_path,
+    small_corpus,
+    single_device_losses,  # noqa: F811
 ):
     # outer_axis=data: Megatron's order would put each data group across the two processes;
     # the NIC-aware placement puts the pipe axis across them instead.
@@ -39,8 +41,9 @@ def test_two_nic_groups_on_two_processes_match_one_device(
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ib (infiniband): processes 0 (local0); NCCL_NET=IB" in run.stderr
-    assert "roce (roce): processes 1 (local1); NCCL_NET=IB NCCL_IB_DISABLE=0 NCCL_IB_GID_INDEX=3" in (
-        run.stderr
+    assert (
+        "roce (roce): processes 1 (local1); NCCL_NET=IB NCCL_IB_DISABLE=0 NCCL_IB_GID_INDEX=3"
+        in (run.stderr)
     )
     assert "  stage 0: ib (local0)\n  stage 1: roce (local1)\n" in run.stderr
     losses = [r["loss"] for r in read_metrics(tmp_path / "m")]

@@ -14,9 +14,9 @@ from jaxmeg.pipeline.critical_path import (
     b_send_critical,
     backward_send_slack,
     compressed_per_link,
+    critical_backward_sends,
     critical_per_link,
     exposed_backward_sends,
-    critical_backward_sends,
     table_orders,
 )
 from jaxmeg.pipeline.schedules import Schedule, _dependency, build
@@ -225,12 +225,16 @@ def test_bad_phase_and_deadlocking_orders_are_named():
 def test_epilogue_1f1b_compresses_p_minus_s_minus_1_per_link(p, m):
     counts = compressed_per_link(schedule("1f1b", p, m, warmup="min_bubble"), "epilogue")
     assert counts == {(s + 1, s): p - s - 1 for s in range(p - 1)}
-    assert compressed_per_link(schedule("1f1b", p, m, warmup="min_bubble"), "all") == {(s + 1, s): m for s in range(p - 1)}
+    assert compressed_per_link(schedule("1f1b", p, m, warmup="min_bubble"), "all") == {
+        (s + 1, s): m for s in range(p - 1)
+    }
 
 
 def test_epilogue_counts_of_the_other_schedules():
     """The same rule (sends from the tick of the last forward on), not a 1F1B one."""
-    interleaved = compressed_per_link(schedule("interleaved_1f1b", 4, 8, 2, "min_bubble"), "epilogue")
+    interleaved = compressed_per_link(
+        schedule("interleaved_1f1b", 4, 8, 2, "min_bubble"), "epilogue"
+    )
     assert interleaved == {(1, 0): 7, (2, 1): 6, (3, 2): 5, (0, 3): 4}
     for name, v in (("gpipe", 1), ("breadth_first", 2)):  # every backward follows every forward
         sch = schedule(name, 4, 8, v, "min_bubble")

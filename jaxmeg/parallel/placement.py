@@ -56,13 +56,13 @@ class Placement:
         lines, start = [], 0
         for s in range(1, len(groups) + 1):
             if s == len(groups) or groups[s] != groups[start]:
-                hosts = dict.fromkeys(
-                    by_id[int(i)].host for i in self.grid[:, start:s, :].ravel()
-                )
+                hosts = dict.fromkeys(by_id[int(i)].host for i in self.grid[:, start:s, :].ravel())
                 stages = f"stage {start}" if s - start == 1 else f"stages {start}-{s - 1}"
                 lines.append(f"  {stages}: {groups[start]} ({', '.join(hosts)})")
                 start = s
-        head = f"placement {self.mode}: {self.grid.shape[1]} stages over {len(set(groups))} group(s)"
+        head = (
+            f"placement {self.mode}: {self.grid.shape[1]} stages over {len(set(groups))} group(s)"
+        )
         return "\n".join([head, *lines])
 
 
