@@ -26,7 +26,9 @@ def shuffled_records(seed: int, hosts: int = 4, per_host: int = 4) -> list[Devic
     """`hosts` hosts of `per_host` devices, half InfiniBand and half RoCE in random order."""
     types = ["ib", "roce"] * (hosts // 2)
     random.Random(seed).shuffle(types)
-    return [DeviceRecord(i, f"h{i // per_host}", types[i // per_host]) for i in range(hosts * per_host)]
+    return [
+        DeviceRecord(i, f"h{i // per_host}", types[i // per_host]) for i in range(hosts * per_host)
+    ]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -40,12 +42,14 @@ def test_auto_keeps_tensor_in_host_data_in_one_nic_type(seed):
     assert p.stage_groups() == ["ib", "roce"]  # the cluster's order, whatever the hosts' order
 
 
-def test_megatron_order_breaks_the_data_group_rule():
-    records = [DeviceRecord(i, f"h{i // 4}", ["roce", "ib"][i // 4 % 2]) for i in range(16)]
-    megatron = place(records, ["ib", "roce"], data=2, pipe=2, tensor=4, mode="megatron")
+@pytest.mark.parametrize("outer_axis", ["pipe", "data"])
+@pytest.mark.parametrize("seed", [1, 3, 5])  # shuffles that process order does not line up
+def test_megatron_order_breaks_the_data_group_rule(seed, outer_axis):
+    records = shuffled_records(seed)  # the same input as the auto test above
+    megatron = place(records, ["ib", "roce"], 2, 2, 4, mode="megatron", outer_axis=outer_axis)
     assert data_groups_across_groups(megatron) > 0
     assert tensor_groups_across_hosts(megatron) == 0
-    auto = place(records, ["ib", "roce"], data=2, pipe=2, tensor=4, mode="auto")
+    auto = place(records, ["ib", "roce"], 2, 2, 4, mode="auto", outer_axis=outer_axis)
     assert data_groups_across_groups(auto) == 0
 
 
@@ -169,7 +173,9 @@ def test_device_records_from_processes_and_simulated_nodes():
     one_process = ClusterJob(local, "ib", "test", {}, processes=(("a", "ib"),))
     simulated = one_process.device_records([FakeDevice(i, 0) for i in range(8)])
     assert simulated == cluster_records(local)
-    with pytest.raises(cl.ClusterError, match=r"has 8 GPUs \(ib 1 x 4 \+ roce 1 x 4\), but the job has 4"):
+    with pytest.raises(
+        cl.ClusterError, match=r"has 8 GPUs \(ib 1 x 4 \+ roce 1 x 4\), but the job has 4"
+    ):
         job.device_records(devices[:4])
     unbalanced = ClusterJob(local, "ib", "test", {}, processes=(("a", "ib"), ("b", "ib")))
     with pytest.raises(cl.ClusterError, match="node group 'ib' .* has 4 GPUs .* but 8 devices"):
