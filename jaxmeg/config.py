@@ -226,12 +226,12 @@ class CompressionConfig:
     of the schedule (`jaxmeg.pipeline.critical_path`; for 1F1B the sender's cool-down transfers
     and its last steady-state one)."""
     fused_embedding_sync: bool = False
-    """Not implemented yet (validation refuses true). Reduce the tied embedding/head gradients of the first and last stage and their data-
-    parallel average in ONE all-reduce over {first, last stage} x data; the middle stages take
-    no part (without it, every pipe stage joins the reduction)."""
+    """Reduce the embedding/head gradients (and the loss) of the first and last stage and their
+    data-parallel average in ONE all-reduce over {first, last stage} x data; the middle stages
+    take no part and receive the result by ppermute, as each keeps a replica of the shared
+    params (without it, every pipe stage joins an all-reduce over pipe x data). Exact."""
     data_grad_rank: int = 0
-    """Not implemented yet (validation refuses > 0). PowerSGD rank of the data-parallel gradient
-    reduction (0 = off): per weight matrix P = M Q,
+    """PowerSGD rank of the data-parallel gradient reduction (0 = off): per weight matrix P = M Q,
     all-reduce P, orthogonalise, Q = M^T P, all-reduce Q, with error feedback; vectors (biases,
     norms) are all-reduced whole."""
     data_grad_stages: int = -1
@@ -476,7 +476,7 @@ def _check_positive(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be > 0, got {value}")
 
 
-def _validate_compression(comp: CompressionConfig, pipe: int, data: int) -> None:
+def _validate_compression(comp: CompressionConfig, pipe: int, data: int, zero_stage: int) -> None:
     for name in ("pipe_grad_rank", "data_grad_rank", "warmup_steps"):
         if getattr(comp, name) < 0:
             raise ConfigError(f"compression.{name} must be >= 0, got {getattr(comp, name)}")
@@ -498,10 +498,10 @@ def _validate_compression(comp: CompressionConfig, pipe: int, data: int) -> None
             f"reduction, but parallel.data is 1"
         )
     for name in ("fused_embedding_sync", "data_grad_rank"):
-        if getattr(comp, name):
+        if getattr(comp, name) and zero_stage:
             raise ConfigError(
-                f"compression.{name} is not implemented yet (only the pipeline's backward "
-                f"links are compressed: compression.pipe_grad_*); leave it at its default"
+                f"compression.{name} = {getattr(comp, name)} works on whole gradients, but "
+                f"parallel.zero_stage = {zero_stage} reduce-scatters them; use one or the other"
             )
     if not -1 <= comp.data_grad_stages <= pipe or comp.data_grad_stages == 0:
         raise ConfigError(
@@ -592,7 +592,7 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "
             f"parallel.pipe ({pipe})"
         )
-    _validate_compression(cfg.compression, pipe, data)
+    _validate_compression(cfg.compression, pipe, data, cfg.parallel.zero_stage)
     _check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
     _check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:

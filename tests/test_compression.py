@@ -17,7 +17,7 @@ from jaxmeg.parallel.hlo import collectives
 from jaxmeg.pipeline import compression
 from jaxmeg.training import links
 from jaxmeg.training.pipeline_step import build_schedule, make_loss_and_grads
-from jaxmeg.training.state import init_state
+from jaxmeg.training.state import init_state, initial_link_state
 from jaxmeg.training.trainer import compile_step
 from tests.helpers import put_batch, random_batch, trainable_for
 from tests.test_train_cli import single_device_losses  # noqa: F401  (a fixture)
@@ -61,7 +61,9 @@ def test_a_rank_at_or_above_the_matrix_rank_rebuilds_it_exactly():
     m = jnp.asarray(rng.normal(size=(16, 2)) @ rng.normal(size=(2, 24)), jnp.float32)  # rank 2
     p, q = compression.power_step(m, jnp.asarray(rng.normal(size=(24, 3)), jnp.float32))
     np.testing.assert_allclose(compression.rebuild(p, q), m, atol=1e-5)
-    assert compression.worth_compressing(3, 16, 24) and not compression.worth_compressing(16, 16, 24)
+    assert compression.worth_compressing(3, 16, 24) and not compression.worth_compressing(
+        16, 16, 24
+    )
 
 
 def loss_grads_links(cfg, tokens):
@@ -95,7 +97,9 @@ def test_compressed_links_at_full_rank_equal_uncompressed(mesh, comp, monkeypatc
             got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=jax.tree_util.keystr(path)
         )
     if "error" in state:
-        assert np.abs(state["error"]).max() < 1e-5 * max(np.abs(g).max() for g in jax.tree.leaves(grads))
+        assert np.abs(state["error"]).max() < 1e-5 * max(
+            np.abs(g).max() for g in jax.tree.leaves(grads)
+        )
 
 
 def test_low_rank_links_change_the_gradients_and_keep_state():
@@ -143,8 +147,12 @@ def test_epilogue_column_marks_p_minus_s_minus_1_sends_per_link():
     pc = links.pipe_compression(cfg, table)
     per_sender = pc.compress.sum(axis=0)
     assert per_sender.tolist() == [0, 3, 2, 1]  # sender s + 1 -> s: p - s - 1
-    every = links.pipe_compression(dataclasses.replace(
-        cfg, compression=dataclasses.replace(cfg.compression, pipe_grad_phase="all")), table)
+    every = links.pipe_compression(
+        dataclasses.replace(
+            cfg, compression=dataclasses.replace(cfg.compression, pipe_grad_phase="all")
+        ),
+        table,
+    )
     assert ((every.compress & (table.b_mb >= 0)).sum(axis=0)[1:] == 8).all()  # fmt: skip
     assert build_schedule  # the executor's schedule and this one come from the same place
 
@@ -176,18 +184,21 @@ def test_link_state_survives_a_checkpoint_and_a_reshard(tmp_path, capsys):
     reader.close()
     assert "compressed pipeline links start afresh" in capsys.readouterr().err
     assert not np.asarray(restored["links"]["error"]).any()
-    fresh = links.initial_link_state(other.cfg, other.mesh.shape)
+    fresh = initial_link_state(other)
     np.testing.assert_array_equal(np.asarray(restored["links"]["q"]), np.asarray(fresh["q"]))
 
 
 def test_cli_trains_with_compressed_links_like_the_baseline(
-    tmp_path, small_corpus, single_device_losses  # noqa: F811
+    tmp_path,
+    small_corpus,
+    single_device_losses,  # noqa: F811
 ):
     from tests.test_train_cli import train
 
     sets = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
             "compression.pipe_grad_rank=4", "compression.pipe_grad_phase=epilogue",
-            "compression.pipe_error_feedback=lazy"]  # fmt: skip
+            "compression.pipe_error_feedback=lazy", "compression.fused_embedding_sync=true",
+            "compression.data_grad_rank=4", "compression.data_grad_stages=1"]  # fmt: skip
     records = train(
         ["--cpu-devices", "8", *[a for s in sets for a in ("--set", s)], "--steps", "5",
          *small_corpus], tmp_path, "compressed",

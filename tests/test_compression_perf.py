@@ -98,18 +98,24 @@ def test_fused_sync_reduces_over_first_and_last_stage_only():
         GPT3, layout, ETHERNET, CompressionConfig(fused_embedding_sync=True)
     )
     shared = WIRE_BYTES * shared_parameters_per_gpu(GPT3, t)
-    # Every GPU in a ring of p d today; only the 2 d t GPUs of the first and last stage, in a
-    # ring of 2 d, fused (the middle stages send nothing).
+    # Every GPU in a ring of p d today; fused, the 2 d t GPUs of the first and last stage in a
+    # ring of 2 d, then each middle GPU receives the result once (3 rounds for 14 stages).
     assert unfused.total_bytes[0] == pytest.approx(p * d * t * 2 * (p * d - 1) / (p * d) * shared)
-    assert fused.total_bytes[1] == pytest.approx(2 * d * t * 2 * (2 * d - 1) / (2 * d) * shared)
+    ring = 2 * d * t * 2 * (2 * d - 1) / (2 * d) * shared
+    assert fused.total_bytes[1] == pytest.approx(ring + (p - 2) * d * t * shared)
+    assert fused.detail["middle_rounds"] == 3
     assert fused.per_gpu_bytes[1] == pytest.approx(2 * (2 * d - 1) / (2 * d) * shared)
-    assert fused.detail["ring_after"] == 2 * d and fused.saved_s > 0
+    assert fused.detail["ring_after"] == 2 * d
+    # The rounds to the middle stages run after the all-reduce: on 16 stages the fused sync
+    # moves 0.56x the bytes but takes longer than the one all-reduce over pipe x data.
+    assert fused.total_bytes[1] < 0.6 * unfused.total_bytes[0] and fused.saved_s < 0
     # Today's sync moves about 20x the bytes of Megatron-LM's (the word embedding's all-reduce
-    # between the first and last stage) for GPT-3 175B on 16 stages; fused, about 2.5x.
+    # between the first and last stage) for GPT-3 175B on 16 stages; fused, about 12x (the
+    # middle stages' replicas, which Megatron-LM does not keep, take most of it).
     megatron = fused.detail["megatron_total_bytes"]
     assert megatron == pytest.approx(2 * d * t * WIRE_BYTES * GPT3.vocab * GPT3.hidden / t)
     assert 19 < unfused.total_bytes[0] / megatron < 22
-    assert 2 < fused.total_bytes[1] / megatron < 3
+    assert 11 < fused.total_bytes[1] / megatron < 12.5
     single = cc.embedding_sync_cost(
         GPT3, dataclasses.replace(layout, pipe=1), DGX, CompressionConfig(fused_embedding_sync=True)
     )
@@ -182,13 +188,13 @@ def test_step_time_is_the_models_less_the_savings_and_off_changes_nothing():
 def test_auto_turns_compression_on_for_ethernet_and_less_on_dgx():
     ethernet = plan(GPT3, 1024, 1536, ETHERNET, compression="auto", **GPT3_PINS)[0].compression
     dgx = plan(GPT3, 1024, 1536, DGX, compression="auto", **GPT3_PINS)[0].compression
-    assert ethernet.on == ["pipe_grad", "embedding_sync", "data_grad"]
+    # the fused sync saves bytes but not time on 16 stages (its rounds to the middle stages)
+    assert ethernet.on == ["pipe_grad", "data_grad"]
     assert ethernet.saved_s / ethernet.base_step_s > 0.1
     assert ethernet.pipe_grad.total_bytes[1] < 0.6 * ethernet.pipe_grad.total_bytes[0]
     assert ethernet.data_grad.per_gpu_bytes[1] < 0.1 * ethernet.data_grad.per_gpu_bytes[0]
-    # On InfiniBand the lossy techniques save under AUTO_MIN_SAVING of the step: only the exact
-    # fused sync is on.
-    assert dgx.on == ["embedding_sync"]
+    # On InfiniBand the lossy techniques save under AUTO_MIN_SAVING of the step: none is on.
+    assert dgx.on == []
     assert dgx.saved_s / dgx.base_step_s < cc.AUTO_MIN_SAVING
 
 
@@ -226,7 +232,7 @@ def test_plan_cli_says_which_techniques_are_on_and_what_they_save():
     result = _plan_cli("--hardware", "a100_ethernet", "--compression", "auto", "--json")
     assert result.returncode == 0, result.stderr
     best = json.loads(result.stdout)["compression"]
-    assert best["on"] == ["pipe_grad", "embedding_sync", "data_grad"]
+    assert best["on"] == ["pipe_grad", "data_grad"]
     assert best["saved_s"] > 0 and best["step_time_s"] < best["base_step_time_s"]
     for name in best["on"]:
         technique = best[name]

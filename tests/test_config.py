@@ -139,18 +139,46 @@ BAD = [
     (["parallel.stage_layers=[a]"], r"parallel.stage_layers must be a list of integers"),
     (["parallel.stage_layers=fastest"], r"parallel.stage_layers must be a list of integers"),
     (["compression.pipe_grad_rank=-1"], r"compression.pipe_grad_rank must be >= 0, got -1"),
-    (["compression.pipe_grad_rank=4"], r"compression.pipe_grad_rank = 4 compresses the gradients "
-     r"sent between pipeline stages, but parallel.pipe is 1"),
-    (["parallel.pipe=2", "compression.pipe_grad_rank=4", "compression.pipe_grad_phase=cooldown"],
-     r"compression.pipe_grad_phase must be one of \['all', 'epilogue'\]"),
-    (["parallel.pipe=2", "compression.pipe_grad_phase=epilogue"],
-     r"compression.pipe_grad_phase = epilogue needs compression.pipe_grad_rank > 0"),
-    (["parallel.pipe=2", "compression.pipe_grad_rank=4", "compression.pipe_error_feedback=eager"],
-     r"compression.pipe_error_feedback must be one of \['lazy', 'none'\]"),
-    (["parallel.pipe=2", "compression.data_grad_stages=3"],
-     r"compression.data_grad_stages must be -1 \(all\) or a stage count in \[1, parallel.pipe = 2\], "
-     r"got 3"),
-    (["parallel.data=8", "compression.data_grad_rank=4"], r"compression.data_grad_rank is not implemented yet"),
+    (
+        ["compression.pipe_grad_rank=4"],
+        r"compression.pipe_grad_rank = 4 compresses the gradients "
+        r"sent between pipeline stages, but parallel.pipe is 1",
+    ),
+    (
+        ["parallel.pipe=2", "compression.pipe_grad_rank=4", "compression.pipe_grad_phase=cooldown"],
+        r"compression.pipe_grad_phase must be one of \['all', 'epilogue'\]",
+    ),
+    (
+        ["parallel.pipe=2", "compression.pipe_grad_phase=epilogue"],
+        r"compression.pipe_grad_phase = epilogue needs compression.pipe_grad_rank > 0",
+    ),
+    (
+        [
+            "parallel.pipe=2",
+            "compression.pipe_grad_rank=4",
+            "compression.pipe_error_feedback=eager",
+        ],
+        r"compression.pipe_error_feedback must be one of \['lazy', 'none'\]",
+    ),
+    (
+        ["parallel.pipe=2", "compression.data_grad_stages=3"],
+        r"compression.data_grad_stages must be -1 \(all\) or a stage count in \[1, parallel.pipe = 2\], "
+        r"got 3",
+    ),
+    (
+        ["parallel.data=8", "parallel.zero_stage=1", "compression.data_grad_rank=4"],
+        r"compression.data_grad_rank = 4 works on whole gradients, but parallel.zero_stage = 1",
+    ),
+    (
+        ["parallel.data=8", "parallel.zero_stage=3", "compression.fused_embedding_sync=true"],
+        r"compression.fused_embedding_sync = True works on whole gradients, but "
+        r"parallel.zero_stage = 3",
+    ),
+    (
+        ["compression.data_grad_rank=4"],
+        r"compression.data_grad_rank = 4 compresses the "
+        r"data-parallel reduction, but parallel.data is 1",
+    ),
     (["parallel.placement=holmes"], r"parallel.placement must be one of \['auto', 'megatron'\]"),
     (
         ["parallel.data=-1", "parallel.zero_stage=2"],

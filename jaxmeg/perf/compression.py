@@ -27,11 +27,15 @@ pipe_grad       (`pipe_grad_rank`, `pipe_grad_phase`, `pipe_error_feedback`) The
                 each (t_comp with its compute); a tick mixing both sends both, t_comp more.
 embedding_sync  (`fused_embedding_sync`) jaxmeg reduces the tied embedding/head and position
                 gradients, S = V h / t + s h per GPU, in one all-reduce over pipe x data (every
-                GPU, a ring of p d); fused, over {first, last stage} x data (a ring of 2 d; the
-                middle stages send nothing). Megatron-LM's own synchronisation, for comparison:
+                GPU, a ring of p d); fused, over {first, last stage} x data (a ring of 2 d),
+                and since every jaxmeg stage keeps a replica of the shared params, the p - 2
+                middle stages then receive the result, S each, in ceil(log2((p - 2) / 2 + 1))
+                rounds of ppermute (`gradients.broadcast_rounds`). Megatron-LM's middle stages
+                hold no embedding. Megatron-LM's own synchronisation, for comparison:
                 the all-reduce of the word embedding V h / t between the first and last stage (a
                 ring of 2; its data-parallel average rides in those stages' gradient reduction).
-                Time: the change of that one all-reduce (ring size, latency steps, link).
+                Time: the change of that all-reduce (ring size, latency steps, link), plus
+                the middle stages' rounds, each S over the pipeline's link.
 data_grad       (`data_grad_rank`, `data_grad_stages`, `warmup_steps`) PowerSGD on the stage's
                 layer gradients: each weight matrix [n, m] a tensor rank holds (QKV [h, 3h/t],
                 attention output [h/t, h], fc1 [h, f/t], fc2 [f/t, h]) is reduced as two
@@ -87,6 +91,7 @@ from jaxmeg.perf.model import (
     step_time,
 )
 from jaxmeg.pipeline import critical_path, schedules
+from jaxmeg.pipeline.gradients import broadcast_rounds
 from jaxmeg.pipeline.tick_table import build_tick_table
 
 FACTOR_BYTES = 4
@@ -375,12 +380,19 @@ def embedding_sync_cost(
             {**detail, "ring_after": p * d},
         )  # fmt: skip
     after = sync.wire_bytes(2 * d)
-    saved = sync.seconds(p * d, _ring_link(layout, hw, list(range(p)))) - sync.seconds(
-        2 * d, _ring_link(layout, hw, [0, p - 1])
+    pipe_link = _ring_link(layout, hw, list(range(p)))
+    rounds = len(broadcast_rounds(p))
+    gb_per_s, latency_us = pipe_link
+    broadcast_s = rounds * (sync.nbytes / (gb_per_s * 1e9) + latency_us * 1e-6)
+    saved = (
+        sync.seconds(p * d, pipe_link)
+        - sync.seconds(2 * d, _ring_link(layout, hw, [0, p - 1]))
+        - broadcast_s
     )
+    middle_total = (p - 2) * d * t * sync.nbytes
     return TechniqueCost(
-        "embedding_sync", True, (before, after), (before_total, 2 * d * t * after), 0.0, saved,
-        {**detail, "ring_after": 2 * d},
+        "embedding_sync", True, (before, after), (before_total, 2 * d * t * after + middle_total),
+        0.0, saved, {**detail, "ring_after": 2 * d, "middle_rounds": rounds},
     )  # fmt: skip
 
 

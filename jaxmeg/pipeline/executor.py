@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.pipeline import compression, gradients, residuals
+from jaxmeg.pipeline import compression, gradients, powersgd, residuals
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_columns import (
     B_CHUNK,
@@ -147,11 +147,16 @@ def make_pipeline_loss_and_grads(
     microbatches: int,
     zero: ZeroSharding = ZeroSharding(),
     pipe_compression: compression.PipeCompression | None = None,
+    data_compression: powersgd.DataCompression | None = None,
+    fused_embedding_sync: bool = False,
 ) -> Callable:
     """Returns `f(stage_params, shared, tokens, targets) -> (loss, (stage_grads, shared_grads))`,
-    or with `pipe_compression`, `f(..., targets, links) -> (loss, grads, links)`: `links` is the
-    compression state of the backward links, {"q": [p, d, v, h, r], "error": [p, d, v, n, h]
-    (lazy only)} fp32 on (pipe, data), kept across steps (`compression_state_shapes`).
+    or with `pipe_compression` or `data_compression`, `f(..., targets, links, step) -> (loss,
+    grads, links)`: `links` is the compression state, fp32 on (pipe, data), kept across steps
+    (`jaxmeg.training.links`): the backward links' {"q": [p, d, v, h, r], "error": [p, d, v, n,
+    h] (lazy only)} and PowerSGD's {"data": {"q": {key: [p, d, v, Lc, m, r]}, "error": {key:
+    [p, d, v, Lc, ...]}}}; `step` (int32 scalar) is the optimizer step, for the warm-up.
+    `fused_embedding_sync`: the shared gradients are reduced by `gradients.fused_sync`.
 
     stage_params: leaves [v, p, Lc, ...] (`layout.shape`), `p` on `pipe`.
     shared: embedding and head params, replicated over `pipe`.
@@ -163,6 +168,13 @@ def make_pipeline_loss_and_grads(
     p, v, m = layout.num_stages, layout.num_chunks, microbatches
     if zero.stage and gradients.trivial(mesh.shape):
         raise ValueError(f"zero stage {zero.stage} needs a data axis > 1, the mesh is {mesh.shape}")
+    if (zero.stage and (data_compression or fused_embedding_sync)) or (
+        data_compression and mesh.shape["data"] == 1
+    ):
+        raise ValueError(
+            f"PowerSGD and the fused embedding sync need a data axis > 1 (PowerSGD) and no "
+            f"sharded optimizer (zero stage {zero.stage}); the mesh is {mesh.shape}"
+        )
     if mesh.shape["pipe"] != p or table.num_stages != p:
         raise ValueError(
             f"layout has {p} stages, the mesh's pipe axis {mesh.shape['pipe']}, the tick table "
@@ -218,7 +230,10 @@ def make_pipeline_loss_and_grads(
             chunk_dims,
         )
 
-    def per_device(stage_params, shared, tokens, targets, links=None):
+    dc, fused = data_compression, fused_embedding_sync and p > 1
+    stateful = pc is not None or dc is not None
+
+    def per_device(stage_params, shared, tokens, targets, links=None, step=None):
         params = _varying(jax.tree.map(lambda a: a[:, 0], stage_params), "data")  # [v, Lc, ...]
         if gathering:
             shared = jax.tree.map(
@@ -294,7 +309,7 @@ def make_pipeline_loss_and_grads(
                 )
             )
         carry["g_shared"] = gradients.zeros_f32(shared)
-        if pc is not None:
+        if stateful:
             carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
         carry = _varying_everywhere(carry, manual)
 
@@ -460,7 +475,7 @@ def make_pipeline_loss_and_grads(
                 lambda: compression.power_step(x, q_old),
                 lambda: (jnp.zeros((x.shape[0], pc.rank), x.dtype), q_old),
             )
-            new = {"q": links_["q"].at[chunk].set(q_)}
+            new = {**links_, "q": links_["q"].at[chunk].set(q_)}
             if pc.lazy:
                 lost = jnp.where(here, x - compression.rebuild(p_, q_), 0.0)
                 error = jnp.where(sending, lost, links_["error"][chunk])
@@ -487,7 +502,14 @@ def make_pipeline_loss_and_grads(
             c = {**c, "inputs": _write(c["inputs"], row["recv_act_slot"], received_x)}
             c, received_cot = send_cotangent(c, row, d_x)
             c = {**c, "cots": _write(c["cots"], row["recv_cot_slot"], received_cot)}
-            if reduce_in_loop:
+            if reduce_in_loop and dc is not None:
+                on = (stage < dc.stages) & (step >= dc.warmup_steps)
+                c["g_stage"], data_state = gradients.reduce_final_chunk(
+                    c["g_stage"], c["g_stage"], row["reduce_chunk"],
+                    compressed=(dc, c["links"]["data"], on),
+                )  # fmt: skip
+                c["links"] = {**c["links"], "data": data_state}
+            elif reduce_in_loop:
                 key = "g_reduced" if zero.stage else "g_stage"
                 c[key] = gradients.reduce_final_chunk(
                     c["g_stage"], c[key], row["reduce_chunk"], chunk_dims
@@ -507,19 +529,22 @@ def make_pipeline_loss_and_grads(
             out["g_shared"],
             out["loss"],
             stage_grads_reduced=reduce_in_loop,
+            fused=fused,
             **scatter,
         )
         g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
-        if pc is None:
+        if not stateful:
             return loss, (g_stage, g_shared)
         return loss, (g_stage, g_shared), jax.tree.map(lambda a: a[None, None], out["links"])
 
-    link_specs = () if pc is None else (P("pipe", "data"),)
+    link_specs = (P("pipe", "data"), P()) if stateful else ()
     return jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(*param_specs, P("data"), P("data"), *link_specs),
-        out_specs=(P(), grad_specs, *link_specs),
+        out_specs=(P(), grad_specs, *link_specs[:1]),
         axis_names=frozenset(manual),
-        check_vma=not (gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage or pc),
+        check_vma=not (
+            gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage or stateful or fused
+        ),
     )

@@ -12,7 +12,10 @@ With `data` > 1 each chunk's layer gradients are reduced inside the tick loop, i
 the chunk's last backward on its stage (`reduce_final_chunk`), so the reduction overlaps the
 backward of the chunks still running; after the loop only the shared gradients and the loss are
 reduced. With a sharded optimizer every reduction is a reduce-scatter (`reduce_scatter`) into
-split accumulators. A compressed reduction would replace `reduce_over_data`.
+split accumulators. With PowerSGD (`compression.data_grad_rank`) a chunk's reduction on the
+stages that compress is `powersgd.reduce`; with the fused embedding sync
+(`compression.fused_embedding_sync`) the shared gradients and the loss are reduced over
+{first, last stage} x data only (`fused_sync`).
 When `data` and `pipe` both have size 1 the reductions are skipped: they are the identity, and
 XLA refuses a cross-device reduction in a manual partition whose manual axes all have size 1
 (the mesh (1, 1, t) with t > 1; the executor then runs its shard_map without type checks).
@@ -24,6 +27,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxmeg.pipeline import powersgd
 
 
 def zeros_f32(tree):
@@ -75,12 +80,16 @@ def drop_leading_dims(dims, count: int):
     return jax.tree.map(lambda dim: dim - count if dim >= 0 else dim, dims)
 
 
-def reduce_final_chunk(stage_grads, reduced, chunk, chunk_dims=None):
+def reduce_final_chunk(stage_grads, reduced, chunk, chunk_dims=None, compressed=None):
     """Reduce chunk `chunk` of stage_grads [v, ...] over `data` into `reduced` [v, ...] (nothing
     when chunk is -1): a mean (`reduced` is `stage_grads`, updated in place) or, with
     `chunk_dims` (a sharded optimizer: per leaf the dim of one chunk to split, -1 for none), a
     reduce-scatter into the split accumulator. The same on every replica of a stage (they run
-    the same table row), so the collective may sit under this stage-dependent `lax.cond`."""
+    the same table row), so the collective may sit under this stage-dependent `lax.cond`.
+
+    With `compressed` = (dc: powersgd.DataCompression, state {"q", "error"} with leaves
+    [v, ...], on: bool scalar) the chunk is reduced by `powersgd.reduce` where `on`, and the
+    return value is (reduced, state)."""
     safe = jnp.maximum(chunk, 0)
     part = jax.tree.map(lambda a: a[safe], stage_grads)
     if chunk_dims is None:
@@ -88,8 +97,60 @@ def reduce_final_chunk(stage_grads, reduced, chunk, chunk_dims=None):
     else:
         reduce = functools.partial(reduce_scatter, dims=chunk_dims, axes=("data",))
     current = jax.tree.map(lambda a: a[safe], reduced)
-    part = jax.lax.cond(chunk >= 0, reduce, lambda _: current, part)
-    return jax.tree.map(lambda a, p: a.at[safe].set(p), reduced, part)
+    if compressed is None:
+        part = jax.lax.cond(chunk >= 0, reduce, lambda _: current, part)
+        return jax.tree.map(lambda a, p: a.at[safe].set(p), reduced, part)
+    dc, state, on = compressed
+    chunk_state = jax.tree.map(lambda a: a[safe], state)
+    branches = (
+        lambda part_, st: (current, st),
+        lambda part_, st: (reduce(part_), st),
+        lambda part_, st: powersgd.reduce(part_, st, dc),
+    )
+    index = jnp.where(chunk < 0, 0, jnp.where(on, 2, 1))
+    part, chunk_state = jax.lax.switch(index, branches, part, chunk_state)
+    write = lambda a, p: a.at[safe].set(p)  # noqa: E731
+    return jax.tree.map(write, reduced, part), jax.tree.map(write, state, chunk_state)
+
+
+def broadcast_rounds(p: int) -> list[list[tuple[int, int]]]:
+    """ppermute rounds that copy a value held by stages 0 and p - 1 to the stages between: each
+    round every holder sends to one stage still without it (sources and targets distinct)."""
+    holders, missing, rounds = [0, p - 1], list(range(1, p - 1)), []
+    while missing:
+        pairs = []
+        for source in list(holders):
+            if not missing:
+                break
+            # stage 0's side fills upwards, stage p - 1's downwards: neighbours first
+            target = missing.pop(0) if source < p // 2 else missing.pop()
+            pairs.append((source, target))
+            holders.append(target)
+        rounds.append(pairs)
+    return rounds
+
+
+def _select(flag, new, old):
+    return jnp.where(flag, new, old)
+
+
+def fused_sync(tree):
+    """The sum over {first, last stage} and mean over `data` of `tree` (the shared gradients
+    and the loss: only the first and last stage hold them), in ONE all-reduce over
+    {first, last stage} x data (within each tensor rank); the middle stages take no part in it
+    (singleton groups) and then receive the result by ppermute rounds, as every stage keeps a
+    replica of the shared params (`broadcast_rounds`)."""
+    p, d = jax.lax.axis_size("pipe"), jax.lax.axis_size("data")
+    first_last = [r * p + s for r in range(d) for s in sorted({0, p - 1})]
+    middle = [[r * p + s] for s in range(1, p - 1) for r in range(d)]
+    summed = jax.lax.psum(tree, ("data", "pipe"), axis_index_groups=[first_last, *middle])
+    summed = jax.tree.map(lambda a: a / d, summed) if d > 1 else summed
+    stage = jax.lax.axis_index("pipe")
+    for pairs in broadcast_rounds(p):
+        got = jax.lax.ppermute(summed, "pipe", pairs)
+        here = jnp.isin(stage, jnp.asarray([t for _, t in pairs]))
+        summed = jax.tree.map(functools.partial(_select, here), got, summed)
+    return summed
 
 
 def reduce_scatter(tree, dims, axes: tuple[str, ...]):
@@ -116,15 +177,19 @@ def reduce_step(
     stage_dims=None,
     shared_dims=None,
     shared_axes: tuple[str, ...] = (),
+    fused: bool = False,
 ):
     """(loss, stage_grads, shared_grads) of the whole step (see the module docstring for the
     collectives). With `stage_dims` / `shared_dims` (a sharded optimizer: per leaf the local dim
     to split, -1 for none) the gradients are reduce-scattered instead: stage gradients over
-    `data`, shared gradients over `shared_axes` (the order their split takes)."""
-    (loss,) = _sum_stages_mean_replicas((loss,))
-    if shared_dims is None:
-        shared_grads = _sum_stages_mean_replicas(shared_grads)
+    `data`, shared gradients over `shared_axes` (the order their split takes). `fused`: the
+    shared gradients and the loss go through `fused_sync` (pipe > 1, no sharded optimizer)."""
+    if fused:
+        loss, shared_grads = fused_sync((loss, shared_grads))
+    elif shared_dims is None:
+        loss, shared_grads = _sum_stages_mean_replicas((loss, shared_grads))
     else:
+        (loss,) = _sum_stages_mean_replicas((loss,))
         shared_grads = reduce_scatter(shared_grads, shared_dims, shared_axes)
     if stage_dims is not None:
         stage_grads = reduce_scatter(stage_grads, stage_dims, ("data",))

@@ -46,13 +46,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import named
-from jaxmeg.training.links import initial_link_state
+from jaxmeg.pipeline.powersgd import leaf_key
 from jaxmeg.training.run_log import say
 from jaxmeg.training.state import (
     NO_VOCAB_DIM,
     Trainable,
     abstract_state,
     canonical_specs,
+    initial_link_state,
     state_shardings,
     to_canonical_layout,
     to_stage_layout,
@@ -204,7 +205,8 @@ def _without_links(tree: dict) -> dict:
 
 
 def _link_shapes(links) -> dict[str, list[int]]:
-    return {k: list(v.shape) for k, v in (links or {}).items()}
+    leaves = jax.tree_util.tree_flatten_with_path(links or {})[0]
+    return {leaf_key(path): list(v.shape) for path, v in leaves}
 
 
 class Checkpointer:
@@ -333,7 +335,7 @@ class Checkpointer:
             f"{saved or 'none'}, this run needs {now} (other pipe, data, chunks or microbatch)"
         )
         fresh = jax.jit(
-            lambda: initial_link_state(self.trainable.cfg, self.trainable.mesh.shape),
+            lambda: initial_link_state(self.trainable),
             out_shardings=state_shardings(self.trainable)["links"],
         )
         return {**state, "links": fresh()}

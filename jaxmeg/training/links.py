@@ -1,8 +1,9 @@
-"""Compressed backward pipeline links (`compression.pipe_grad_*`): what the executor is told, and
-their state (warm starts, lazy errors) as part of the train state, under the key `links`.
+"""Compressed communication (`compression.*`): what the executor is told, and the state of the
+compressed backward pipeline links (warm starts, lazy errors) and of PowerSGD (warm starts,
+error feedback) as part of the train state, under the key `links`.
 
-The state is per link: one per (stage, data replica, chunk it sends from), so it lives on
-(pipe, data) as [p, d, v, ...]. It is kept across steps and checkpointed; a run resumed on
+The state is per link or replica: one per (stage, data replica, chunk it sends from), so it
+lives on (pipe, data) as [p, d, v, ...]. It is kept across steps and checkpointed; a run resumed on
 another pipe, data, chunk or microbatch shape has other links and starts them afresh.
 """
 
@@ -13,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmeg.config import Config
-from jaxmeg.pipeline import compression, critical_path, schedules
-from jaxmeg.pipeline.tick_table import build_tick_table
+from jaxmeg.pipeline import compression, critical_path, powersgd, schedules
 
 
 def build_schedule(cfg: Config, pipe: int) -> schedules.Schedule:
@@ -44,28 +44,78 @@ def pipe_compression(cfg: Config, table) -> compression.PipeCompression | None:
     return compression.PipeCompression(comp.pipe_grad_rank, lazy, compress)
 
 
-def link_state_shapes(cfg: Config, mesh_shape) -> dict[str, jax.ShapeDtypeStruct]:
-    """Global shapes of the links' state: {"q": [p, d, v, h, r], "error": [p, d, v, b s, h]
-    (lazy only)}; {} when nothing is compressed."""
+def data_compression(cfg: Config, block_shapes) -> powersgd.DataCompression | None:
+    """PowerSGD on the data-parallel reduction (`compression.data_grad_*`), given the layer
+    params in the run layout (leaves [v, p, Lc, ...]); None when off or when no matrix is worth
+    compressing at the rank."""
     comp = cfg.compression
-    rows, cols = _matrix(cfg)
-    if not compression.worth_compressing(comp.pipe_grad_rank, rows, cols):
-        return {}
+    if not comp.data_grad_rank:
+        return None
+    matrices = powersgd.compressed_matrices(
+        _layer_shapes(block_shapes), cfg.model.hidden, comp.data_grad_rank
+    )
+    if not matrices:
+        return None
+    stages = comp.data_grad_stages
+    return powersgd.DataCompression(
+        comp.data_grad_rank, stages if stages > 0 else 1 << 30, comp.warmup_steps, matrices
+    )
+
+
+def _layer_shapes(block_shapes) -> dict[str, tuple[int, ...]]:
+    """{leaf key: one layer's shape} from the layer params in the run layout."""
+    leaves = jax.tree_util.tree_flatten_with_path(block_shapes)[0]
+    return {powersgd.leaf_key(path): tuple(a.shape[3:]) for path, a in leaves}
+
+
+def link_state_shapes(cfg: Config, mesh_shape, block_shapes) -> dict:
+    """Global shapes of the compression state: the backward links' {"q": [p, d, v, h, r],
+    "error": [p, d, v, b s, h] (lazy only)} and PowerSGD's {"data": {"q": {key: [p, d, v, Lc,
+    m, r]}, "error": {key: [p, d, v, Lc, ...]}}}; {} when nothing is compressed.
+    `block_shapes`: the layer params in the run layout (leaves [v, p, Lc, ...])."""
+    comp = cfg.compression
     lead = (mesh_shape["pipe"], mesh_shape["data"], cfg.parallel.chunks)
-    shapes = {"q": (*lead, cols, comp.pipe_grad_rank)}
-    if comp.pipe_error_feedback == "lazy":
-        shapes["error"] = (*lead, rows, cols)
-    return {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
+    shapes = {}
+    rows, cols = _matrix(cfg)
+    if compression.worth_compressing(comp.pipe_grad_rank, rows, cols):
+        shapes["q"] = (*lead, cols, comp.pipe_grad_rank)
+        if comp.pipe_error_feedback == "lazy":
+            shapes["error"] = (*lead, rows, cols)
+    dc = data_compression(cfg, block_shapes)
+    if dc is not None:
+        layers = jax.tree.leaves(block_shapes)[0].shape[2]
+        per_chunk = powersgd.state_shapes(dc, _layer_shapes(block_shapes), layers)
+        shapes["data"] = jax.tree.map(
+            lambda shape: (*lead, *shape), per_chunk, is_leaf=lambda x: isinstance(x, tuple)
+        )
+    return jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
-def initial_link_state(cfg: Config, mesh_shape) -> dict[str, jax.Array]:
-    """Zero errors; the same random warm start on every link (a fixed key, so that runs are
-    reproducible whatever the seed)."""
-    shapes = link_state_shapes(cfg, mesh_shape)
+def initial_link_state(cfg: Config, mesh_shape, block_shapes) -> dict:
+    """Zero errors; the same random warm starts on every link and replica (a fixed key, so that
+    runs are reproducible whatever the seed)."""
+    shapes = link_state_shapes(cfg, mesh_shape, block_shapes)
     state = {}
     if "q" in shapes:
         q = shapes["q"].shape
         state["q"] = jnp.broadcast_to(jax.random.normal(jax.random.key(0), q[-2:]), q)
     if "error" in shapes:
         state["error"] = jnp.zeros(shapes["error"].shape, jnp.float32)
+    if "data" in shapes:
+        data = shapes["data"]
+        keys = sorted(data["q"])
+        state["data"] = {
+            "q": {
+                k: jnp.broadcast_to(
+                    jax.random.normal(jax.random.key(1 + i), data["q"][k].shape[-2:]),
+                    data["q"][k].shape,
+                )
+                for i, k in enumerate(keys)
+            },
+            "error": {k: jnp.zeros(a.shape, jnp.float32) for k, a in data["error"].items()},
+        }
     return state

@@ -31,7 +31,7 @@ from jaxmeg.pipeline.executor import StageFunctions, ZeroSharding
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
 from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training import links
-from jaxmeg.training.state import Trainable, zero_dims
+from jaxmeg.training.state import Trainable, block_shapes, zero_dims
 
 
 def _all_but_casts(prim, *_, **__) -> bool:
@@ -113,23 +113,27 @@ def zero_sharding(trainable: Trainable) -> ZeroSharding:
 
 def make_loss_and_grads(trainable: Trainable) -> Callable:
     """(params, tokens, targets) -> (mean loss, fp32 grads), params and grads in the run's
-    layout and shardings, for every mesh (pipe = 1 included). With compressed backward links
-    (`links.link_state_shapes` not empty): (params, tokens, targets, link_state) -> (loss,
-    grads, link_state)."""
+    layout and shardings, for every mesh (pipe = 1 included). With compression state (the
+    train state's `links`, `jaxmeg.training.links`): (params, tokens, targets, links, step=)
+    -> (loss, grads, links); `step` is the optimizer step (PowerSGD's warm-up)."""
+    cfg = trainable.cfg
     table = build_tick_table(build_schedule(trainable))
-    pc = links.pipe_compression(trainable.cfg, table)
     run = executor(
         stage_functions(trainable),
         table,
         trainable.layout,
         trainable.mesh,
-        microbatches=trainable.cfg.train.microbatches,
+        microbatches=cfg.train.microbatches,
         zero=zero_sharding(trainable),
-        pipe_compression=pc,
+        pipe_compression=links.pipe_compression(cfg, table),
+        data_compression=links.data_compression(cfg, block_shapes(trainable)),
+        fused_embedding_sync=cfg.compression.fused_embedding_sync,
     )
 
-    def loss_and_grads(params, tokens, targets, *link_state):
+    def loss_and_grads(params, tokens, targets, *link_state, step=0):
         shared = {k: v for k, v in params.items() if k != "blocks"}
+        if link_state:
+            link_state = (*link_state, jnp.asarray(step, jnp.int32))
         loss, (stage_grads, shared_grads), *link_state = run(
             params["blocks"]["layers"], shared, tokens, targets, *link_state
         )

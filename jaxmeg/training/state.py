@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmeg.config import Config, padded_vocab_size
 from jaxmeg.models import GPT
 from jaxmeg.parallel import named, param_rules, param_specs, zero
+from jaxmeg.pipeline import powersgd
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.training import links
 from jaxmeg.training.optimizer import make_optimizer
@@ -139,7 +140,7 @@ def vocab_dims(trainable: Trainable) -> TrainState:
     dims = {"step": NO_VOCAB_DIM, "params": param_dims, "opt_state": opt_dims}
     links = _link_state_shapes(trainable)
     if links:
-        dims["links"] = {k: NO_VOCAB_DIM for k in links}
+        dims["links"] = jax.tree.map(lambda _: NO_VOCAB_DIM, links)
     return dims
 
 
@@ -187,12 +188,37 @@ def state_specs(trainable: Trainable) -> TrainState:
     specs = {"step": P(), "params": p_specs, "opt_state": opt_specs}
     links = _link_state_shapes(trainable)
     if links:
-        specs["links"] = {k: P("pipe", "data") for k in links}
+        specs["links"] = _link_specs(links, p_specs["blocks"]["layers"])
     return specs
 
 
+def _link_specs(link_shapes, layer_specs):
+    """On (pipe, data); PowerSGD's error buffers also split over `tensor` like their params'
+    gradients, so that keeping them costs no collective."""
+    specs = jax.tree.map(lambda _: P("pipe", "data"), link_shapes)
+    if "data" in specs:
+        by_key = {
+            powersgd.leaf_key(path): spec
+            for path, spec in jax.tree_util.tree_flatten_with_path(layer_specs, is_leaf=_is_spec)[0]
+        }
+        specs["data"]["error"] = {
+            k: P("pipe", "data", None, None, *by_key[k][3:]) for k in specs["data"]["error"]
+        }
+    return specs
+
+
+def block_shapes(trainable: Trainable):
+    """The layer params in the run layout as ShapeDtypeStructs (leaves [v, p, Lc, ...])."""
+    return _params_in_run_layout(trainable)[1]["blocks"]["layers"]
+
+
 def _link_state_shapes(trainable: Trainable):
-    return links.link_state_shapes(trainable.cfg, trainable.mesh.shape)
+    return links.link_state_shapes(trainable.cfg, trainable.mesh.shape, block_shapes(trainable))
+
+
+def initial_link_state(trainable: Trainable):
+    """The compression state a run starts with (`links.initial_link_state`)."""
+    return links.initial_link_state(trainable.cfg, trainable.mesh.shape, block_shapes(trainable))
 
 
 def _state_from_key(trainable: Trainable, key: jax.Array) -> TrainState:
@@ -204,7 +230,7 @@ def _state_from_key(trainable: Trainable, key: jax.Array) -> TrainState:
         "opt_state": trainable.tx.init(params),
     }
     if _link_state_shapes(trainable):
-        state["links"] = links.initial_link_state(trainable.cfg, trainable.mesh.shape)
+        state["links"] = initial_link_state(trainable)
     return state
 
 

@@ -30,7 +30,9 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
 
     def step(state, tokens, targets):
         links = (state["links"],) if "links" in state else ()
-        loss, grads, *links = loss_and_grads(state["params"], tokens, targets, *links)
+        loss, grads, *links = loss_and_grads(
+            state["params"], tokens, targets, *links, step=state["step"]
+        )
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
@@ -49,7 +51,7 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
             "params": keep(params, state["params"]),
             "opt_state": keep(opt_state, state["opt_state"]),
         }
-        if links:  # compressed backward links: their errors and warm starts
+        if links:  # compression state: errors and warm starts
             new_state["links"] = keep(links[0], state["links"])
         return new_state, metrics
 
