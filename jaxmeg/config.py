@@ -373,10 +373,22 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Loads a YAML config file and applies overrides. Does not validate (see `validate`)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config {str(path)!r} is a directory; pass a YAML file in it, e.g. "
+            f"{str(path / 'gpt_tiny.yaml')!r}"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     with open(path) as f:
-        cfg = from_dict(yaml.safe_load(f))
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"config file {str(path)!r}{where}: {problem}") from None
+    cfg = from_dict(raw)
     return apply_overrides(cfg, overrides or [])
 
 

@@ -1,7 +1,8 @@
 """Time the train step of a config: warm-up excluded, median of N steps, printed as JSON.
 
   python scripts/bench.py --config configs/gpt_1.3b.yaml --steps 10 --set model.vocab_size=51200
-  python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 8 --set parallel.pipe=2
+  python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 8 \
+      --set parallel.data=4 --set parallel.pipe=2
   python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 1 --compare-plain
 
 Batches are random tokens (the step's cost does not depend on them), so no dataset is needed;

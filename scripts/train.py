@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -115,8 +116,26 @@ def join_process_group(args: argparse.Namespace):
     return job.exchange() if job else None
 
 
+def check_paths(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line's numbers and paths (before jax starts), or None."""
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        return f"--cpu-devices must be >= 1, got {args.cpu_devices}"
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            return f"--out {args.out} is a file; it must be a run directory (new or existing)"
+        existing = next((p for p in [out, *out.parents] if p.exists()), None)
+        if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+            return f"--out {args.out}: {existing} is not writable"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = check_paths(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.cpu_devices:
         from jaxmeg.parallel import simulate_cpu_devices
 
