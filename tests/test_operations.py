@@ -20,10 +20,10 @@ import pytest
 
 from jaxmeg import config as C
 from jaxmeg.training.checkpoint import Checkpointer, schedule_changes, schedule_of
+from jaxmeg.training.hooks import TrainingStopped, check_finite
 from jaxmeg.training.run_log import drop_records_after
 from jaxmeg.training.state import NO_VOCAB_DIM, init_state, to_canonical_layout, vocab_dims
 from jaxmeg.training.step import make_train_step
-from jaxmeg.training.trainer import TrainingStopped, _handle_nonfinite
 from tests.helpers import put_batch, random_batch, tiny_config, trainable_for
 from tests.test_train_cli import CLEAN_ENV, ROOT, read_metrics, run_train
 
@@ -306,6 +306,24 @@ def test_sigterm_during_start_up_exits_zero_and_keeps_checkpoints(tmp_path, smal
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
 
 
+def test_sigterm_during_start_up_of_a_fresh_run_writes_nothing(tmp_path, small_corpus):
+    for out in (tmp_path / "run", None):
+        args = ["--out", str(out)] if out else ["--metrics-file", str(tmp_path / "m.jsonl")]
+        proc = start_train([*small_corpus, *FAST, "--steps", "1000", *args])
+        stderr = StderrLines(proc)
+        wait_for(lambda: stderr.has("mesh data=") or proc.poll() is not None, interval=0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0, stderr.text()[-2000:]
+        text = stderr.text()
+        assert "stopped by SIGTERM" in text and "no step trained (at step 0)" in text
+        if out:  # no checkpoint directory, metrics file or TensorBoard events
+            assert not out.exists(), sorted(out.rglob("*"))
+            assert "then checkpointing and exiting" in text
+        else:
+            assert not (tmp_path / "m.jsonl").exists()
+            assert "then exiting (no --out)" in text and "checkpointing" not in text
+
+
 def test_second_sigterm_stops_at_once(tmp_path, small_corpus):
     out = tmp_path / "run"
     # Long steps (a big batch), so that both signals arrive while XLA runs one: the main thread
@@ -412,9 +430,36 @@ def test_nonfinite_step_is_skipped_and_counted():
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(a, b)
     cfg = C.Config(train=C.TrainConfig(max_nonfinite_in_row=3))
-    _handle_nonfinite(cfg, 7, {"loss": float("nan"), "grad_norm": 1.0}, in_row=2)
+    check_finite(cfg, 7, {"loss": float("nan"), "grad_norm": 1.0}, in_row=2)
     with pytest.raises(TrainingStopped, match="3 steps in a row skipped"):
-        _handle_nonfinite(cfg, 8, {"loss": float("nan"), "grad_norm": 1.0}, in_row=3)
+        check_finite(cfg, 8, {"loss": float("nan"), "grad_norm": 1.0}, in_row=3)
     stop = C.Config(train=C.TrainConfig(nonfinite="stop"))
     with pytest.raises(TrainingStopped, match="train.nonfinite=stop"):
-        _handle_nonfinite(stop, 1, {"loss": float("inf"), "grad_norm": 1.0}, in_row=1)
+        check_finite(stop, 1, {"loss": float("inf"), "grad_norm": 1.0}, in_row=1)
+
+
+def test_trainer_as_a_library_steps_with_hooks(tmp_path, small_corpus):
+    from jaxmeg import config
+    from jaxmeg.training import StepInfo, Trainer
+
+    overrides = [small_corpus[i + 1] for i in range(0, len(small_corpus), 2)]
+    cfg = config.load(ROOT / "configs" / "gpt_tiny.yaml",
+                      [*overrides, "model.layers=2", "parallel.data=8", "train.global_batch=8", "train.steps=5",
+                       "checkpoint.every=2"])  # fmt: skip
+    trainer = Trainer(cfg, out_dir=str(tmp_path / "run"), show_progress=False)
+    seen, states = [], []
+    trainer.add_hook(lambda info: seen.append(info.step), every=2)
+    trainer.add_hook(lambda info: states.append(info.state is not None), every=5, needs_state=True)
+    infos = list(trainer.steps())
+    assert all(isinstance(i, StepInfo) for i in infos) and [i.step for i in infos] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    assert seen == [2, 4] and states == [True]
+    assert all(np.isfinite(i.metrics["loss"]) and i.metrics["step_seconds"] > 0 for i in infos)
+    trainer.close()
+    # the checkpoint hook (checkpoint.every=2) saved steps 2 and 4 with their own states
+    assert trainer.progress.checkpoints == [2, 4]

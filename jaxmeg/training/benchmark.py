@@ -11,11 +11,12 @@ import jax
 import numpy as np
 
 from jaxmeg.config import Config
+from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step, peak_tflops_per_device
 from jaxmeg.training.reference import make_plain_loss_and_grads
 from jaxmeg.training.state import abstract_state, init_state
 from jaxmeg.training.step import make_train_step
-from jaxmeg.training.trainer import compile_step, memory_report, prepare
+from jaxmeg.training.trainer import prepare
 
 
 def benchmark(cfg: Config, *, steps: int = 10, warmup: int = 2) -> dict[str, Any]:

@@ -1,13 +1,18 @@
-"""The training loop: dataset -> validated config -> mesh -> sharded state -> steps -> metrics."""
+"""The training loop as a library: `Trainer` runs one run step by step (a notebook iterates
+`steps()` and adds hooks), `train` runs it to the end (the CLI).
+
+Start-up: dataset -> validated config -> mesh -> sharded state (restored from the run's newest
+checkpoint, else initialised) -> compiled step. Nothing is written before the first step: a stop
+signal during start-up leaves no checkpoint directory, metrics file or TensorBoard events.
+The loop dispatches step n + 1 before it reads step n's scalars, so the host never stalls the
+device; a step whose state a hook needs (a checkpoint) is finished before the next is dispatched.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import sys
-import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,91 +22,24 @@ import numpy as np
 from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import make_mesh
 from jaxmeg.training import partitioning
+from jaxmeg.training.batches import expected_vocab, global_batch_arrays, open_dataset, with_vocab
+from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step, peak_tflops_per_device
+from jaxmeg.training.hooks import Hook, StepInfo, TrainingStopped, check_finite
 from jaxmeg.training.run_log import RunLog, say
-from jaxmeg.training.state import Trainable, abstract_state, init_state
-from jaxmeg.training.step import make_train_step
+from jaxmeg.training.signals import StopSignals
+from jaxmeg.training.state import Trainable, init_state
 
-
-def open_dataset(cfg: Config, show_progress: bool = True):
-    """The configured token file, or the default corpus (built and cached on first use)."""
-    from jaxmeg.data import TokenFile, prepare_default_dataset
-
-    prefix = cfg.data.dataset
-    if not prefix:
-        prefix = prepare_default_dataset(
-            Path(cfg.data.cache_dir).expanduser(),
-            vocab_size=cfg.data.tokenizer_vocab,
-            max_bytes=cfg.data.default_corpus_bytes,
-            show_progress=show_progress,
-        )
-    return TokenFile.open(prefix)
-
-
-def with_vocab(cfg: Config, vocab_size: int) -> Config:
-    """Sets model.vocab_size from the data when the config leaves it at -1."""
-    if cfg.model.vocab_size != -1:
-        if cfg.model.vocab_size < vocab_size:
-            raise ValueError(
-                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the dataset's "
-                f"vocabulary ({vocab_size})"
-            )
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
-
-
-def global_batch_arrays(loader, step: int, sharding) -> tuple[jax.Array, jax.Array]:
-    """Builds the global (inputs, targets) arrays; each process reads only its own rows."""
-    shape = (loader.global_batch, loader.seq_len)
-    cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-
-    def rows(index, which: int) -> np.ndarray:
-        start, stop, _ = index[0].indices(shape[0])
-        if (start, stop) not in cache:
-            cache[(start, stop)] = loader.rows(step, start, stop)
-        return cache[(start, stop)][which][:, index[1]]
-
-    inputs = jax.make_array_from_callback(shape, sharding, lambda i: rows(i, 0))
-    targets = jax.make_array_from_callback(shape, sharding, lambda i: rows(i, 1))
-    return inputs, targets
-
-
-def memory_report(compiled) -> dict[str, int]:
-    mem = compiled.memory_analysis()
-    return {
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "argument_bytes": int(mem.argument_size_in_bytes),
-        "output_bytes": int(mem.output_size_in_bytes),
-        "alias_bytes": int(mem.alias_size_in_bytes),
-    }
-
-
-def compile_step(trainable: Trainable):
-    """AOT-compiles the train step; returns (compiled, seconds)."""
-    step = make_train_step(trainable)
-    batch = jax.ShapeDtypeStruct(
-        (trainable.cfg.train.global_batch, trainable.cfg.model.seq_len),
-        np.int32,
-        sharding=trainable.batch_sharding(),
-    )
-    start = time.perf_counter()
-    with jax.set_mesh(trainable.mesh):
-        compiled = step.lower(abstract_state(trainable), batch, batch).compile()
-    return compiled, time.perf_counter() - start
-
-
-def _expected_vocab(cfg: Config) -> Config:
-    """The config with the vocabulary it will train with when no dataset says otherwise: its
-    own, else the default corpus's BPE size."""
-    if cfg.model.vocab_size == -1:
-        return with_vocab(cfg, cfg.data.tokenizer_vocab)
-    return cfg
+__all__ = [
+    "StepInfo", "Trainer", "TrainingStopped", "compile_only", "compile_step", "memory_report",
+    "prepare", "train", "with_vocab",
+]  # fmt: skip
 
 
 def prepare(cfg: Config, dataset=None, cluster_job=None, out_dir: str | None = None) -> Trainable:
     """Validated config (vocabulary from the dataset, else the config, else the default
     corpus's BPE size) -> placement and stage partition (`partitioning`) -> mesh -> Trainable."""
-    cfg = with_vocab(cfg, dataset.vocab_size) if dataset is not None else _expected_vocab(cfg)
+    cfg = with_vocab(cfg, dataset.vocab_size) if dataset is not None else expected_vocab(cfg)
     layout = partitioning.resolve(cfg, cluster_job, out_dir)
     if cluster_job is not None:
         say(cluster_job.describe())
@@ -121,95 +59,6 @@ def compile_only(cfg: Config, cluster_job=None) -> dict[str, Any]:
     trainable = prepare(cfg, dataset, cluster_job)
     compiled, seconds = compile_step(trainable)
     return {"compile_seconds": round(seconds, 3), **memory_report(compiled)}
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on non-finite values (the message says which steps)."""
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_DEFAULT_HANDLERS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
-
-
-class StopSignals:
-    """SIGTERM / SIGINT ask the run to stop: it finishes the current step, checkpoints and
-    returns (exit 0); a signal during start-up stops it before the first step.
-
-    The first signal puts the default handlers back, so a second one ends a hung run at once.
-    Python runs signal handlers only between bytecodes, so a main thread stuck in XLA would
-    never run them; a watcher thread on the signal wake-up fd counts signals as they arrive
-    and ends the process on the second one in that case too."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict = {}
-        self._wakeup: tuple[int, int, int] | None = None  # read fd, write fd, previous fd
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # handlers can only be installed from the main thread
-        for sig in _STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        self._start_watcher()
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        # No printing here: the handler may interrupt the main thread inside a stderr write,
-        # and a reentrant write raises. The watcher thread announces the signal instead.
-        self.received = signum
-        for sig in _STOP_SIGNALS:
-            signal.signal(sig, _DEFAULT_HANDLERS[sig])
-
-    def _start_watcher(self) -> None:
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        self._wakeup = (read_fd, write_fd, previous)
-        threading.Thread(
-            target=_exit_on_second_signal, args=(read_fd,), daemon=True, name="jaxmeg-signals"
-        ).start()
-
-    def stop_agreed(self) -> bool:
-        """Whether to stop now. Every process gets the same answer: a signal can reach the
-        processes of a job at different steps, and all must save the same step."""
-        local = self.received is not None
-        if jax.process_count() == 1:
-            return local
-        from jax.experimental import multihost_utils
-
-        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
-
-    def name(self) -> str:
-        if self.received is None:
-            return "a signal to another process"
-        return signal.Signals(self.received).name
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        if self._wakeup is not None:
-            _, write_fd, previous = self._wakeup
-            signal.set_wakeup_fd(previous)
-            os.close(write_fd)  # the watcher reads end-of-file and returns
-
-
-def _exit_on_second_signal(read_fd: int) -> None:
-    seen = 0
-    while byte := os.read(read_fd, 1):
-        if byte[0] not in _STOP_SIGNALS:
-            continue
-        seen += 1
-        if seen == 1:
-            say(
-                f"{signal.Signals(byte[0]).name}: finishing this step, then checkpointing and "
-                f"exiting; send it again to stop at once"
-            )
-        if seen >= 2:
-            name = signal.Signals(byte[0]).name
-            print(f"jaxmeg: second {name}: exiting now, without a checkpoint", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(128 + byte[0])
-    os.close(read_fd)
 
 
 def _local_scalars(metrics) -> dict[str, float]:
@@ -302,6 +151,189 @@ def _resume(checkpointer, trainable: Trainable, loader, progress: _Progress):
     return state
 
 
+class Trainer:
+    """One run. `Trainer(cfg, out_dir=...)` prepares the data, mesh and layout; `steps()`
+    restores or initialises the state, compiles the step and yields a `StepInfo` per step;
+    `run()` does that to `train.steps` (or a stop signal), saves the last step and returns a
+    summary. With `out_dir` it resumes from the newest readable checkpoint (unless `resume` is
+    False), checkpoints every `checkpoint.every` steps and writes metrics.jsonl and TensorBoard
+    events there. `signals`: a `StopSignals` the caller entered (the CLI), else none is heeded.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        out_dir: str | None = None,
+        resume: bool = True,
+        metrics_file: str | None = None,
+        show_progress: bool = True,
+        cluster_job=None,
+        signals: StopSignals | None = None,
+    ):
+        from jaxmeg.data import BatchLoader
+
+        # Bad layouts and batches are reported before the dataset is built (minutes of
+        # tokenizing on a first run), with the vocabulary the data is expected to have.
+        partitioning.resolve(expected_vocab(cfg), cluster_job, partition=False)
+        self.dataset = open_dataset(cfg, show_progress)
+        self.trainable = prepare(cfg, self.dataset, cluster_job, out_dir)
+        self.cfg = cfg = self.trainable.cfg
+        _describe(self.trainable, self.dataset)
+        self.loader = BatchLoader(
+            self.dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed
+        )
+        self.out_dir, self.resume, self.show_progress = out_dir, resume, show_progress
+        default_metrics = str(Path(out_dir) / "metrics.jsonl") if out_dir else None
+        self.metrics_file = metrics_file or default_metrics
+        self.signals = signals or StopSignals()
+        self.progress = _Progress()
+        self.state = self.compiled = self.checkpointer = self.log = None
+        self.compile_seconds = 0.0
+        self.hooks: list[Hook] = []
+        self._last_ready = 0.0
+        if out_dir is not None:
+            self.add_hook(self._save_checkpoint, every=cfg.checkpoint.every, needs_state=True)
+
+    def add_hook(self, fn: Callable[[StepInfo], None], every: int = 1, needs_state=False):
+        """Calls `fn(StepInfo)` after every `every`-th step (0 = never)."""
+        self.hooks.append(Hook(fn, every, needs_state))
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Restores (or initialises) the state and compiles the step; False when a stop signal
+        came first (then nothing was compiled after it, and nothing was written)."""
+        if self.compiled is not None:
+            return True
+        if self.out_dir is not None and (Path(self.out_dir) / "checkpoints").exists():
+            self.checkpointer = _open_checkpointer(self.out_dir, self.trainable, self.resume)
+            if self.resume:
+                self.state = _resume(self.checkpointer, self.trainable, self.loader, self.progress)
+        if self._stopped():
+            return False
+        if self.state is None:
+            with jax.set_mesh(self.trainable.mesh):
+                self.state = init_state(self.trainable, self.cfg.train.seed)
+        self.compiled, self.compile_seconds = compile_step(self.trainable)
+        say(f"train step compiled in {self.compile_seconds:.1f} s")
+        return not self._stopped()
+
+    def _stopped(self) -> bool:
+        if self.signals.stop_agreed():
+            self.progress.stopped_by = self.signals.name()
+            return True
+        return False
+
+    def _open_log(self) -> RunLog:
+        """The metrics sinks, opened at the first step (so the progress bar's rate and ETA
+        count steps, not the compile)."""
+        if self.log is None:
+            cfg, out = self.cfg, self.out_dir
+            if out is not None and jax.process_index() == 0:
+                Path(out).mkdir(parents=True, exist_ok=True)
+            self.log = RunLog(
+                cfg.train.steps, self.progress.first_step, self.metrics_file,
+                Path(out) / "tensorboard" if out else None, self.show_progress,
+                cfg.train.log_every, resumed=out is not None,
+            )  # fmt: skip
+        return self.log
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def steps(self) -> Iterator[StepInfo]:
+        """Trains until `train.steps` or an agreed stop signal, yielding each finished step."""
+        if not self.start():
+            return
+        self._open_log()
+        self._last_ready = time.perf_counter()
+        pending = None
+        while self.progress.step < self.cfg.train.steps and not self._stopped():
+            current = self._dispatch()
+            if pending is not None:
+                yield self._finish(*pending)
+                pending = None
+            if any(h.needs_state and h.due(current[0]) for h in self.hooks):
+                yield self._finish(*current, state=self.state)
+            else:
+                pending = current
+        if pending is not None:
+            yield self._finish(*pending)
+
+    def _dispatch(self):
+        """Starts the next step on the devices; returns (step, metrics arrays, start time)."""
+        step = self.progress.step
+        inputs, targets = global_batch_arrays(self.loader, step, self.trainable.batch_sharding())
+        started = time.perf_counter()
+        with jax.set_mesh(self.trainable.mesh):
+            self.state, metrics = self.compiled(self.state, inputs, targets)
+        self.progress.step = self.loader.step = step + 1
+        return step + 1, metrics, started
+
+    def _finish(self, step: int, metrics, started: float, state=None) -> StepInfo:
+        """Reads a dispatched step's scalars (waiting for it), records and checks them, runs the
+        hooks due."""
+        cfg, progress = self.cfg, self.progress
+        scalars = _local_scalars(metrics)
+        ready = time.perf_counter()
+        seconds = ready - max(started, self._last_ready)
+        self._last_ready = ready
+        progress.count(bool(scalars["skipped"]))
+        tflops = model_flops_per_step(cfg.model, cfg.train.global_batch) / seconds
+        tflops /= jax.device_count() * 1e12
+        peak = peak_tflops_per_device()
+        record = {
+            "step": step,
+            **scalars,
+            "skipped_steps": progress.skipped_steps,
+            "step_seconds": seconds,
+            "tokens_per_sec": cfg.train.global_batch * cfg.model.seq_len / seconds,
+            "tflops_per_device": tflops,
+            "mfu": tflops / peak if peak else None,
+        }
+        progress.losses.append(scalars["loss"])
+        if record["mfu"] is not None:
+            progress.mfus.append(record["mfu"])
+        self._open_log().record(record)
+        if scalars["skipped"]:
+            check_finite(cfg, step, scalars, progress.skipped_in_row)
+        info = StepInfo(step, record)
+        for hook in self.hooks:
+            if hook.due(step):
+                hook.fn(dataclasses.replace(info, state=state) if hook.needs_state else info)
+        return info
+
+    # -- checkpoints and the end ---------------------------------------------------------------
+
+    def _save_checkpoint(self, info: StepInfo, wait: bool = False) -> None:
+        if self.checkpointer is None:  # the run's first checkpoint creates the directory
+            self.checkpointer = _open_checkpointer(self.out_dir, self.trainable, self.resume)
+        meta = _meta(self.trainable, self.loader, self.progress)
+        self.checkpointer.save(info.step, info.state, meta, wait=wait)
+        self.progress.checkpoints.append(info.step)
+
+    def run(self) -> dict[str, Any]:
+        """Trains to the end (see the class docstring) and returns the summary."""
+        start = time.perf_counter()
+        try:
+            for _ in self.steps():
+                pass
+            progress = self.progress
+            if self.out_dir is not None and progress.step > progress.first_step:
+                if progress.step not in progress.checkpoints:
+                    self._save_checkpoint(StepInfo(progress.step, {}, self.state), wait=True)
+                self.checkpointer.wait()
+        finally:
+            self.close()
+        return _summary(self.cfg, self.progress, time.perf_counter() - start, self.compile_seconds)
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+        if self.checkpointer:
+            self.checkpointer.close()
+
+
 def train(
     cfg: Config,
     *,
@@ -311,114 +343,15 @@ def train(
     show_progress: bool = True,
     cluster_job=None,
 ) -> dict[str, Any]:
-    """Trains up to step `cfg.train.steps` and returns a summary with the per-step losses.
-
-    With `out_dir`: resumes from its newest readable checkpoint (unless `resume` is False),
-    saves every `checkpoint.every` steps, at the end and on SIGTERM/SIGINT, and writes
-    TensorBoard event files and metrics.jsonl there. `cluster_job` (a
-    `jaxmeg.parallel.cluster_job.ClusterJob`) places the devices by node group. The signal
-    handlers are installed first,
-    so a signal during start-up (data preparation, restore, compile) also ends the run cleanly.
-    """
-    with StopSignals() as signals:
-        return _train(cfg, signals, out_dir, resume, metrics_file, show_progress, cluster_job)
-
-
-def _train(
-    cfg, signals, out_dir, resume, metrics_file, show_progress, cluster_job
-) -> dict[str, Any]:
-    from jaxmeg.data import BatchLoader
-
-    # Bad layouts and batches are reported before the dataset is built (minutes of tokenizing on
-    # a first run), with the vocabulary the data is expected to have; the real one follows.
-    partitioning.resolve(_expected_vocab(cfg), cluster_job, partition=False)
-    dataset = open_dataset(cfg, show_progress)
-    trainable = prepare(cfg, dataset, cluster_job, out_dir)
-    cfg = trainable.cfg
-    _describe(trainable, dataset)
-    loader = BatchLoader(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)
-    progress = _Progress()
-    checkpointer = state = log = None
-    try:
-        if out_dir is not None:
-            checkpointer = _open_checkpointer(out_dir, trainable, resume)
-            state = _resume(checkpointer, trainable, loader, progress) if resume else None
-            metrics_file = metrics_file or str(Path(out_dir) / "metrics.jsonl")
-        log = RunLog(
-            cfg.train.steps, progress.first_step, metrics_file,
-            Path(out_dir) / "tensorboard" if out_dir else None, show_progress, cfg.train.log_every,
-            resumed=out_dir is not None,
+    """Trains up to step `cfg.train.steps` and returns a summary with the per-step losses
+    (`Trainer`). SIGTERM/SIGINT handlers are installed first, so a signal during start-up
+    (data preparation, restore, compile) also ends the run cleanly, having written nothing."""
+    with StopSignals(checkpointing=out_dir is not None) as signals:
+        trainer = Trainer(
+            cfg, out_dir=out_dir, resume=resume, metrics_file=metrics_file,
+            show_progress=show_progress, cluster_job=cluster_job, signals=signals,
         )  # fmt: skip
-        start_time = time.perf_counter()
-        compile_seconds = 0.0
-        if signals.stop_agreed():
-            progress.stopped_by = signals.name()
-        else:
-            if state is None:
-                with jax.set_mesh(trainable.mesh):
-                    state = init_state(trainable, cfg.train.seed)
-            compiled, compile_seconds = compile_step(trainable)
-            say(f"train step compiled in {compile_seconds:.1f} s")
-            state = _run_steps(
-                trainable, compiled, state, loader, progress, log, checkpointer, signals
-            )
-        if checkpointer and progress.step > progress.first_step:
-            _save_final(checkpointer, trainable, state, loader, progress)
-    finally:
-        if log:
-            log.close()
-        if checkpointer:
-            checkpointer.close()
-    return _summary(cfg, progress, time.perf_counter() - start_time, compile_seconds)
-
-
-def _save_final(checkpointer, trainable: Trainable, state, loader, progress: _Progress) -> None:
-    """Saves the last step (unless `checkpoint.every` just did) and waits until it is on disk."""
-    if progress.step in progress.checkpoints:
-        return
-    checkpointer.save(progress.step, state, _meta(trainable, loader, progress), wait=True)
-    progress.checkpoints.append(progress.step)
-
-
-def _run_steps(trainable, compiled, state, loader, progress, log, checkpointer, signals):
-    """Steps until train.steps or an agreed stop; returns the last state."""
-    cfg = trainable.cfg
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    flops_per_step = model_flops_per_step(cfg.model, cfg.train.global_batch)
-    peak = peak_tflops_per_device()
-    while progress.step < cfg.train.steps:
-        if signals.stop_agreed():
-            progress.stopped_by = signals.name()
-            break
-        inputs, targets = global_batch_arrays(loader, progress.step, trainable.batch_sharding())
-        step_start = time.perf_counter()
-        with jax.set_mesh(trainable.mesh):
-            state, metrics = compiled(state, inputs, targets)
-        metrics = _local_scalars(metrics)
-        seconds = time.perf_counter() - step_start
-        progress.step += 1
-        loader.step = progress.step
-        progress.count(bool(metrics["skipped"]))
-        tflops = flops_per_step / seconds / jax.device_count() / 1e12
-        record = {
-            "step": progress.step,
-            **metrics,
-            "skipped_steps": progress.skipped_steps,
-            "step_seconds": seconds,
-            "tokens_per_sec": tokens_per_step / seconds,
-            "tflops_per_device": tflops,
-            "mfu": tflops / peak if peak else None,
-        }
-        progress.losses.append(metrics["loss"])
-        if record["mfu"] is not None:
-            progress.mfus.append(record["mfu"])
-        log.record(record)
-        if metrics["skipped"]:
-            _handle_nonfinite(cfg, progress.step, metrics, progress.skipped_in_row)
-        if checkpointer and cfg.checkpoint.every and progress.step % cfg.checkpoint.every == 0:
-            checkpointer.save(progress.step, state, _meta(trainable, loader, progress))
-            progress.checkpoints.append(progress.step)
-    return state
+        return trainer.run()
 
 
 def _summary(cfg: Config, progress: _Progress, seconds: float, compile_seconds: float) -> dict:
@@ -450,18 +383,3 @@ def _summary(cfg: Config, progress: _Progress, seconds: float, compile_seconds: 
         + stopped
     )
     return summary
-
-
-def _handle_nonfinite(cfg: Config, step: int, metrics: dict, in_row: int) -> None:
-    what = (
-        f"non-finite loss or gradient at step {step} (loss {metrics['loss']}, grad norm "
-        f"{metrics['grad_norm']})"
-    )
-    if cfg.train.nonfinite == "stop":
-        raise TrainingStopped(f"{what}; train.nonfinite=stop")
-    if in_row >= cfg.train.max_nonfinite_in_row:
-        raise TrainingStopped(
-            f"{what}: {in_row} steps in a row skipped (train.max_nonfinite_in_row = "
-            f"{cfg.train.max_nonfinite_in_row}); stopping"
-        )
-    say(f"{what}: update skipped")
