@@ -163,8 +163,12 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     dataset: str = ""
-    """Token-file prefix written by scripts/preprocess_data.py; empty = the default corpus
-    (this Python installation's standard-library sources), tokenized and cached on first use."""
+    """Dataset prefix: a token file written by scripts/preprocess_data.py (PREFIX.bin,
+    PREFIX.idx.npy, PREFIX.json) or a Megatron-LM indexed dataset as its preprocess_data.py
+    writes it (PREFIX.bin + PREFIX.idx), told apart by their files. A Megatron pair records no
+    vocabulary: its largest token id + 1 is the least model.vocab_size, and the one used when
+    model.vocab_size is unset. Empty = the default corpus (this Python installation's
+    standard-library sources), tokenized and cached on first use."""
     cache_dir: str = "~/.cache/jaxmeg"
     """Where the default corpus and its tokenizer are cached."""
     tokenizer_vocab: int = 4096
