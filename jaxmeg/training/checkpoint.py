@@ -83,6 +83,21 @@ class UnreadableCheckpoint(RuntimeError):
     """No checkpoint in the directory can be read, and none is left to fall back to."""
 
 
+_REPR_MARKERS = (" See full TensorStore details", " [tensorstore_spec", "TensorStore({", " {'")
+
+
+def read_error_reason(err: Exception, limit: int = 240) -> str:
+    """One readable line for an orbax/TensorStore read error: its kind and message, without the
+    TensorStore spec reprs (hundreds of characters of JSON) that the message carries."""
+    text = " ".join(str(err).split())
+    for marker in _REPR_MARKERS:
+        text = text.split(marker)[0]
+    text = text.rstrip(" .:(")
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"{type(err).__name__}: {text}"
+
+
 def _drop_closed_event_loop_reports() -> None:
     """When one array of a step fails to read, orbax's asyncio loop closes while tensorstore still
     finishes the step's other reads, and each of those reports 'Event loop is closed' as an
@@ -282,7 +297,7 @@ class Checkpointer:
                 state, meta = stored
                 return step, self._with_links(self._from_stored(state), step, meta), meta
             _drop_closed_event_loop_reports()
-            why = f"{type(err).__name__}: {str(err)[:300]}" if err else "on another process"
+            why = read_error_reason(err) if err else "on another process"
             if age == len(steps) - 1:
                 raise UnreadableCheckpoint(
                     f"checkpoint of step {step} at {path} is unreadable ({why}) and there is "
