@@ -103,6 +103,18 @@ def test_jsonl_missing_field_names_line(tmp_path):
         prepare_dataset([jsonl], tmp_path / "o", vocab_size=300, show_progress=False)
 
 
+def test_jsonl_bad_json_names_file_and_line(tmp_path):
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text('{"text": "ok"}\n\n{"text": "cut\n')
+    result = subprocess.run(
+        [sys.executable, "scripts/preprocess_data.py", "--input", str(jsonl),
+         "--output-prefix", str(tmp_path / "o"), "--vocab-size", "300", "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"error: {jsonl}:3 is not valid JSON" in result.stderr
+
+
 def test_loader_deterministic_and_seeded(tmp_path):
     tf = make_token_file(tmp_path)
     a, b = BatchLoader(tf, 16, 8, seed=1), BatchLoader(tf, 16, 8, seed=1)
@@ -155,6 +167,12 @@ def test_loader_rejects_too_small_dataset(tmp_path):
     write_token_file(tmp_path / "s", [[1] * 20], vocab_size=10, eot=9)
     with pytest.raises(ValueError, match=r"fewer than train.global_batch \(8\)"):
         BatchLoader(TokenFile.open(tmp_path / "s"), 16, 8, seed=0)
+
+
+def test_loader_names_an_empty_dataset(tmp_path):
+    write_token_file(tmp_path / "e", [], vocab_size=10, eot=9)
+    with pytest.raises(ValueError, match=r"the dataset '.*e' holds no tokens"):
+        BatchLoader(TokenFile.open(tmp_path / "e"), 16, 8, seed=0)
 
 
 def test_default_corpus_built_once_then_cached(tmp_path):

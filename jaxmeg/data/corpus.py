@@ -42,8 +42,13 @@ def _read_texts(paths: list[Path], text_key: str = "text") -> Iterator[str]:
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     if line.strip():
-                        record = json.loads(line)
-                        if text_key not in record:
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError as err:
+                            raise ValueError(
+                                f"{path}:{n} is not valid JSON ({err.msg} at column {err.colno})"
+                            ) from None
+                        if not isinstance(record, dict) or text_key not in record:
                             raise ValueError(f"{path}:{n} has no {text_key!r} field")
                         yield record[text_key]
         else:

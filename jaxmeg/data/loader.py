@@ -26,7 +26,9 @@ class BatchLoader:
     def __init__(self, token_file: TokenFile, seq_len: int, global_batch: int, seed: int):
         self.tokens = token_file.tokens
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
-        self.num_samples = (token_file.num_tokens - 1) // seq_len
+        self.num_samples = max(token_file.num_tokens - 1, 0) // seq_len
+        if token_file.num_tokens == 0:
+            raise ValueError(f"the dataset {token_file.prefix!r} holds no tokens")
         if self.num_samples < global_batch:
             raise ValueError(
                 f"the dataset {token_file.prefix!r} has {token_file.num_tokens} tokens = "
