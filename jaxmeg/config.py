@@ -53,9 +53,23 @@ class ModelConfig:
     layers: int = 8
     """Number of transformer layers L."""
     heads: int = 4
-    """Attention heads; must divide `hidden` and be divisible by `parallel.tensor`."""
+    """Attention (query) heads; must divide `hidden` and be divisible by `parallel.tensor`."""
+    kv_heads: int = -1
+    """Key/value heads of grouped-query attention (Ainslie et al., 2023): query head n reads kv
+    head n // (heads / kv_heads), as in Hugging Face's Llama. -1 = heads: multi-head attention,
+    whose parameters keep the fused `w_qkv` [hidden, 3, heads, head_dim]; fewer than heads gives
+    `w_q` [hidden, heads, head_dim] and `w_kv` [hidden, 2, kv_heads, head_dim]. Must divide
+    `heads`. The kv heads are split over `tensor` when parallel.tensor divides kv_heads and
+    replicated on every tensor rank otherwise (`jaxmeg.parallel.rules.kv_head_rules`, applied
+    by `validate`). `validate` resolves -1."""
     mlp_ratio: int = 4
-    """MLP width as a multiple of hidden (Megatron: 4h)."""
+    """MLP width as a multiple of hidden (Megatron: 4h), when `ffn_hidden` is -1."""
+    ffn_hidden: int = -1
+    """MLP width f, e.g. 11008 for Llama-2 7B; -1 = mlp_ratio x hidden. Must be divisible by
+    `parallel.tensor`. `validate` resolves -1."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding (llama block): frequency i of a head of dim H is
+    rope_theta^(-2i/H), i < H/2 (Llama 1-2: 10000, Llama 3: 500000)."""
     seq_len: int = 128
     """Sequence length s (also the number of learned positions)."""
     tie_embeddings: bool = True
@@ -83,8 +97,14 @@ class ModelConfig:
         return self.hidden // self.heads
 
     @property
+    def num_kv_heads(self) -> int:
+        """`kv_heads` with -1 resolved to `heads`."""
+        return self.heads if self.kv_heads == -1 else self.kv_heads
+
+    @property
     def mlp_hidden(self) -> int:
-        return self.hidden * self.mlp_ratio
+        """MLP width f: `ffn_hidden`, or mlp_ratio x hidden when it is -1."""
+        return self.hidden * self.mlp_ratio if self.ffn_hidden == -1 else self.ffn_hidden
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -558,6 +578,16 @@ def validate(cfg: Config, num_devices: int) -> Config:
         raise ConfigError(f"model.hidden ({m.hidden}) must be divisible by model.heads ({m.heads})")
     if m.block == "llama" and m.head_dim % 2:
         raise ConfigError(f"rotary positions need an even head dim, got {m.head_dim}")
+    if m.kv_heads != -1 and (m.kv_heads < 1 or m.heads % m.kv_heads):
+        raise ConfigError(
+            f"model.kv_heads must be -1 (= heads) or a divisor of model.heads ({m.heads}), "
+            f"got {m.kv_heads}"
+        )
+    if m.ffn_hidden != -1 and m.ffn_hidden < 1:
+        raise ConfigError(
+            f"model.ffn_hidden must be -1 (= mlp_ratio x hidden) or >= 1, got {m.ffn_hidden}"
+        )
+    _check_positive("model.rope_theta", m.rope_theta)
 
     data, pipe, tensor = resolve_mesh_shape(par, num_devices)
     if m.heads % tensor:
@@ -566,7 +596,8 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     if m.mlp_hidden % tensor:
         raise ConfigError(
-            f"model MLP width ({m.mlp_hidden}) must be divisible by parallel.tensor ({tensor})"
+            f"model MLP width (model.ffn_hidden or model.mlp_ratio x model.hidden = "
+            f"{m.mlp_hidden}) must be divisible by parallel.tensor ({tensor})"
         )
     if par.sequence_parallel and m.seq_len % tensor:
         raise ConfigError(
@@ -625,10 +656,21 @@ def validate(cfg: Config, num_devices: int) -> Config:
         raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {opt.warmup_steps}")
     if opt.grad_clip < 0:
         raise ConfigError(f"optimizer.grad_clip must be >= 0, got {opt.grad_clip}")
+    from jaxmeg.parallel.rules import kv_head_rules  # the rules import this module
+
+    kv_params, kv_activations = kv_head_rules(m.num_kv_heads, tensor)
     return resolve_decay_steps(
         dataclasses.replace(
             cfg,
-            parallel=dataclasses.replace(par, data=data, pipe=pipe, tensor=tensor),
+            model=dataclasses.replace(m, kv_heads=m.num_kv_heads, ffn_hidden=m.mlp_hidden),
+            parallel=dataclasses.replace(
+                par,
+                data=data,
+                pipe=pipe,
+                tensor=tensor,
+                param_rules={**kv_params, **par.param_rules},
+                activation_rules={**kv_activations, **par.activation_rules},
+            ),
             train=dataclasses.replace(tr, microbatch_size=b, microbatches=micro),
         )
     )

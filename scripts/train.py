@@ -4,6 +4,7 @@ python scripts/train.py [--config configs/gpt_tiny.yaml] [--set section.key=valu
 python scripts/train.py --cpu-devices 8 --set parallel.data=2 --set parallel.tensor=4
 python scripts/train.py --config configs/gpt_1.3b.yaml --compile-only
 python scripts/train.py --out runs/a --steps 100    # later: --steps 300 resumes at 100
+python scripts/train.py --out runs/gpt2    # reads runs/gpt2/config.yaml (scripts/convert_hf.py)
 python scripts/train.py --cpu-devices 8 --cluster configs/clusters/local_2x4.yaml \
     --set parallel.pipe=2 --set parallel.data=2 --set parallel.tensor=2 --set parallel.stage_layers=auto
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DEFAULT_CONFIG = ROOT / "configs" / "gpt_tiny.yaml"
+RUN_CONFIG = "config.yaml"
+"""A run directory's own config (scripts/convert_hf.py writes one): the default with --out."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument(
-        "--config", default=str(DEFAULT_CONFIG), help="YAML config file (default: %(default)s)"
+        "--config",
+        help=f"YAML config file (default: OUT/{RUN_CONFIG} when --out holds one, else\n"
+        f"{DEFAULT_CONFIG.relative_to(ROOT)})",
     )
     parser.add_argument(
         "--set",
@@ -83,7 +88,10 @@ def load_config(args: argparse.Namespace):
     """The config from the file and --set; --steps changes where to stop, not the schedule."""
     from jaxmeg import config
 
-    cfg = config.load(args.config, args.overrides)
+    path = args.config or DEFAULT_CONFIG
+    if args.config is None and args.out and (Path(args.out) / RUN_CONFIG).is_file():
+        path = Path(args.out) / RUN_CONFIG
+    cfg = config.load(path, args.overrides)
     return cfg if args.steps is None else config.with_steps(cfg, args.steps)
 
 

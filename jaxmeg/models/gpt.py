@@ -1,8 +1,9 @@
 """GPT decoder as single-device Flax code that names logical axes only.
 
-Shapes live in names; the letters are B batch, S sequence, D hidden, N heads, H head dim,
-F MLP width, V (padded) vocabulary, L layers. Parameters are annotated with logical axes
-(`vocab`, `embed`, `heads`, `head_dim`, `mlp`, `qkv`, `positions`, `layers`); activations are
+Shapes live in names; the letters are B batch, S sequence, D hidden, N heads, K key/value
+heads, H head dim, F MLP width, V (padded) vocabulary, L layers. Parameters are annotated with
+logical axes (`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `qkv`, `positions`,
+`layers`); activations are
 passed through `constrain(x, logical_axes)`, a hook that the caller supplies (identity by
 default). The model never sees a mesh: the parallel package maps logical axes to mesh axes.
 
@@ -68,10 +69,11 @@ class Norm(nn.Module):
         return (x * scale + bias).astype(x_BxSxD.dtype)
 
 
-def rotary(x_BxSxNxH: Array) -> Array:
-    """Rotary position embedding (Su et al., 2021) over the head dim, halves rotated."""
+def rotary(x_BxSxNxH: Array, theta: float = 10000.0) -> Array:
+    """Rotary position embedding (Su et al., 2021) over the head dim, halves rotated: pair i is
+    (x[i], x[i + H/2]) at frequency theta^(-2i/H), Hugging Face Llama's `rotate_half` layout."""
     seq, half = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1] // 2
-    freq_H = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    freq_H = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     angle_SxH = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq_H[None, :]
     cos, sin = jnp.cos(angle_SxH)[None, :, None, :], jnp.sin(angle_SxH)[None, :, None, :]
     x = x_BxSxNxH.astype(jnp.float32)
@@ -80,8 +82,50 @@ def rotary(x_BxSxNxH: Array) -> Array:
     return out.astype(x_BxSxNxH.dtype)
 
 
+QKV_AXES = ("embed", "qkv", "heads", "head_dim")
+
+
+def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, Array, Array]:
+    """Multi-head attention's q, k, v [B, S, N, H] from one `w_qkv` [D, 3, N, H]."""
+    cfg = module.cfg
+    n, h = cfg.heads, cfg.head_dim
+    compute = _dtype(cfg.compute_dtype)
+    qkv_BxSx3xNxH = jnp.einsum("bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute))
+    if cfg.block == "gpt":
+        b_qkv = _param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
+        qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
+    qkv_BxSx3xNxH = module.constrain(qkv_BxSx3xNxH, ("act_batch", None, None, "act_heads", None))
+    return qkv_BxSx3xNxH[:, :, 0], qkv_BxSx3xNxH[:, :, 1], qkv_BxSx3xNxH[:, :, 2]
+
+
+def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array]:
+    """Grouped-query attention's q [B, S, N, H] from `w_q` [D, N, H] and k, v [B, S, K, H] from
+    `w_kv` [D, 2, K, H]; the kv heads have their own logical axis, so they can stay replicated
+    over `tensor` where it does not divide K."""
+    cfg = module.cfg
+    d, n, kv, h = cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.head_dim
+    compute = _dtype(cfg.compute_dtype)
+    q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "qkv", "kv_heads", "head_dim")
+    w_q = _param(module, "w_q", (d, n, h), q_axes, _normal(cfg.init_std))
+    w_kv = _param(module, "w_kv", (d, 2, kv, h), kv_axes, _normal(cfg.init_std))
+    q_BxSxNxH = jnp.einsum("bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute))
+    kv_BxSx2xKxH = jnp.einsum("bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute))
+    if cfg.block == "gpt":
+        b_q = _param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
+        b_kv = _param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
+        q_BxSxNxH = q_BxSxNxH + b_q.astype(compute)
+        kv_BxSx2xKxH = kv_BxSx2xKxH + b_kv.astype(compute)
+    q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", None, "act_heads", None))
+    kv_BxSx2xKxH = module.constrain(kv_BxSx2xKxH, ("act_batch", None, None, "act_kv_heads", None))
+    return q_BxSxNxH, kv_BxSx2xKxH[:, :, 0], kv_BxSx2xKxH[:, :, 1]
+
+
 class Attention(nn.Module):
-    """Causal self-attention. QKV column-parallel over heads, output row-parallel."""
+    """Causal self-attention. QKV column-parallel over heads, output row-parallel.
+
+    Multi-head (kv_heads = heads) keeps the fused `w_qkv`; grouped-query attention has `w_q` and
+    `w_kv`, and query head n reads kv head n // (N / K) (`jax.nn.dot_product_attention`'s
+    grouping, the same as Hugging Face's `repeat_kv`)."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
@@ -92,24 +136,18 @@ class Attention(nn.Module):
         d, n, h = cfg.hidden, cfg.heads, cfg.head_dim
         compute = _dtype(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-        w_qkv = _param(
-            self,
-            "w_qkv",
-            (d, 3, n, h),
-            ("embed", "qkv", "heads", "head_dim"),
-            _normal(cfg.init_std),
-        )
-        w_out = _param(self, "w_out", (n, h, d), ("heads", "head_dim", "embed"), _normal(out_std))
-        qkv_BxSx3xNxH = jnp.einsum("bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute))
-        if cfg.block == "gpt":
-            b_qkv = _param(
-                self, "b_qkv", (3, n, h), ("qkv", "heads", "head_dim"), nn.initializers.zeros
-            )
-            qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
-        qkv_BxSx3xNxH = self.constrain(qkv_BxSx3xNxH, ("act_batch", None, None, "act_heads", None))
-        q, k, v = (qkv_BxSx3xNxH[:, :, i] for i in range(3))
+        out_axes = ("heads", "head_dim", "embed")
+        if cfg.num_kv_heads != n:
+            q, k, v = _grouped_qkv(self, x_BxSxD)
+            w_out = _param(self, "w_out", (n, h, d), out_axes, _normal(out_std))
+        else:
+            # Init draws its random keys in creation order: w_qkv, w_out, b_qkv as always, so
+            # a seed gives multi-head models the initial params it always gave.
+            w_qkv = _param(self, "w_qkv", (d, 3, n, h), QKV_AXES, _normal(cfg.init_std))
+            w_out = _param(self, "w_out", (n, h, d), out_axes, _normal(out_std))
+            q, k, v = _fused_qkv(self, x_BxSxD, w_qkv)
         if cfg.block == "llama":
-            q, k = rotary(q), rotary(k)
+            q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
         impl = attention_implementation(cfg)
         o_BxSxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", None, "act_heads", None))

@@ -6,6 +6,12 @@ its first dim (row-parallel, same logical axis) and one all-reduce of Z. Attenti
 over `heads`. The embedding table is split on `vocab`. Activations: `act_batch` on `data`; with
 sequence parallelism the residual stream's `act_seq` goes on `tensor`, so each all-reduce becomes
 a reduce-scatter plus an all-gather.
+
+Grouped-query attention (`model.kv_heads` < `model.heads`): the query heads stay on `tensor`; the
+key/value heads (`kv_heads`, `act_kv_heads`) go on `tensor` too when t divides kv_heads, so each
+rank holds the kv heads of its own query heads, and are replicated on every tensor rank otherwise
+(Megatron does the same when t > kv_heads): `kv_head_rules`, which `config.validate` writes into
+`parallel.param_rules` / `activation_rules` unless they name those axes already.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ Rules = tuple[tuple[str, str | None], ...]
 PARAM_RULES: dict[str, str | None] = {
     "vocab": "tensor",
     "heads": "tensor",
+    "kv_heads": "tensor",
     "mlp": "tensor",
     "embed": None,
     "head_dim": None,
@@ -37,9 +44,18 @@ ACTIVATION_RULES: dict[str, str | None] = {
     "act_seq": None,
     "act_embed": None,
     "act_heads": "tensor",
+    "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
 }
+
+
+def kv_head_rules(kv_heads: int, tensor: int) -> tuple[dict, dict]:
+    """(param, activation) rule overrides for `kv_heads` key/value heads on a tensor size t:
+    none when t divides kv_heads (the tables split them over `tensor`), else replicated."""
+    if kv_heads % tensor == 0:
+        return {}, {}
+    return {"kv_heads": None}, {"act_kv_heads": None}
 
 
 def param_rules(par: ParallelConfig) -> Rules:

@@ -68,6 +68,8 @@ SHAPE_FIELDS = (
     "model.layers",
     "model.heads",
     "model.mlp_ratio",
+    "model.ffn_hidden",
+    "model.kv_heads",
     "model.seq_len",
     "model.tie_embeddings",
     "model.param_dtype",

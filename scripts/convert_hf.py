@@ -1,0 +1,254 @@
+"""Hugging Face checkpoints (GPT2LMHeadModel, LlamaForCausalLM) to and from jaxmeg run directories.
+
+python scripts/convert_hf.py import --hf DIR --out RUN_DIR [--set section.key=value ...]
+python scripts/train.py --out RUN_DIR [--set parallel.tensor=2 ...]   # continues, any mesh
+python scripts/convert_hf.py export --out RUN_DIR --hf DIR
+
+import writes RUN_DIR/config.yaml (the model from DIR/config.json in float32, the rest defaults
+and --set) and a step-0 checkpoint (the weights, fresh AdamW state) in RUN_DIR/checkpoints, which
+train.py resumes from on any mesh. The checkpoint records the data loader (dataset, seq_len,
+global batch, seed), so set data.* and train.* here, not later: e.g. --set
+data.dataset=PREFIX for a token file made with the model's tokenizer
+(scripts/preprocess_data.py --tokenizer DIR/tokenizer.json) and --set model.seq_len=N to train
+on shorter sequences. export writes DIR/config.json and DIR/model.safetensors (float32) of
+RUN_DIR's newest checkpoint, with the config it was saved with (any jaxmeg run, imported or
+not), for transformers.AutoModelForCausalLM.from_pretrained(DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.train import RUN_CONFIG  # noqa: E402
+
+
+def _one_device_config(cfg):
+    """`cfg` validated for one device: the canonical checkpoint is the same on every mesh."""
+    from jaxmeg import config as C
+
+    single = dataclasses.replace(
+        cfg,
+        parallel=C.ParallelConfig(),
+        compression=C.CompressionConfig(),
+        train=dataclasses.replace(cfg.train, microbatch_size=-1, microbatches=-1),
+    )
+    return C.validate(single, 1)
+
+
+def _trainable(cfg):
+    """The one-device Trainable of `cfg`, on the host: a whole model with its AdamW state may
+    not fit one accelerator."""
+    import jax
+
+    from jaxmeg.parallel import make_mesh
+    from jaxmeg.training.state import Trainable
+
+    try:
+        devices = jax.devices("cpu")[:1]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        devices = jax.devices()[:1]
+    return Trainable.create(cfg, make_mesh(cfg.parallel, devices))
+
+
+def _padded_to(params, trainable, pad: bool):
+    """Canonical params with their vocabulary dims zero-padded to the table (`pad`) or trimmed
+    to model.vocab_size."""
+    import jax
+    import numpy as np
+
+    from jaxmeg.training.state import NO_VOCAB_DIM, vocab_dims
+
+    def fit(x, dim):
+        x = np.asarray(x)
+        if dim == NO_VOCAB_DIM:
+            return x
+        if not pad:
+            return np.take(x, np.arange(trainable.cfg.model.vocab_size), axis=dim)
+        widths = [(0, 0)] * x.ndim
+        widths[dim] = (0, trainable.vocab - x.shape[dim])
+        return np.pad(x, widths)
+
+    return jax.tree.map(fit, params, vocab_dims(trainable)["params"])
+
+
+def _check_shapes(params, trainable) -> None:
+    import jax
+
+    from jaxmeg.models.hf import HFCheckpointError
+    from jaxmeg.training.state import abstract_state, to_canonical_layout
+
+    expected = jax.eval_shape(
+        lambda p: to_canonical_layout(p, trainable.layout), abstract_state(trainable)["params"]
+    )
+    got = jax.tree_util.tree_flatten_with_path(params)[0]
+    want = jax.tree_util.tree_flatten_with_path(expected)[0]
+    if [p for p, _ in got] != [p for p, _ in want]:
+        raise HFCheckpointError(
+            f"parameter tree {[jax.tree_util.keystr(p) for p, _ in got]} is not the model's "
+            f"{[jax.tree_util.keystr(p) for p, _ in want]}"
+        )
+    for (path, x), (_, s) in zip(got, want, strict=True):
+        if tuple(x.shape) != tuple(s.shape):
+            raise HFCheckpointError(
+                f"{jax.tree_util.keystr(path)}: the checkpoint gives shape {tuple(x.shape)}, "
+                f"the model has {tuple(s.shape)}"
+            )
+
+
+def import_checkpoint(
+    hf_dir: str | Path, run_dir: str | Path, overrides: Sequence[str] = ()
+) -> Path:
+    """Writes RUN_DIR/config.yaml and a step-0 checkpoint from a Hugging Face checkpoint;
+    returns the config path."""
+    import jax
+    import yaml
+
+    from jaxmeg import config as C
+    from jaxmeg.data import BatchLoader
+    from jaxmeg.models import hf
+    from jaxmeg.training.batches import open_dataset, with_vocab
+    from jaxmeg.training.checkpoint import Checkpointer, schedule_of
+    from jaxmeg.training.state import state_shardings, to_stage_layout
+
+    run_dir = Path(run_dir)
+    config_path, checkpoints = run_dir / RUN_CONFIG, run_dir / "checkpoints"
+    if config_path.exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        raise ValueError(f"{run_dir} already holds a run; pass a new --out (nothing is changed)")
+    hf_config, tensors = hf.read_checkpoint(hf_dir)
+    cfg = C.apply_overrides(C.Config(model=hf.model_config(hf_config)), list(overrides))
+    model = hf.model_config(hf_config, cfg.model.seq_len)
+    changed = [n for n in hf.CONFIG_JSON_FIELDS if getattr(cfg.model, n) != getattr(model, n)]
+    if changed:
+        raise C.ConfigError(
+            f"model.{changed[0]} comes from {hf_dir}/config.json "
+            f"({getattr(model, changed[0])}); --set gives {getattr(cfg.model, changed[0])}"
+        )
+    dataset = open_dataset(cfg)
+    with_vocab(cfg, dataset.vocab_size)
+    single = _one_device_config(cfg)
+    trainable = _trainable(single)
+    params = _padded_to(hf.from_hf(tensors, single.model), trainable, pad=True)
+    _check_shapes(params, trainable)
+    params = to_stage_layout(params, trainable.layout)
+
+    def fresh_state(params):
+        params = jax.tree.map(lambda p: p.astype(single.model.param_dtype), params)
+        return {"step": jax.numpy.zeros((), "int32"), "params": params,
+                "opt_state": trainable.tx.init(params)}  # fmt: skip
+
+    state = jax.jit(fresh_state, out_shardings=state_shardings(trainable))(params)
+    train = single.train
+    loader = BatchLoader(dataset, single.model.seq_len, train.global_batch, train.seed)
+    meta = {
+        "step": 0,
+        "loader": loader.state(),
+        "seed": train.seed,
+        "schedule": schedule_of(single),
+        "skipped_steps": 0,
+        "skipped_in_row": 0,
+        "mesh": {**trainable.mesh.shape, "chunks": 1},
+        "config": C.to_dict(single),
+        "imported_from": str(Path(hf_dir).absolute()),
+    }
+    checkpointer = Checkpointer(checkpoints, trainable, single.checkpoint.keep)
+    try:
+        checkpointer.save(0, state, meta, wait=True)
+    finally:
+        checkpointer.close()
+    config_path.write_text(yaml.safe_dump(C.to_dict(cfg), sort_keys=False))
+    return config_path
+
+
+def _saved_config(checkpoints: Path):
+    """The config that the newest checkpoint under `checkpoints` was written with (its meta)."""
+    import orbax.checkpoint as ocp
+
+    from jaxmeg import config as C
+
+    manager = ocp.CheckpointManager(checkpoints.absolute(), item_names=("state", "meta", "links"))
+    try:
+        step = manager.latest_step()
+        if step is None:
+            raise ValueError(f"{checkpoints} holds no checkpoint to export")
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return C.from_dict(manager.restore(step, args=args)["meta"]["config"])
+    finally:
+        manager.close()
+
+
+def export_checkpoint(run_dir: str | Path, hf_dir: str | Path) -> int:
+    """Writes HF_DIR/config.json and model.safetensors of RUN_DIR's newest checkpoint (any
+    jaxmeg run, imported or not); returns its step."""
+    import jax
+
+    from jaxmeg.models import hf
+    from jaxmeg.training.checkpoint import Checkpointer
+    from jaxmeg.training.state import to_canonical_layout
+
+    checkpoints = Path(run_dir) / "checkpoints"
+    cfg = _one_device_config(_saved_config(checkpoints))
+    trainable = _trainable(cfg)
+    checkpointer = Checkpointer(checkpoints, trainable, cfg.checkpoint.keep)
+    try:
+        step, state, _ = checkpointer.restore_latest()
+    finally:
+        checkpointer.close()
+    params = to_canonical_layout(jax.device_get(state["params"]), trainable.layout)
+    hf.write_checkpoint(hf_dir, cfg.model, _padded_to(params, trainable, pad=False))
+    return step
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = {
+        name: sub.add_parser(name, help=what)
+        for name, what in (("import", "Hugging Face -> run"), ("export", "run -> Hugging Face"))
+    }
+    for command in commands.values():
+        command.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
+        command.add_argument("--out", required=True, help="jaxmeg run directory")
+    commands["import"].add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a value of the run's config besides the model (repeatable)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from jaxmeg.config import ConfigError
+    from jaxmeg.training.checkpoint import IncompatibleCheckpoint, UnreadableCheckpoint
+
+    try:
+        if args.command == "import":
+            path = import_checkpoint(args.hf, args.out, args.overrides)
+            print(f"wrote {path} and step 0 in {Path(args.out) / 'checkpoints'}; train with: "
+                  f"python scripts/train.py --out {args.out}")  # fmt: skip
+        else:
+            step = export_checkpoint(args.out, args.hf)
+            print(f"wrote step {step} of {args.out} to {args.hf}")
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, IncompatibleCheckpoint, UnreadableCheckpoint) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
