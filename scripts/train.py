@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, checkpoint.UnreadableCheckpoint) as err:
         report_error(f"error: {err}")
         return 2
+    except Exception as err:
+        from jaxmeg.parallel import distributed
+
+        if distributed.is_peer_loss(err):
+            distributed.exit_on_peer_loss(err)
+        raise
     return 0
 
 

@@ -67,6 +67,65 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, small_corpu
     assert max(int(n) for n in checkpoint_names(out) if n.isdigit()) == last
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_peer_killed_without_the_launcher_is_named_and_ends_the_run(tmp_path, small_corpus):
+    # Process 1: killing process 0 takes the coordination service with it, whose client thread
+    # then aborts the survivors at once, before Python runs (see jaxmeg.parallel.distributed).
+    victim = 1
+    port, metrics = free_port(), tmp_path / "m.jsonl"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "scripts/train.py",
+                "--config",
+                "configs/gpt_tiny.yaml",
+                "--cpu-devices",
+                "4",
+                *small_corpus,
+                *MESH_222,
+                "--steps",
+                "1000",
+                "--no-progress",
+                "--metrics-file",
+                str(metrics),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            cwd=ROOT,
+            env=CLEAN_ENV,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    survivor = procs[1 - victim]
+    stderr = StderrLines(survivor)
+    try:
+        wait_for(lambda: metric_steps(metrics) >= 2 or survivor.poll() is not None)
+        procs[victim].kill()
+        start = time.monotonic()
+        code = survivor.wait(timeout=120)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert code == distributed.PEER_LOSS_EXIT, stderr.text()[-3000:]
+    assert time.monotonic() - start < 60
+    text = stderr.text()
+    assert f"jaxmeg: process {1 - victim} of 2 lost process {victim}: a collective failed" in text
+    assert "Traceback" not in text and "Check failure stack trace" not in text, text[-3000:]
+
+
 def test_missing_peer_fails_within_timeout(small_corpus):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,12 @@ SLURM is one GPU per task). With none of them the run is single-process.
 
 A peer that never arrives would make XLA abort the process with a bare DEADLINE_EXCEEDED; a
 watchdog thread instead ends the run after `timeout_s` with a message that says which process
-waited for how many peers at which address.
+waited for how many peers at which address. A peer that dies mid-run makes the next collective
+fail at once (Gloo on CPU, NCCL on GPU) and, seconds later, the coordination service abort the
+survivors with a C++ stack; `exit_on_peer_loss` gets there first: one line naming the lost
+process, exit code 4. Not when process 0 dies: it hosts the coordination service, and the
+survivors' service clients abort them the moment its socket closes, from a C++ thread that
+Python cannot pre-empt (jaxlib's `missed_heartbeat_callback` cannot take a Python function).
 """
 
 from __future__ import annotations
@@ -143,3 +148,63 @@ def initialize(spec: ClusterSpec | None, timeout_s: int = 300) -> None:
             initialization_timeout=timeout_s + 30,
         )
     joined.set()
+
+
+PEER_LOSS_MARKERS = ("Gloo", "NCCL", "Connection reset", "Socket closed", "UNAVAILABLE")
+"""Words in a runtime error that mean a collective lost a peer process."""
+PEER_LOSS_EXIT = 4
+
+
+def is_peer_loss(err: BaseException) -> bool:
+    """Whether `err` is a collective's failure because a peer process is gone (multi-process
+    runs only)."""
+    if jax.process_count() == 1 or "RuntimeError" not in type(err).__name__:
+        return False
+    return any(marker in str(err) for marker in PEER_LOSS_MARKERS)
+
+
+def lost_peers(wait_s: float = 2.0) -> list[int] | None:
+    """Process ids the coordination service no longer counts as live; None when it does not
+    answer within `wait_s` (the coordinator, process 0, may be the one gone)."""
+    from jax._src import distributed as jax_distributed
+
+    everyone = list(range(jax.process_count()))
+    answer: dict = {}
+
+    def ask() -> None:
+        try:
+            answer["live"] = jax_distributed.global_state.client.get_live_nodes(everyone)
+        except Exception as err:  # noqa: BLE001 - no answer is an answer here
+            answer["error"] = err
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if "live" not in answer:
+        return None
+    return sorted(set(everyone) - set(answer["live"]))
+
+
+def peer_loss_message(err: BaseException) -> str:
+    me, count = jax.process_index(), jax.process_count()
+    gone = lost_peers()
+    if gone:
+        who = "process " + ", ".join(map(str, gone))
+    elif count == 2:
+        who = f"process {1 - me}"
+    elif gone is None:
+        who = "the coordinator (process 0) or another peer"
+    else:
+        who = "a peer process"
+    first = " ".join(str(err).split())[:160]
+    return (
+        f"jaxmeg: process {me} of {count} lost {who}: a collective failed ({first}). "
+        f"Stopping; restart all processes to resume from the last checkpoint"
+    )
+
+
+def exit_on_peer_loss(err: BaseException) -> None:
+    """Prints `peer_loss_message` and ends the process with PEER_LOSS_EXIT at once, before the
+    coordination service aborts it (no traceback, no C++ stack, no SIGABRT)."""
+    print(peer_loss_message(err), file=sys.stderr, flush=True)
+    os._exit(PEER_LOSS_EXIT)

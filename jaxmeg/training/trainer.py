@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxmeg.config import Config, to_dict
-from jaxmeg.parallel import make_mesh
+from jaxmeg.parallel import distributed, make_mesh
 from jaxmeg.training import partitioning
 from jaxmeg.training.batches import expected_vocab, global_batch_arrays, open_dataset, with_vocab
 from jaxmeg.training.compilation import compile_step, memory_report
@@ -323,6 +323,10 @@ class Trainer:
                 if progress.step not in progress.checkpoints:
                     self._save_checkpoint(StepInfo(progress.step, {}, self.state), wait=True)
                 self.checkpointer.wait()
+        except Exception as err:
+            if distributed.is_peer_loss(err):  # before closing waits on the lost peer
+                distributed.exit_on_peer_loss(err)
+            raise
         finally:
             self.close()
         return _summary(self.cfg, self.progress, time.perf_counter() - start, self.compile_seconds)
