@@ -79,13 +79,64 @@ def test_readme_notebook_snippet_validates_on_its_eight_devices():
     validate(ROOT / load.group(1), overrides, devices)
 
 
-def test_bench_docstring_examples_validate():
-    doc = (ROOT / "scripts" / "bench.py").read_text().split('"""')[1].replace("\\\n", " ")
-    examples = [line for line in doc.splitlines() if "scripts/bench.py" in line]
-    assert len(examples) >= 3
-    for line in examples:
-        words = line.split()
-        devices = int(words[words.index("--cpu-devices") + 1]) if "--cpu-devices" in words else 1
+def command_examples() -> list[tuple[str, list[str]]]:
+    """(where, words) of every command example in README's bash blocks and in the scripts'
+    docstrings, continuation lines joined."""
+    found = []
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    sources = [("README.md", b) for b in blocks]
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        doc = script.read_text().split('"""')[1]
+        sources.append((script.name, doc))
+    for where, text in sources:
+        for line in text.replace("\\\n", " ").splitlines():
+            words = line.split("#")[0].split()
+            if "python" in words[:1] or (words and words[0].startswith("scripts/")):
+                found.append((where, words))
+    return found
+
+
+def _devices(words: list[str]) -> int:
+    if "--cpu-devices" in words:
+        return int(words[words.index("--cpu-devices") + 1])
+    if words[0] == "scripts/launch_local.sh":
+        return int(words[1]) * 4  # the launcher gives each process 4 CPU devices
+    return 1
+
+
+def test_every_train_and_bench_example_fits_its_devices():
+    """The config of each train.py / bench.py / launch_local.sh example, with its --set
+    overrides, validates on its device count (what failed as a traceback before)."""
+    checked = 0
+    for where, words in command_examples():
+        runs_train = any(w.endswith(("train.py", "bench.py", "launch_local.sh")) for w in words)
+        if not runs_train or "--config" not in words:
+            continue  # --out RUN_DIR alone reads a run's config; tested in test_hf
         config = words[words.index("--config") + 1]
         sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
-        validate(ROOT / config, sets, devices)
+        # stage_layers=auto|measured is resolved from the cluster first (test_cluster_run)
+        sets = [s for s in sets if not s.startswith("parallel.stage_layers=")]
+        try:
+            validate(ROOT / config, sets, _devices(words))
+        except C.ConfigError as err:
+            raise AssertionError(f"{where}: {' '.join(words)}: {err}") from None
+        checked += 1
+    assert checked >= 12, checked
+
+
+def test_every_plan_and_plot_example_runs(tmp_path):
+    ran = 0
+    for where, words in command_examples():
+        script = next((w for w in words if w.endswith(("plan.py", "plot_schedule.py"))), None)
+        if script is None:
+            continue
+        args = words[words.index(script) + 1 :]
+        if "--out" in args:
+            args[args.index("--out") + 1] = str(tmp_path / "schedule.png")
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / Path(script).name), *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=120, env=CLEAN_ENV,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{where}: {' '.join(words)}\n{result.stderr[-2000:]}"
+        ran += 1
+    assert ran >= 4, ran
