@@ -189,7 +189,7 @@ def test_imported_llama_on_meshes_equals_one_device(tmp_path):
     run = import_run("llama_gqa", tmp_path)
     tokens = random_batch(C.load(run / "config.yaml"))
     ref_loss, ref_grads = loss_and_grads_from_run(run, (1, 1, 1), tokens)
-    for mesh in [(1, 1, 2), (2, 1, 2), (1, 1, 4), (1, 2, 2)]:
+    for mesh in [(2, 2, 2), (1, 1, 4)]:  # kv heads split over tensor 2, replicated over 4
         loss, grads = loss_and_grads_from_run(run, mesh, tokens)
         np.testing.assert_allclose(loss, ref_loss, rtol=GRADS_TOL)
         for (path, got), (_, want) in zip(
