@@ -30,7 +30,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 PLACEMENTS = ("auto", "megatron")
 """The `parallel.placement` choices (see `jaxmeg.parallel.placement`)."""
 STAGE_LAYERS_MODES = ("auto", "measured")
-"""The words `parallel.stage_layers` accepts besides a list; resolved to a list before `validate`."""
+"""The words `parallel.stage_layers` accepts besides a list; resolved to a list before
+`validate`."""
+
+
+RUN_CONFIG = "config.yaml"
+"""The config file a run directory may hold (`convert_hf.py import` writes it); `train.py --out
+DIR` and the run readers use it when no --config is given."""
 
 
 class ConfigError(ValueError):
@@ -195,6 +201,10 @@ class DataConfig:
     """BPE vocabulary size trained for the default corpus."""
     default_corpus_bytes: int = 4_000_000
     """How many bytes of standard-library source the default corpus takes."""
+    eval_fraction: float = 0.0
+    """Share of the dataset's samples held out of training, in [0, 0.5): the last
+    floor(eval_fraction x samples) fixed-length windows, never in a training batch; what
+    `train.eval_every` and scripts/evaluate.py evaluate. 0 = nothing held out."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,6 +229,12 @@ class TrainConfig:
     as they were; the step is counted in `skipped_steps`) or `stop` the run."""
     max_nonfinite_in_row: int = 5
     """Stop with an error after this many skipped steps in a row."""
+    eval_every: int = 0
+    """Evaluate the held-out split (`data.eval_fraction` > 0) every this many steps and record
+    `eval_loss` and `eval_perplexity` with that step's metrics; 0 = never."""
+    eval_batches: int = 4
+    """Global batches of held-out samples per evaluation (at most as many as it holds): the
+    same batches every time, so evaluations are comparable."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -649,6 +665,16 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     _check_positive("train.steps", tr.steps)
     _check_positive("train.log_every", tr.log_every)
+    if not 0.0 <= cfg.data.eval_fraction < 0.5:
+        raise ConfigError(f"data.eval_fraction must be in [0, 0.5), got {cfg.data.eval_fraction}")
+    if tr.eval_every < 0:
+        raise ConfigError(f"train.eval_every must be >= 0 (0 = never), got {tr.eval_every}")
+    _check_positive("train.eval_batches", tr.eval_batches)
+    if tr.eval_every and cfg.data.eval_fraction == 0.0:
+        raise ConfigError(
+            f"train.eval_every = {tr.eval_every} evaluates the held-out split, but "
+            f"data.eval_fraction is 0 (nothing held out); set it, e.g. data.eval_fraction=0.05"
+        )
     _check_positive("optimizer.lr", opt.lr)
     if opt.min_lr < 0 or opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr must be in [0, lr={opt.lr}], got {opt.min_lr}")

@@ -26,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.train import RUN_CONFIG  # noqa: E402
+from jaxmeg.cli import add_overrides, run_reporting_errors  # noqa: E402
+from jaxmeg.config import RUN_CONFIG  # noqa: E402
 
 
 def _one_device_config(cfg):
@@ -217,23 +218,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for command in commands.values():
         command.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
         command.add_argument("--out", required=True, help="jaxmeg run directory")
-    commands["import"].add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="a value of the run's config besides the model (repeatable)",
-    )
+    add_overrides(commands["import"], "a value of the run's config besides the model (repeatable)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from jaxmeg.config import ConfigError
-    from jaxmeg.training.checkpoint import IncompatibleCheckpoint, UnreadableCheckpoint
 
-    try:
+    def convert() -> None:
         if args.command == "import":
             path = import_checkpoint(args.hf, args.out, args.overrides)
             print(f"wrote {path} and step 0 in {Path(args.out) / 'checkpoints'}; train with: "
@@ -241,13 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step = export_checkpoint(args.out, args.hf)
             print(f"wrote step {step} of {args.out} to {args.hf}")
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, IncompatibleCheckpoint, UnreadableCheckpoint) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_reporting_errors(convert)
 
 
 if __name__ == "__main__":

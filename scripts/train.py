@@ -6,7 +6,8 @@ python scripts/train.py --config configs/gpt_1.3b.yaml --compile-only
 python scripts/train.py --out runs/a --steps 100    # later: --steps 300 resumes at 100
 python scripts/train.py --out runs/gpt2    # reads runs/gpt2/config.yaml (scripts/convert_hf.py)
 python scripts/train.py --cpu-devices 8 --cluster configs/clusters/local_2x4.yaml \
-    --set parallel.pipe=2 --set parallel.data=2 --set parallel.tensor=2 --set parallel.stage_layers=auto
+    --set parallel.pipe=2 --set parallel.data=2 --set parallel.tensor=2 \
+    --set parallel.stage_layers=auto
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DEFAULT_CONFIG = ROOT / "configs" / "gpt_tiny.yaml"
-RUN_CONFIG = "config.yaml"
-"""A run directory's own config (scripts/convert_hf.py writes one): the default with --out."""
+
+from jaxmeg import cli  # noqa: E402  (neither imports jax: --cpu-devices comes first)
+from jaxmeg.config import RUN_CONFIG  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,14 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"YAML config file (default: OUT/{RUN_CONFIG} when --out holds one, else\n"
         f"{DEFAULT_CONFIG.relative_to(ROOT)})",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable)",
-    )
+    cli.add_overrides(parser, "override a config value (repeatable)")
     parser.add_argument(
         "--steps",
         type=int,
@@ -49,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "schedule still decays over train.steps from the config and --set, so a run stopped\n"
         "with --steps and resumed later follows the same schedule as one uninterrupted run",
     )
-    parser.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
+    cli.add_cpu_devices(parser)
     parser.add_argument(
         "--metrics-file",
         help="one JSON line of metrics per step (a fresh run starts the file empty; a resumed "
@@ -126,8 +121,8 @@ def join_process_group(args: argparse.Namespace):
 
 def check_paths(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line's numbers and paths (before jax starts), or None."""
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        return f"--cpu-devices must be >= 1, got {args.cpu_devices}"
+    if cli.cpu_devices_problem(args.cpu_devices):
+        return cli.cpu_devices_problem(args.cpu_devices)
     if args.out:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
@@ -144,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.cpu_devices:
-        from jaxmeg.parallel import simulate_cpu_devices
-
-        simulate_cpu_devices(args.cpu_devices)
+    cli.start_devices(args.cpu_devices)
     try:
         cluster_job = join_process_group(args)
     except ValueError as err:  # before the group exists, each process reports its own error

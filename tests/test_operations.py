@@ -311,7 +311,8 @@ def test_sigterm_during_start_up_of_a_fresh_run_writes_nothing(tmp_path, small_c
         args = ["--out", str(out)] if out else ["--metrics-file", str(tmp_path / "m.jsonl")]
         proc = start_train([*small_corpus, *FAST, "--steps", "1000", *args])
         stderr = StderrLines(proc)
-        wait_for(lambda: stderr.has("mesh data=") or proc.poll() is not None, interval=0.01)
+        started = lambda p=proc, e=stderr: e.has("mesh data=") or p.poll() is not None  # noqa: E731
+        wait_for(started, interval=0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 0, stderr.text()[-2000:]
         text = stderr.text()
@@ -446,9 +447,9 @@ def test_trainer_as_a_library_steps_with_hooks(tmp_path, small_corpus):
     from jaxmeg.training import StepInfo, Trainer
 
     overrides = [small_corpus[i + 1] for i in range(0, len(small_corpus), 2)]
-    cfg = config.load(ROOT / "configs" / "gpt_tiny.yaml",
-                      [*overrides, "model.layers=2", "parallel.data=8", "train.global_batch=8", "train.steps=5",
-                       "checkpoint.every=2"])  # fmt: skip
+    sets = ["model.layers=2", "parallel.data=8", "train.global_batch=8", "train.steps=5",
+            "checkpoint.every=2"]  # fmt: skip
+    cfg = config.load(ROOT / "configs" / "gpt_tiny.yaml", [*overrides, *sets])
     trainer = Trainer(cfg, out_dir=str(tmp_path / "run"), show_progress=False)
     seen, states = [], []
     trainer.add_hook(lambda info: seen.append(info.step), every=2)

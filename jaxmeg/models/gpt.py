@@ -7,6 +7,10 @@ logical axes (`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `qkv`, `
 passed through `constrain(x, logical_axes)`, a hook that the caller supplies (identity by
 default). The model never sees a mesh: the parallel package maps logical axes to mesh axes.
 
+Decoding (`GPT.decode`) runs the same parameters on a few new tokens at a time against a
+key/value cache [L, 2, B, T, K, H] (T = the cache's length, keys after rotary), written at the
+tokens' positions; the training path and its parameter tree are unchanged.
+
 Megatron's tensor-parallel split follows from the axes alone: QKV and fc1 are column-parallel
 (`heads`, `mlp` on the output dim), attention-out and fc2 are row-parallel (same axes on the
 input dim), the embedding table is vocab-parallel.
@@ -69,12 +73,16 @@ class Norm(nn.Module):
         return (x * scale + bias).astype(x_BxSxD.dtype)
 
 
-def rotary(x_BxSxNxH: Array, theta: float = 10000.0) -> Array:
+def rotary(x_BxSxNxH: Array, theta: float = 10000.0, start: Array | int = 0) -> Array:
     """Rotary position embedding (Su et al., 2021) over the head dim, halves rotated: pair i is
-    (x[i], x[i + H/2]) at frequency theta^(-2i/H), Hugging Face Llama's `rotate_half` layout."""
+    (x[i], x[i + H/2]) at frequency theta^(-2i/H), Hugging Face Llama's `rotate_half` layout.
+    Token s sits at position start + s."""
     seq, half = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1] // 2
     freq_H = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angle_SxH = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq_H[None, :]
+    position_S = jnp.arange(seq, dtype=jnp.float32)
+    if not isinstance(start, int) or start:  # decoding; training traces as it always did
+        position_S = position_S + start
+    angle_SxH = position_S[:, None] * freq_H[None, :]
     cos, sin = jnp.cos(angle_SxH)[None, :, None, :], jnp.sin(angle_SxH)[None, :, None, :]
     x = x_BxSxNxH.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
@@ -83,6 +91,13 @@ def rotary(x_BxSxNxH: Array, theta: float = 10000.0) -> Array:
 
 
 QKV_AXES = ("embed", "qkv", "heads", "head_dim")
+KV_CACHE_AXES = (None, None, "act_batch", None, "act_kv_heads", None)
+"""Logical axes of a key/value cache [L, 2, B, T, K, H]: its kv heads split like the params'."""
+
+
+def kv_cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
+    """[L, 2, B, T, K, H]: keys (after rotary) and values of every layer for `length` positions."""
+    return (cfg.layers, 2, batch, length, cfg.num_kv_heads, cfg.head_dim)
 
 
 def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, Array, Array]:
@@ -131,7 +146,11 @@ class Attention(nn.Module):
     constrain: Constrain = no_constraint
 
     @nn.compact
-    def __call__(self, x_BxSxD: Array) -> Array:
+    def __call__(
+        self, x_BxSxD: Array, cache_2xBxTxKxH: Array | None = None, start: Array | int = 0
+    ) -> Array | tuple[Array, Array]:
+        """y [B, S, D]; with a cache, the S tokens sit at positions start.. and attend to the
+        cache's keys up to their own position: (y, the cache with their keys and values)."""
         cfg = self.cfg
         d, n, h = cfg.hidden, cfg.heads, cfg.head_dim
         compute = _dtype(cfg.compute_dtype)
@@ -147,15 +166,38 @@ class Attention(nn.Module):
             w_out = _param(self, "w_out", (n, h, d), out_axes, _normal(out_std))
             q, k, v = _fused_qkv(self, x_BxSxD, w_qkv)
         if cfg.block == "llama":
-            q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
-        impl = attention_implementation(cfg)
-        o_BxSxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+            q, k = rotary(q, cfg.rope_theta, start), rotary(k, cfg.rope_theta, start)
+        if cache_2xBxTxKxH is None:
+            impl = attention_implementation(cfg)
+            o_BxSxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        else:
+            o_BxSxNxH, cache_2xBxTxKxH = _attend_cached(self, q, k, v, cache_2xBxTxKxH, start)
         o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", None, "act_heads", None))
         y_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute))
         if cfg.block == "gpt":
             b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
             y_BxSxD = y_BxSxD + b_out.astype(compute)
-        return y_BxSxD
+        if cache_2xBxTxKxH is None:
+            return y_BxSxD
+        return y_BxSxD, cache_2xBxTxKxH
+
+
+def _attend_cached(
+    module: nn.Module, q_BxSxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
+    cache_2xBxTxKxH: Array, start: Array | int,
+) -> tuple[Array, Array]:  # fmt: skip
+    """Writes k, v at positions start.. of the cache; query s attends to cache positions
+    <= start + s. The XLA implementation, as cuDNN's takes no mask of this form."""
+    kv_2xBxSxKxH = jnp.stack([k_BxSxKxH, v_BxSxKxH]).astype(cache_2xBxTxKxH.dtype)
+    cache = jax.lax.dynamic_update_slice(cache_2xBxTxKxH, kv_2xBxSxKxH, (0, 0, start, 0, 0))
+    cache = module.constrain(cache, KV_CACHE_AXES[1:])
+    seq, length = q_BxSxNxH.shape[1], cache.shape[2]
+    query_S = start + jnp.arange(seq)
+    mask_1x1xSxT = (jnp.arange(length)[None, :] <= query_S[:, None])[None, None]
+    o_BxSxNxH = jax.nn.dot_product_attention(
+        q_BxSxNxH, cache[0], cache[1], mask=mask_1x1xSxT, implementation="xla"
+    )
+    return o_BxSxNxH, cache
 
 
 def attention_implementation(cfg: ModelConfig) -> str | None:
@@ -196,19 +238,27 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)). With this layer's
+    key/value cache [2, B, T, K, H] (decoding), also returns the cache the new tokens wrote."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
 
     @nn.compact
-    def __call__(self, x_BxSxD: Array, _: Any = None) -> tuple[Array, None]:
+    def __call__(
+        self, x_BxSxD: Array, cache_2xBxTxKxH: Array | None = None, start: Array | int = 0
+    ) -> tuple[Array, Array | None]:
         x = x_BxSxD
-        x = x + Attention(self.cfg, self.constrain, name="attn")(Norm(self.cfg, name="norm1")(x))
+        attn = Attention(self.cfg, self.constrain, name="attn")
+        if cache_2xBxTxKxH is None:
+            x = x + attn(Norm(self.cfg, name="norm1")(x))
+        else:
+            y, cache_2xBxTxKxH = attn(Norm(self.cfg, name="norm1")(x), cache_2xBxTxKxH, start)
+            x = x + y
         x = self.constrain(x, RESIDUAL_AXES)
         x = x + Mlp(self.cfg, self.constrain, name="mlp")(Norm(self.cfg, name="norm2")(x))
         x = self.constrain(x, RESIDUAL_AXES)
-        return x, None
+        return x, cache_2xBxTxKxH
 
 
 REMAT_POLICY = {
@@ -227,19 +277,25 @@ class BlockStack(nn.Module):
     constrain: Constrain = no_constraint
 
     @nn.compact
-    def __call__(self, x_BxSxD: Array) -> Array:
+    def __call__(
+        self, x_BxSxD: Array, cache_Lx2xBxTxKxH: Array | None = None, start: Array | int = 0
+    ) -> Array | tuple[Array, Array]:
+        """x; with a key/value cache (decoding, no remat), (x, the updated cache)."""
         block = Block
-        if self.cfg.remat != "none":
+        if self.cfg.remat != "none" and cache_Lx2xBxTxKxH is None:
             block = nn.remat(block, policy=REMAT_POLICY[self.cfg.remat], prevent_cse=False)
         scanned = nn.scan(
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
             length=self.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, _ = scanned(self.cfg, self.constrain, name="layers")(x_BxSxD, None)
-        return x
+        x, cache = scanned(self.cfg, self.constrain, name="layers")(
+            x_BxSxD, cache_Lx2xBxTxKxH, start
+        )
+        return x if cache_Lx2xBxTxKxH is None else (x, cache)
 
 
 class Embed(nn.Module):
@@ -258,11 +314,17 @@ class Embed(nn.Module):
                 self, "position", (cfg.seq_len, cfg.hidden), ("positions", "embed"), init
             )
 
-    def __call__(self, tokens_BxS: Array) -> Array:
+    def __call__(self, tokens_BxS: Array, start: Array | int = 0) -> Array:
+        """Embeddings of tokens at positions start, start + 1, ..."""
         compute = _dtype(self.cfg.compute_dtype)
         x_BxSxD = jnp.take(self.token, tokens_BxS, axis=0).astype(compute)
         if self.cfg.block == "gpt":
-            x_BxSxD = x_BxSxD + self.position[: tokens_BxS.shape[1]].astype(compute)[None]
+            seq = tokens_BxS.shape[1]
+            if isinstance(start, int):  # training: a static slice, as always
+                position_SxD = self.position[start : start + seq]
+            else:
+                position_SxD = jax.lax.dynamic_slice_in_dim(self.position, start, seq)
+            x_BxSxD = x_BxSxD + position_SxD.astype(compute)[None]
         return self.constrain(x_BxSxD, RESIDUAL_AXES)
 
     def attend(self, x_BxSxD: Array) -> Array:
@@ -313,6 +375,16 @@ class GPT(nn.Module):
 
     def __call__(self, tokens_BxS: Array) -> Array:
         return self.head(self.blocks(self.embed(tokens_BxS)), self.embed)
+
+    def decode(
+        self, tokens_BxS: Array, cache_Lx2xBxTxKxH: Array, start: Array | int
+    ) -> tuple[Array, Array]:
+        """(logits [B, V] of the last token, the cache with the keys and values of all S): the
+        S tokens sit at positions start..start + S - 1 and attend to the cache's earlier
+        positions. A prompt goes in one call (start 0), then one token per call."""
+        x_BxSxD = self.embed(tokens_BxS, start)
+        x_BxSxD, cache_Lx2xBxTxKxH = self.blocks(x_BxSxD, cache_Lx2xBxTxKxH, start)
+        return self.head(x_BxSxD[:, -1:], self.embed)[:, 0], cache_Lx2xBxTxKxH
 
     def embed_tokens(self, tokens_BxS: Array) -> Array:
         return self.embed(tokens_BxS)

@@ -12,19 +12,26 @@ import numpy as np
 from jaxmeg.config import Config
 
 
+def dataset_prefix(cfg: Config, show_progress: bool = True) -> str:
+    """The configured dataset's prefix, or the default corpus's (built and cached on first
+    use)."""
+    from jaxmeg.data import prepare_default_dataset
+
+    if cfg.data.dataset:
+        return cfg.data.dataset
+    return prepare_default_dataset(
+        Path(cfg.data.cache_dir).expanduser(),
+        vocab_size=cfg.data.tokenizer_vocab,
+        max_bytes=cfg.data.default_corpus_bytes,
+        show_progress=show_progress,
+    )
+
+
 def open_dataset(cfg: Config, show_progress: bool = True):
     """The configured token file, or the default corpus (built and cached on first use)."""
-    from jaxmeg.data import TokenFile, prepare_default_dataset
+    from jaxmeg.data import TokenFile
 
-    prefix = cfg.data.dataset
-    if not prefix:
-        prefix = prepare_default_dataset(
-            Path(cfg.data.cache_dir).expanduser(),
-            vocab_size=cfg.data.tokenizer_vocab,
-            max_bytes=cfg.data.default_corpus_bytes,
-            show_progress=show_progress,
-        )
-    return TokenFile.open(prefix)
+    return TokenFile.open(dataset_prefix(cfg, show_progress))
 
 
 def with_vocab(cfg: Config, vocab_size: int) -> Config:

@@ -6,6 +6,8 @@ checkpoint, else initialised) -> compiled step. Nothing is written before the fi
 signal during start-up leaves no checkpoint directory, metrics file or TensorBoard events.
 The loop dispatches step n + 1 before it reads step n's scalars, so the host never stalls the
 device; a step whose state a hook needs (a checkpoint) is finished before the next is dispatched.
+So is a step that evaluates the held-out split (`train.eval_every`): its `eval_loss` and
+`eval_perplexity` join that step's metrics record (`jaxmeg.training.evaluation`).
 """
 
 from __future__ import annotations
@@ -181,8 +183,15 @@ class Trainer:
         self.cfg = cfg = self.trainable.cfg
         _describe(self.trainable, self.dataset)
         self.loader = BatchLoader(
-            self.dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed
-        )
+            self.dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
+            cfg.data.eval_fraction,
+        )  # fmt: skip
+        self.evaluator = None
+        if cfg.train.eval_every:
+            from jaxmeg.training.evaluation import Evaluator
+
+            held_out = self.loader.held_out()
+            self.evaluator = Evaluator(self.trainable, held_out, cfg.train.eval_batches)
         self.out_dir, self.resume, self.show_progress = out_dir, resume, show_progress
         default_metrics = str(Path(out_dir) / "metrics.jsonl") if out_dir else None
         self.metrics_file = metrics_file or default_metrics
@@ -253,7 +262,9 @@ class Trainer:
             if pending is not None:
                 yield self._finish(*pending)
                 pending = None
-            if any(h.needs_state and h.due(current[0]) for h in self.hooks):
+            if self._evaluates(current[0]) or any(
+                h.needs_state and h.due(current[0]) for h in self.hooks
+            ):
                 yield self._finish(*current, state=self.state)
             else:
                 pending = current
@@ -269,6 +280,10 @@ class Trainer:
             self.state, metrics = self.compiled(self.state, inputs, targets)
         self.progress.step = self.loader.step = step + 1
         return step + 1, metrics, started
+
+    def _evaluates(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return self.evaluator is not None and step % every == 0
 
     def _finish(self, step: int, metrics, started: float, state=None) -> StepInfo:
         """Reads a dispatched step's scalars (waiting for it), records and checks them, runs the
@@ -291,6 +306,9 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None,
         }
+        if state is not None and self._evaluates(step):
+            held_out = self.evaluator(state["params"])
+            record.update(eval_loss=held_out["loss"], eval_perplexity=held_out["perplexity"])
         progress.losses.append(scalars["loss"])
         if record["mfu"] is not None:
             progress.mfus.append(record["mfu"])

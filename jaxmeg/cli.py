@@ -1,0 +1,52 @@
+"""What the scripts share on the command line: `--set` overrides, `--cpu-devices`, and turning
+the errors a user can fix into one `error:` line and exit code 2. Imports no jax at module
+level, so `--cpu-devices` can still take effect after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help=help,
+    )  # fmt: skip
+
+
+def add_cpu_devices(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
+
+
+def cpu_devices_problem(count: int | None) -> str | None:
+    if count is not None and count < 1:
+        return f"--cpu-devices must be >= 1, got {count}"
+    return None
+
+
+def start_devices(count: int | None) -> None:
+    """Simulates `count` CPU devices (before any jax computation); nothing for None."""
+    if count:
+        from jaxmeg.parallel import simulate_cpu_devices
+
+        simulate_cpu_devices(count)
+
+
+def run_reporting_errors(action: Callable[[], object], report=None) -> int:
+    """Runs `action`; a config error, a bad value, a missing file or an unusable checkpoint
+    becomes one line on stderr (through `report`, default print) and exit code 2."""
+    from jaxmeg.config import ConfigError
+    from jaxmeg.training.checkpoint import IncompatibleCheckpoint, UnreadableCheckpoint
+
+    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        action()
+    except ConfigError as err:
+        report(f"config error: {err}")
+        return 2
+    except (ValueError, FileNotFoundError, IncompatibleCheckpoint, UnreadableCheckpoint) as err:
+        report(f"error: {err}")
+        return 2
+    return 0
