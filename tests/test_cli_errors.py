@@ -140,3 +140,37 @@ def test_every_plan_and_plot_example_runs(tmp_path):
         assert result.returncode == 0, f"{where}: {' '.join(words)}\n{result.stderr[-2000:]}"
         ran += 1
     assert ran >= 4, ran
+
+
+def _cpu_examples() -> list[tuple[str, list[str]]]:
+    """The train.py / bench.py examples on gpt_tiny (the ones meant for a CPU), each once, from
+    the script name on; --cluster ones are launcher runs (test_cluster_run)."""
+    found: dict[str, tuple[str, list[str]]] = {}
+    for where, words in command_examples():
+        script = next((w for w in words if w.endswith(("/train.py", "/bench.py"))), None)
+        if script is None or "--cluster" in words:
+            continue
+        args = words[words.index(script) + 1 :]
+        if any("[" in w or w in ("RUN_DIR", "runs/gpt2") for w in args):
+            continue  # a usage line, or a run that an import made first (test_hf)
+        config = args[args.index("--config") + 1] if "--config" in args else "configs/gpt_tiny.yaml"
+        if config == "configs/gpt_tiny.yaml":
+            found.setdefault(" ".join([script, *args]), (where, [script, *args]))
+    return sorted(found.values(), key=lambda item: " ".join(item[1]))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "where,words", _cpu_examples(), ids=lambda x: x if isinstance(x, str) else " ".join(x[1:])
+)
+def test_cpu_examples_run_for_a_step(where, words, tmp_path, small_corpus):
+    """Each CPU example as written, with a small corpus and one step (two for bench.py)."""
+    script, args = Path(words[0]).name, list(words[1:])
+    if "--out" in args:
+        args[args.index("--out") + 1] = str(tmp_path / "run")
+    short = ["--steps", "1", "--no-progress"] if script == "train.py" else ["--steps", "2"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args, *short, *small_corpus],
+        cwd=ROOT, capture_output=True, text=True, timeout=280, env=CLEAN_ENV,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{where}: {' '.join(words)}\n{result.stderr[-3000:]}"

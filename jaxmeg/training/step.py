@@ -30,9 +30,9 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
 
     def step(state, tokens, targets):
         links = (state["links"],) if "links" in state else ()
-        loss, grads, *links = loss_and_grads(
-            state["params"], tokens, targets, *links, step=state["step"]
-        )
+        # the optimizer step (PowerSGD's warm-up) goes with the compression state
+        step_arg = {"step": state["step"]} if links else {}
+        loss, grads, *links = loss_and_grads(state["params"], tokens, targets, *links, **step_arg)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
