@@ -34,6 +34,27 @@ def start_devices(count: int | None) -> None:
         simulate_cpu_devices(count)
 
 
+def run_directory_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a script that reads a run directory (generate, evaluate): `--out RUN_DIR`,
+    `--cpu-devices`, `--set` on the run's config."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--out", required=True, help="run directory (its newest checkpoint)")
+    add_cpu_devices(parser)
+    add_overrides(parser, "override a value of the run's config, e.g. parallel.tensor=4")
+    return parser
+
+
+def run_directory_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a run-directory script's --cpu-devices and --out, or None."""
+    from pathlib import Path
+
+    if cpu_devices_problem(args.cpu_devices):
+        return cpu_devices_problem(args.cpu_devices)
+    if not Path(args.out).is_dir():
+        return f"--out {args.out} is not a run directory"
+    return None
+
+
 def run_reporting_errors(action: Callable[[], object], report=None) -> int:
     """Runs `action`; a config error, a bad value, a missing file or an unusable checkpoint
     becomes one line on stderr (through `report`, default print) and exit code 2."""

@@ -26,23 +26,16 @@ from jaxmeg import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="run directory (its newest checkpoint)")
+    parser = cli.run_directory_parser(__doc__)
     parser.add_argument("--dataset", metavar="PREFIX", help="token file to evaluate on instead")
     parser.add_argument("--batches", type=int, metavar="N", help="at most N global batches")
-    cli.add_cpu_devices(parser)
-    cli.add_overrides(parser, "override a value of the run's config, e.g. parallel.tensor=4")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = cli.cpu_devices_problem(args.cpu_devices)
-    if problem is None and not Path(args.out).is_dir():
-        problem = f"--out {args.out} is not a run directory"
-    elif problem is None and args.batches is not None and args.batches < 1:
+    problem = cli.run_directory_problem(args)
+    if problem is None and args.batches is not None and args.batches < 1:
         problem = f"--batches must be >= 1, got {args.batches}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -26,10 +26,7 @@ from jaxmeg import cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="run directory (its newest checkpoint)")
+    parser = cli.run_directory_parser(__doc__)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the run's tokenizer)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
@@ -39,8 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    cli.add_cpu_devices(parser)
-    cli.add_overrides(parser, "override a value of the run's config, e.g. parallel.tensor=4")
     return parser.parse_args(argv)
 
 
@@ -53,10 +48,8 @@ def parse_ids(text: str) -> list[int]:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line's numbers and paths (before jax starts), or None."""
-    if cli.cpu_devices_problem(args.cpu_devices):
-        return cli.cpu_devices_problem(args.cpu_devices)
-    if not Path(args.out).is_dir():
-        return f"--out {args.out} is not a run directory"
+    if cli.run_directory_problem(args):
+        return cli.run_directory_problem(args)
     if args.max_new_tokens < 1:
         return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
     if args.temperature < 0:

@@ -52,7 +52,7 @@ def test_two_nic_groups_on_two_processes_match_one_device(
 
 def write_cluster(tmp_path, groups: list[dict], name: str = "c") -> str:
     links = [{"groups": [a["name"], b["name"]], "nic": "ethernet", "gbps": 25}
-             for a, b in zip(groups, groups[1:])]  # fmt: skip
+             for a, b in zip(groups, groups[1:], strict=False)]  # fmt: skip
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"name": name, "groups": groups, "links": links}))
     return str(path)
@@ -66,8 +66,8 @@ def group(name: str, nic: str, nodes: int = 1, gpus: int = 1, **extra) -> dict:
 def test_measured_partition_is_saved_and_reused(tmp_path, small_corpus):
     cluster = write_cluster(tmp_path, [group("fast", "infiniband"), group("slow", "ethernet")])
     out = tmp_path / "run"
-    args = ["--cpu-devices", "2", "--cluster", cluster, "--set", "parallel.pipe=2",
-            "--set", "parallel.stage_layers=measured", "--out", str(out), *small_corpus]  # fmt: skip
+    args = ["--cpu-devices", "2", "--cluster", cluster, "--set", "parallel.pipe=2", "--set",
+            "parallel.stage_layers=measured", "--out", str(out), *small_corpus]  # fmt: skip
     first = run_train([*args, "--steps", "1"])
     assert first.returncode == 0, first.stderr[-3000:]
     assert (out / "stage_probe.json").is_file()
@@ -88,9 +88,11 @@ def test_measured_partition_is_saved_and_reused(tmp_path, small_corpus):
          ["--set", "parallel.data=2", "--set", "parallel.pipe=2"],
          "node group 'a' has 1 GPUs, which do not split into whole pipeline stages of "
          r"parallel.data \* parallel.tensor = 2 \* 1 = 2 GPUs"),
-        ([group("a", "infiniband", gpus=2, hosts=["gpu01"]), group("b", "roce", gpus=2, hosts=["gpu02"])],
+        ([group("a", "infiniband", gpus=2, hosts=["gpu01"]),
+          group("b", "roce", gpus=2, hosts=["gpu02"])],
          ["--set", "parallel.pipe=2"], "host 'elsewhere' is in no group"),
-        ([group("a", "infiniband", gpus=2), group("b", "roce", gpus=4)], ["--set", "parallel.pipe=2"],
+        ([group("a", "infiniband", gpus=2), group("b", "roce", gpus=4)],
+         ["--set", "parallel.pipe=2"],
          r"has 6 GPUs \(a 1 x 2 \+ b 1 x 4\), but the job has 4 devices"),
     ],
     ids=["unknown-nic", "group-too-small", "host-in-no-group", "gpu-total"],

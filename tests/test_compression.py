@@ -80,7 +80,8 @@ def loss_grads_links(cfg, tokens):
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 4, 1)])
 @pytest.mark.parametrize(
     "comp",
-    [dict(pipe_error_feedback="lazy"), dict(pipe_error_feedback="none", pipe_grad_phase="epilogue")],
+    [dict(pipe_error_feedback="lazy"),
+     dict(pipe_error_feedback="none", pipe_grad_phase="epilogue")],
     ids=["lazy-all", "none-epilogue"],
 )  # fmt: skip
 def test_compressed_links_at_full_rank_equal_uncompressed(mesh, comp, monkeypatch):

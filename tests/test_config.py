@@ -162,8 +162,8 @@ BAD = [
     ),
     (
         ["parallel.pipe=2", "compression.data_grad_stages=3"],
-        r"compression.data_grad_stages must be -1 \(all\) or a stage count in \[1, parallel.pipe = 2\], "
-        r"got 3",
+        r"compression.data_grad_stages must be -1 \(all\) or a stage count in "
+        r"\[1, parallel.pipe = 2\], got 3",
     ),
     (
         ["parallel.data=8", "parallel.zero_stage=1", "compression.data_grad_rank=4"],

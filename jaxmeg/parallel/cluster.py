@@ -247,7 +247,7 @@ def from_dict(raw: dict, source: str = "cluster") -> Cluster:
         _link(f"{source}: links[{i}]", link, names) for i, link in enumerate(raw.get("links") or [])
     )
     cluster = Cluster(str(raw.get("name", source)), groups, links)
-    for a, b in zip(names, names[1:]):
+    for a, b in zip(names, names[1:], strict=False):
         if not any(set(link.groups) == {a, b} for link in links):
             raise ClusterError(
                 f"{source}: no link between neighbouring groups {a!r} and {b!r} (pipeline "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -61,3 +62,24 @@ def compress_with_feedback(g, error, q, lazy: bool = True):
     p, q_new = power_step(x, q)
     new_error = x - rebuild(p, q_new) if lazy else jnp.zeros_like(error)
     return p, q_new, new_error
+
+
+def encode_link(pc: PipeCompression, links: dict, chunk, g, here, sending):
+    """What one B slot sends on its link from chunk `chunk`: ((p, q) factors, the whole
+    gradient), each zero where the other goes, and the link state after it. `g` [n, h] is the
+    cotangent; `here` whether this send is compressed, `sending` whether the slot sends at all
+    (only then does the lazy error change). `links` {"q": [v, h, r], "error": [v, n, h]}."""
+    x = g + links["error"][chunk] if pc.lazy else g
+    q_old = links["q"][chunk]
+    p, q = jax.lax.cond(
+        here,
+        lambda: power_step(x, q_old),
+        lambda: (jnp.zeros((x.shape[0], pc.rank), x.dtype), q_old),
+    )
+    new = {**links, "q": links["q"].at[chunk].set(q)}
+    if pc.lazy:
+        lost = jnp.where(here, x - rebuild(p, q), 0.0)
+        error = jnp.where(sending, lost, links["error"][chunk])
+        new["error"] = links["error"].at[chunk].set(error)
+    factors = (jnp.where(here, p, 0.0), jnp.where(here, q, 0.0))
+    return factors, jnp.where(here, 0.0, x), new

@@ -467,22 +467,9 @@ def make_pipeline_loss_and_grads(
             chunk = jnp.maximum(row["b_chunk"], 0)
             here, sending = row["pipe_compress"] > 0, row["b_kind"] == B_CHUNK
             g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
-            links_ = c["links"]
-            x = g + links_["error"][chunk] if pc.lazy else g
-            q_old = links_["q"][chunk]
-            p_, q_ = jax.lax.cond(
-                here,
-                lambda: compression.power_step(x, q_old),
-                lambda: (jnp.zeros((x.shape[0], pc.rank), x.dtype), q_old),
-            )
-            new = {**links_, "q": links_["q"].at[chunk].set(q_)}
-            if pc.lazy:
-                lost = jnp.where(here, x - compression.rebuild(p_, q_), 0.0)
-                error = jnp.where(sending, lost, links_["error"][chunk])
-                new["error"] = links_["error"].at[chunk].set(error)
-            whole = jnp.where(here, 0.0, x).astype(d_x.dtype).reshape(d_x.shape)
+            factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
+            whole = x.astype(d_x.dtype).reshape(d_x.shape)
             got_whole = send_when(row["whole_tick"], sends_whole, whole, backward_pairs)
-            factors = (jnp.where(here, p_, 0.0), jnp.where(here, q_, 0.0))
             got_p, got_q = send_when(row["factor_tick"], sends_factors, factors, backward_pairs)
             rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
             return {**c, "links": new}, got_whole + rebuilt

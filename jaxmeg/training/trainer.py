@@ -226,6 +226,10 @@ class Trainer:
                 self.state = init_state(self.trainable, self.cfg.train.seed)
         self.compiled, self.compile_seconds = compile_step(self.trainable)
         say(f"train step compiled in {self.compile_seconds:.1f} s")
+        # once per run, not per step: the MFU's numerator and the device's peak
+        flops = model_flops_per_step(self.cfg.model, self.cfg.train.global_batch)
+        self._flops_per_device = flops / jax.device_count()
+        self._peak_tflops = peak_tflops_per_device()
         return not self._stopped()
 
     def _stopped(self) -> bool:
@@ -294,9 +298,8 @@ class Trainer:
         seconds = ready - max(started, self._last_ready)
         self._last_ready = ready
         progress.count(bool(scalars["skipped"]))
-        tflops = model_flops_per_step(cfg.model, cfg.train.global_batch) / seconds
-        tflops /= jax.device_count() * 1e12
-        peak = peak_tflops_per_device()
+        tflops = self._flops_per_device / seconds / 1e12
+        peak = self._peak_tflops
         record = {
             "step": step,
             **scalars,
@@ -356,24 +359,14 @@ class Trainer:
             self.checkpointer.close()
 
 
-def train(
-    cfg: Config,
-    *,
-    out_dir: str | None = None,
-    resume: bool = True,
-    metrics_file: str | None = None,
-    show_progress: bool = True,
-    cluster_job=None,
-) -> dict[str, Any]:
-    """Trains up to step `cfg.train.steps` and returns a summary with the per-step losses
-    (`Trainer`). SIGTERM/SIGINT handlers are installed first, so a signal during start-up
-    (data preparation, restore, compile) also ends the run cleanly, having written nothing."""
+def train(cfg: Config, *, out_dir: str | None = None, **options) -> dict[str, Any]:
+    """Trains up to step `cfg.train.steps` and returns a summary with the per-step losses:
+    `Trainer(cfg, out_dir=..., **options).run()` (options: resume, metrics_file,
+    show_progress, cluster_job). SIGTERM/SIGINT handlers are installed first, so a signal during
+    start-up (data preparation, restore, compile) also ends the run cleanly, having written
+    nothing."""
     with StopSignals(checkpointing=out_dir is not None) as signals:
-        trainer = Trainer(
-            cfg, out_dir=out_dir, resume=resume, metrics_file=metrics_file,
-            show_progress=show_progress, cluster_job=cluster_job, signals=signals,
-        )  # fmt: skip
-        return trainer.run()
+        return Trainer(cfg, out_dir=out_dir, signals=signals, **options).run()
 
 
 def _summary(cfg: Config, progress: _Progress, seconds: float, compile_seconds: float) -> dict:
