@@ -41,8 +41,7 @@ def positive_float(text: str) -> float:
 
 
 def parse_args(argv):
-    from jaxmeg.config import OUTER_AXES, PIPE_GRAD_PHASES, REMAT_POLICIES
-    from jaxmeg.perf.collectives import ZERO_STAGES
+    from jaxmeg.config import OUTER_AXES, PIPE_GRAD_PHASES, REMAT_POLICIES, ZERO_STAGES
     from jaxmeg.perf.compression import DEFAULT_RANK, MODES
 
     parser = argparse.ArgumentParser(

@@ -24,7 +24,8 @@ from jaxmeg.perf.cluster_model import (
     stage_costs,
     stage_costs_for_config,
 )
-from jaxmeg.perf.model import Layout, hardware_link, shape_of, step_time
+from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.model import hardware_link, shape_of, step_time
 from jaxmeg.perf.partition import StageCost, balance, slowest
 
 ROOT = Path(__file__).resolve().parent.parent

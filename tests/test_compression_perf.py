@@ -14,7 +14,8 @@ from jaxmeg.config import CompressionConfig, ConfigError
 from jaxmeg.perf import compression as cc
 from jaxmeg.perf.collectives import WIRE_BYTES
 from jaxmeg.perf.hardware import load_hardware
-from jaxmeg.perf.model import Layout, Shape, bytes_per_step, shared_parameters_per_gpu, step_time
+from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.model import Shape, bytes_per_step, shared_parameters_per_gpu, step_time
 from jaxmeg.perf.planner import evaluate, plan
 from jaxmeg.pipeline import critical_path, schedules
 from tests.test_train_cli import CLEAN_ENV, ROOT

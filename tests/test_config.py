@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jaxmeg import config as C
 
@@ -48,6 +49,35 @@ def test_overrides_parse_yaml_values():
     assert cfg.parallel.sequence_parallel is True
     assert cfg.optimizer.lr == pytest.approx(2e-4)
     assert cfg.train.steps == 7
+
+
+def test_scatter_gather_resolves_from_tensor_and_sequence_parallel():
+    def uses(**fields) -> bool:
+        return C.ParallelConfig(**fields).uses_scatter_gather
+
+    assert C.ParallelConfig().scatter_gather is None
+    assert uses(tensor=2) and uses(tensor=2, scatter_gather=True)
+    assert not uses(tensor=2, scatter_gather=False)
+    assert not uses(tensor=2, sequence_parallel=True)  # the activation is already split
+    assert not uses(tensor=2, sequence_parallel=True, scatter_gather=True)
+    assert not uses() and not uses(scatter_gather=True)  # tensor = 1: a no-op, not an error
+    cfg = C.Config(model=C.ModelConfig(vocab_size=1000), parallel=C.ParallelConfig(tensor=-1))
+    assert not cfg.parallel.uses_scatter_gather
+    assert C.validate(cfg, 4).parallel.uses_scatter_gather  # tensor -1 resolved to 4
+
+
+@pytest.mark.parametrize("text,value", [("true", True), ("false", False), ("null", None)])
+def test_scatter_gather_override_and_round_trip(text, value):
+    cfg = C.apply_overrides(C.Config(), [f"parallel.scatter_gather={text}", "parallel.tensor=2"])
+    assert cfg.parallel.scatter_gather is value
+    assert cfg.parallel.uses_scatter_gather is (value is not False)
+    assert C.from_dict(C.to_dict(cfg)) == cfg  # as checkpoints' metadata keep it
+    assert C.from_dict(yaml.safe_load(yaml.safe_dump(C.to_dict(cfg)))) == cfg  # a run's config.yaml
+
+
+def test_scatter_gather_rejects_non_bools():
+    with pytest.raises(C.ConfigError, match="parallel.scatter_gather must be true, false or null"):
+        C.apply_overrides(C.Config(), ["parallel.scatter_gather=1"])
 
 
 def test_minus_one_infers_an_axis():

@@ -10,8 +10,9 @@ a reduce-scatter plus an all-gather.
 Grouped-query attention (`model.kv_heads` < `model.heads`): the query heads stay on `tensor`; the
 key/value heads (`kv_heads`, `act_kv_heads`) go on `tensor` too when t divides kv_heads, so each
 rank holds the kv heads of its own query heads, and are replicated on every tensor rank otherwise
-(Megatron does the same when t > kv_heads): `kv_head_rules`, which `config.validate` writes into
-`parallel.param_rules` / `activation_rules` unless they name those axes already.
+(Megatron does the same when t > kv_heads): `jaxmeg.config_validation.kv_head_rules`, which
+`config.validate` writes into `parallel.param_rules` / `activation_rules` unless they name those
+axes already.
 """
 
 from __future__ import annotations
@@ -48,14 +49,6 @@ ACTIVATION_RULES: dict[str, str | None] = {
     "act_mlp": "tensor",
     "act_vocab": "tensor",
 }
-
-
-def kv_head_rules(kv_heads: int, tensor: int) -> tuple[dict, dict]:
-    """(param, activation) rule overrides for `kv_heads` key/value heads on a tensor size t:
-    none when t divides kv_heads (the tables split them over `tensor`), else replicated."""
-    if kv_heads % tensor == 0:
-        return {}, {}
-    return {"kv_heads": None}, {"act_kv_heads": None}
 
 
 def param_rules(par: ParallelConfig) -> Rules:

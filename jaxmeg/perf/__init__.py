@@ -1,8 +1,8 @@
 """Performance model (parameters, FLOPs, memory, communication, time) and the planner."""
 
 from jaxmeg.perf.hardware import Hardware, load_hardware
+from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import (
-    Layout,
     Shape,
     bytes_per_step,
     flops_per_iteration,

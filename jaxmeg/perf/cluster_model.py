@@ -37,8 +37,8 @@ from jaxmeg.parallel.cluster import Cluster, ClusterError
 from jaxmeg.parallel.placement import DeviceRecord, Placement, cluster_records, place
 from jaxmeg.perf.collectives import data_parallel_collectives
 from jaxmeg.perf.hardware import Hardware, load_hardware
+from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import (
-    Layout,
     Shape,
     flops_per_iteration,
     hardware_link,

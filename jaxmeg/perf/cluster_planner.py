@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 from jaxmeg.parallel.cluster import Cluster
 from jaxmeg.perf.cluster_model import ClusterStepTime, cluster_step_time, group_hardware
-from jaxmeg.perf.model import Layout, Shape, memory_per_gpu
+from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.model import Shape, memory_per_gpu
 from jaxmeg.perf.planner import MICROBATCH_SIZES, check_inputs
 
 

@@ -8,13 +8,9 @@ chunk (what ZeRO-3 gathers at once), d the data group, v chunks per stage, m mic
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jaxmeg.perf.model import Layout
+from jaxmeg.perf.layout import Layout
 
-ZERO_STAGES = (0, 1, 3)
-"""How a data group shards the model states (`Layout.zero_stage`)."""
 WIRE_BYTES = 2
 """Bytes per gradient or weight element on the data group's links: half precision, as
 Megatron-LM reduces gradients in the measurements the model is checked against."""

@@ -73,8 +73,8 @@ from jaxmeg.perf.collectives import (
     data_parallel_collectives,
 )
 from jaxmeg.perf.hardware import Hardware
+from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import (
-    Layout,
     Shape,
     StepTime,
     _gemm_seconds,

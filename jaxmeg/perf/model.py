@@ -30,14 +30,14 @@ import functools
 
 import numpy as np
 
-from jaxmeg.config import MESH_AXES, OUTER_AXES, REMAT_POLICIES, ModelConfig
+from jaxmeg.config import MESH_AXES, ModelConfig
 from jaxmeg.perf.collectives import (
-    ZERO_STAGES,
     data_parallel_collectives,
     model_state_bytes,
     ring_all_reduce_seconds,
 )
 from jaxmeg.perf.hardware import Hardware
+from jaxmeg.perf.layout import Layout
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_table import STEADY_STATE_MICROBATCHES_PER_STAGE, build_tick_table
@@ -62,75 +62,6 @@ def shape_of(model: ModelConfig) -> Shape:
         hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
         vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
     )  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Layout:
-    tensor: int
-    pipe: int
-    data: int
-    chunks: int = 1
-    microbatch: int = 1
-    microbatches: int = 1
-    recompute: str = "full"
-    """What a layer keeps for its backward, one of `config.REMAT_POLICIES` (`model.remat`)."""
-    pipe_scatter_gather: bool = True
-    """Megatron splits each pipeline message over the t ranks of a tensor group; jaxmeg's
-    executor sends the whole b s h activation unless sequence parallelism already splits it."""
-    sequence_parallel: bool = False
-    """Shard the residual stream on the sequence over `tensor` (Korthikanti et al., 2022); off
-    in the Megatron-LM 2021 measurements. Pipeline messages are always scatter/gathered (/t)."""
-    outer_axis: str = "pipe"
-    """Which of pipe and data varies slowest over the GPUs (`parallel.outer_axis`), and so
-    crosses nodes first."""
-    schedule: str = "1f1b"
-    """Pipeline schedule (`parallel.schedule`); `interleaved_1f1b` when chunks > 1."""
-    warmup: str = "min_bubble"
-    """1F1B warm-up (`parallel.pipeline_warmup`); sets how many inputs a stage keeps."""
-    stage_layers: tuple[int, ...] = ()
-    """Layers per stage (`parallel.stage_layers`); empty = the even split l / p."""
-    zero_stage: int = 0
-    """ZeRO sharding over the data group (Rajbhandari et al., 2020), one of `ZERO_STAGES`:
-    0 none; 1 the fp32 master weights and Adam moments; 3 also the weights and gradients, the
-    weights all-gathered per chunk per use and the gradients reduce-scattered. Modelled here
-    only (jaxmeg's config has no such field)."""
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(
-                f"zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"
-            )
-        if self.recompute not in REMAT_POLICIES:
-            raise ValueError(
-                f"recompute must be one of {list(REMAT_POLICIES)}, got {self.recompute!r}"
-            )
-        if self.outer_axis not in OUTER_AXES:
-            raise ValueError(
-                f"outer_axis must be one of {list(OUTER_AXES)}, got {self.outer_axis!r}"
-            )
-        if self.schedule not in schedules.NAMES or self.warmup not in schedules.WARMUPS:
-            raise ValueError(
-                f"schedule must be one of {list(schedules.NAMES)} and warmup one of "
-                f"{list(schedules.WARMUPS)}, got {self.schedule!r} / {self.warmup!r}"
-            )
-        interleaved = self.schedule == "interleaved_1f1b"
-        if self.pipe > 1 and (
-            (self.chunks > 1 and self.schedule not in schedules.CHUNKED)
-            or (interleaved and self.chunks == 1)
-        ):
-            raise ValueError(
-                f"chunks = {self.chunks} goes with schedule interleaved_1f1b or breadth_first "
-                f"(chunks > 1), or gpipe, 1f1b or breadth_first (chunks = 1), got "
-                f"{self.schedule!r}"
-            )
-
-    @property
-    def gpus(self) -> int:
-        return self.tensor * self.pipe * self.data
-
-    @property
-    def global_batch(self) -> int:
-        return self.data * self.microbatches * self.microbatch
 
 
 def parameter_count(shape: Shape) -> float:
@@ -510,14 +441,13 @@ def paper_training_days(shape: Shape, gpus: int, tflops_per_gpu_: float, tokens:
     return 8 * tokens * parameter_count(shape) / (gpus * tflops_per_gpu_ * 1e12) / 86400
 
 
-def bytes_per_step(
-    shape: Shape, layout: Layout, compute_bytes: int = 2, ticks: int | None = None
-) -> dict[str, float]:
+def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict[str, float]:
     """Bytes one GPU sends per step on each link, and the message sizes behind them.
 
     tensor: 2 all-reduces of b s h per layer in the forward and 2 in the backward (+2 more for
     the recomputed forward with `recompute="full"`), each moving 2 (t-1)/t of the message; pipe:
-    b s h per microbatch per boundary each way (/t with scatter-gather); data: the
+    b s h per microbatch per boundary each way (/t with scatter-gather), as a stage with a
+    neighbour on both sides sends (jaxmeg's executor sends only what Megatron-LM sends); data: the
     `collectives.data_parallel_collectives` on a ring of d. Layers are the busiest stage's.
     """
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
@@ -528,7 +458,7 @@ def bytes_per_step(
     tensor_bytes = tensor * message * (2 * (t - 1) / t if t > 1 else 0)
     split = layout.pipe_scatter_gather or layout.sequence_parallel
     pipe_message = message / t if split else message
-    sends = 2 * ticks if ticks is not None else 2 * layout.microbatches * layout.chunks
+    sends = 2 * layout.microbatches * layout.chunks
     pipe_bytes = sends * pipe_message if layout.pipe > 1 else 0
     collectives = data_parallel_collectives(
         params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout

@@ -17,8 +17,8 @@ from jaxmeg.perf.compression import (
     compression_cost,
 )
 from jaxmeg.perf.hardware import Hardware
+from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import (
-    Layout,
     Shape,
     bytes_per_step,
     memory_per_gpu,

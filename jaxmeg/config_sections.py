@@ -1,0 +1,454 @@
+"""The run configuration's sections: frozen dataclasses, YAML loading, `section.key=value`
+overrides, and the plain-dict form that run directories and checkpoints keep.
+
+Every field carries a docstring. Sentinels are spelled out: `-1` means "infer"; `None` means
+"decided from the other fields" (see the field). Nothing here checks that the fields agree with
+one another: that is `jaxmeg.config_validation.validate`. Import both through `jaxmeg.config`.
+
+Words: axis = mesh axis (`data`, `pipe`, `tensor`); dim = tensor dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MESH_AXES = ("data", "pipe", "tensor")
+OUTER_AXES = ("pipe", "data")
+"""The `parallel.outer_axis` choices: the mesh axis that varies slowest over devices."""
+ZERO_STAGES = (0, 1, 3)
+"""The sharded-optimizer stages `parallel.zero_stage` accepts (see `jaxmeg.parallel.zero`)."""
+REMAT_POLICIES = ("none", "selective", "full")
+"""The `model.remat` choices; the performance model and the planner take them from here."""
+DTYPES = ("float32", "bfloat16", "float16")
+PLACEMENTS = ("auto", "megatron")
+"""The `parallel.placement` choices (see `jaxmeg.parallel.placement`)."""
+STAGE_LAYERS_MODES = ("auto", "measured")
+"""The words `parallel.stage_layers` accepts besides a list; resolved to a list before
+`validate`."""
+
+
+RUN_CONFIG = "config.yaml"
+"""The config file a run directory may hold (`convert_hf.py import` writes it); `train.py --out
+DIR` and the run readers use it when no --config is given."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, malformed or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    block: str = "gpt"
+    """`gpt` (Megatron GPT: LayerNorm, GeLU MLP, learned positions) or `llama` (RMSNorm,
+    SwiGLU MLP, rotary positions, untied head)."""
+    vocab_size: int = -1
+    """Tokenizer vocabulary size; -1 = take it from the dataset. Padded up to a multiple of
+    `vocab_multiple * parallel.tensor` for the embedding table (Megatron's
+    make-vocab-size-divisible-by); padded logits are masked out of the loss."""
+    vocab_multiple: int = 128
+    """The embedding table's row count is a multiple of this times the tensor-parallel size."""
+    hidden: int = 128
+    """Hidden size h."""
+    layers: int = 8
+    """Number of transformer layers L."""
+    heads: int = 4
+    """Attention (query) heads; must divide `hidden` and be divisible by `parallel.tensor`."""
+    kv_heads: int = -1
+    """Key/value heads of grouped-query attention (Ainslie et al., 2023): query head n reads kv
+    head n // (heads / kv_heads), as in Hugging Face's Llama. -1 = heads: multi-head attention,
+    whose parameters keep the fused `w_qkv` [hidden, 3, heads, head_dim]; fewer than heads gives
+    `w_q` [hidden, heads, head_dim] and `w_kv` [hidden, 2, kv_heads, head_dim]. Must divide
+    `heads`. The kv heads are split over `tensor` when parallel.tensor divides kv_heads and
+    replicated on every tensor rank otherwise (`jaxmeg.config_validation.kv_head_rules`,
+    applied by `validate`). `validate` resolves -1."""
+    mlp_ratio: int = 4
+    """MLP width as a multiple of hidden (Megatron: 4h), when `ffn_hidden` is -1."""
+    ffn_hidden: int = -1
+    """MLP width f, e.g. 11008 for Llama-2 7B; -1 = mlp_ratio x hidden. Must be divisible by
+    `parallel.tensor`. `validate` resolves -1."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding (llama block): frequency i of a head of dim H is
+    rope_theta^(-2i/H), i < H/2 (Llama 1-2: 10000, Llama 3: 500000)."""
+    seq_len: int = 128
+    """Sequence length s (also the number of learned positions)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection (Megatron GPT)."""
+    dropout: float = 0.0
+    """Dropout rate; only 0.0 is implemented (training runs are deterministic)."""
+    compute_dtype: str = "bfloat16"
+    """Dtype of activations and matmuls; parameters and optimizer state stay in `param_dtype`."""
+    param_dtype: str = "float32"
+    """Dtype of the master parameters."""
+    remat: str = "none"
+    """Activation recompute: `none`, `selective` (recompute attention internals, keep the weight
+    matmul outputs) or `full` (keep only each layer's input)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init; output projections use
+    init_std / sqrt(2 L) as in Megatron."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    attention: str = "auto"
+    """`jax.nn.dot_product_attention` implementation: `auto` (cuDNN on GPU for 16-bit compute,
+    XLA otherwise), `xla` or `cudnn`."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """`kv_heads` with -1 resolved to `heads`."""
+        return self.heads if self.kv_heads == -1 else self.kv_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """MLP width f: `ffn_hidden`, or mlp_ratio x hidden when it is -1."""
+        return self.hidden * self.mlp_ratio if self.ffn_hidden == -1 else self.ffn_hidden
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    data: int = 1
+    """Data-parallel size d (-1 = infer from the device count)."""
+    pipe: int = 1
+    """Pipeline stages p (-1 = infer)."""
+    tensor: int = 1
+    """Tensor-parallel size t (-1 = infer). A tensor group always sits inside one host."""
+    sequence_parallel: bool = False
+    """Shard the activations between blocks on the sequence dim over `tensor`, so each block's
+    all-reduce becomes a reduce-scatter plus an all-gather (Korthikanti et al., 2022)."""
+    scatter_gather: bool | None = None
+    """Megatron-LM's scatter/gather optimization (SC21 section 4.1): each tensor rank sends its
+    1/t slice of the activation and of the cotangent between pipeline stages, and the receiver
+    all-gathers over `tensor`. None = on when tensor > 1 and sequence parallelism is off (with
+    sequence parallelism the activation between stages is already split). `true` with tensor = 1
+    changes nothing. Read the resolved value from `uses_scatter_gather`."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b`, `interleaved_1f1b` or `breadth_first` (layered
+    gradient accumulation; with chunks = layers / pipe, modular pipeline parallelism)."""
+    chunks: int = 1
+    """Model chunks (virtual stages) per pipeline stage, v; > 1 only with interleaved_1f1b or
+    breadth_first."""
+    stage_layers: tuple | str = ()
+    """Layers per pipeline stage, one entry per stage, e.g. [5, 3] (sum = model.layers, every
+    entry >= 1; gpipe, 1f1b and breadth_first with chunks = 1). Empty = the even split L / (p v).
+    Shorter stages are padded to the longest with identity layers that are never updated and
+    counted nowhere. `auto`: the split that minimises the slowest stage's time by the performance
+    model, given each stage's node group (`scripts/train.py --cluster`); `measured`: the same
+    partitioner fed by a short probe on the devices, saved in the run directory and reused on
+    resume (see `jaxmeg.training.stage_probe`)."""
+    placement: str = "auto"
+    """Which device takes which mesh coordinate: `auto` (with a cluster file, NIC-aware as in
+    Holmes: node groups take whole pipeline stages in file order, so data-parallel groups stay
+    inside one NIC type; without one, the same as `megatron`) or `megatron` (devices in process
+    order, `outer_axis` slowest, blind to NICs)."""
+    pipeline_warmup: str = "min_bubble"
+    """1F1B warm-up: `min_memory` (Megatron's p-s-1 forwards) or `min_bubble` (more warm-up
+    forwards so the lockstep executor reaches the asynchronous bubble)."""
+    zero_stage: int = 0
+    """Sharded optimizer (ZeRO, Megatron's distributed optimizer), needs parallel.data > 1: 0 =
+    off; 1 = master weights (`model.param_dtype`) and Adam moments split over `data` (embedding
+    and head over `pipe` x `data`), gradients reduce-scattered, weights all-gathered each step;
+    3 = the weights also stay split in the tick loop and each slot gathers a chunk when its order
+    moves to it (2 v gathers per stage and step with `breadth_first`). Gradient accumulators are
+    not split."""
+    outer_axis: str = "pipe"
+    """Which of `pipe` and `data` varies slowest over devices and so spans hosts first
+    (Megatron's default: pipe)."""
+    param_rules: dict = dataclasses.field(default_factory=dict)
+    """Overrides of the logical->mesh rules for parameters, e.g. {mlp: null}."""
+    activation_rules: dict = dataclasses.field(default_factory=dict)
+    """Overrides of the logical->mesh rules for activations."""
+
+    @property
+    def uses_scatter_gather(self) -> bool:
+        """`scatter_gather` resolved: whether stage-to-stage messages go as 1/t slices. Only
+        with tensor > 1 (read it after `validate`, which resolves tensor = -1) and sequence
+        parallelism off; then on unless `scatter_gather` is false."""
+        if self.tensor <= 1 or self.sequence_parallel:
+            return False
+        return self.scatter_gather is not False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from 0 to `lr`."""
+    decay_steps: int = -1
+    """Steps of cosine decay after warm-up; -1 = until `train.steps` as the config file and
+    `--set` give it (`scripts/train.py --steps N` only says where to stop, so a run stopped early
+    and resumed follows the same schedule)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases and norm scales)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all shards) to this; 0 disables clipping."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    dataset: str = ""
+    """Dataset prefix: a token file written by scripts/preprocess_data.py (PREFIX.bin,
+    PREFIX.idx.npy, PREFIX.json) or a Megatron-LM indexed dataset as its preprocess_data.py
+    writes it (PREFIX.bin + PREFIX.idx), told apart by their files. A Megatron pair records no
+    vocabulary: its largest token id + 1 is the least model.vocab_size, and the one used when
+    model.vocab_size is unset. Empty = the default corpus (this Python installation's
+    standard-library sources), tokenized and cached on first use."""
+    cache_dir: str = "~/.cache/jaxmeg"
+    """Where the default corpus and its tokenizer are cached."""
+    tokenizer_vocab: int = 4096
+    """BPE vocabulary size trained for the default corpus."""
+    default_corpus_bytes: int = 4_000_000
+    """How many bytes of standard-library source the default corpus takes."""
+    eval_fraction: float = 0.0
+    """Share of the dataset's samples held out of training, in [0, 0.5): the last
+    floor(eval_fraction x samples) fixed-length windows, never in a training batch; what
+    `train.eval_every` and scripts/evaluate.py evaluate. 0 = nothing held out."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    microbatch_size: int = -1
+    """Sequences per microbatch per data-parallel replica, b; -1 = global_batch / (data *
+    microbatches)."""
+    microbatches: int = -1
+    """Microbatches per step per replica, m (gradient accumulation, or pipeline microbatches);
+    -1 = global_batch / (data * microbatch_size); if both are -1, 1 without a pipeline and
+    global_batch / data (microbatches of one sequence) with one."""
+    seed: int = 0
+    """Seed of parameter init and data order."""
+    log_every: int = 1
+    """Print and record metrics every this many steps."""
+    nonfinite: str = "skip"
+    """On a non-finite loss or gradient: `skip` the update (params and optimizer state stay
+    as they were; the step is counted in `skipped_steps`) or `stop` the run."""
+    max_nonfinite_in_row: int = 5
+    """Stop with an error after this many skipped steps in a row."""
+    eval_every: int = 0
+    """Evaluate the held-out split (`data.eval_fraction` > 0) every this many steps and record
+    `eval_loss` and `eval_perplexity` with that step's metrics; 0 = never."""
+    eval_batches: int = 4
+    """Global batches of held-out samples per evaluation (at most as many as it holds): the
+    same batches every time, so evaluations are comparable."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps when an output directory is given (0 = only at the end and on
+    SIGTERM/SIGINT)."""
+    keep: int = 3
+    """Checkpoints kept (older ones are deleted once a newer one is complete)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """Pipeline-aware communication compression (Optimus-CC, Song et al., ASPLOS 2023); all off
+    by default. Low-rank factors are fp32; a rank at or above a matrix's smaller side sends that
+    matrix whole (exact), so one rank can serve a whole model."""
+
+    pipe_grad_rank: int = 0
+    """Rank r of the activation gradients a stage sends to the previous stage (0 = off): the
+    cotangent, viewed as [b s, h], goes as factors P [b s, r] and Q [h, r] from one power
+    iteration with a warm-started, orthogonalised Q kept per link; forward activations are never
+    compressed."""
+    pipe_error_feedback: str = "lazy"
+    """`lazy`: the sender keeps what compression lost and adds it to the next microbatch's
+    gradient on the same link (lazy error propagation; the buffers are training state, kept
+    across steps and checkpointed); `none`: the loss is dropped."""
+    pipe_grad_phase: str = "all"
+    """`all`: every backward transfer is compressed; `epilogue`: only those on the critical path
+    of the schedule (`jaxmeg.pipeline.critical_path`; for 1F1B the sender's cool-down transfers
+    and its last steady-state one)."""
+    fused_embedding_sync: bool = False
+    """Reduce the embedding/head gradients (and the loss) of the first and last stage and their
+    data-parallel average in ONE all-reduce over {first, last stage} x data; the middle stages
+    take no part and receive the result by ppermute, as each keeps a replica of the shared
+    params (without it, every pipe stage joins an all-reduce over pipe x data). Exact."""
+    data_grad_rank: int = 0
+    """PowerSGD rank of the data-parallel gradient reduction (0 = off): per weight matrix P = M Q,
+    all-reduce P, orthogonalise, Q = M^T P, all-reduce Q, with error feedback; vectors (biases,
+    norms) are all-reduced whole."""
+    data_grad_stages: int = -1
+    """Compress the data-parallel reduction only on pipeline stages < k (-1 = all stages)."""
+    warmup_steps: int = 0
+    """Optimizer steps at the start that reduce data-parallel gradients uncompressed."""
+
+
+ERROR_FEEDBACK = ("lazy", "none")
+PIPE_GRAD_PHASES = ("all", "epilogue")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The network."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """How the network is split over devices."""
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    """AdamW and its schedule."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Where tokens come from."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The loop."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
+    """Compressed pipeline and data-parallel communication (off by default)."""
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "compression": CompressionConfig,
+}
+
+
+def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
+    default = getattr(_SECTION_TYPES[section](), field.name)
+    name = f"{section}.{field.name}"
+    if field.type == "bool | None":  # true, false or null (= decided from other fields)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true, false or null (auto), got {value!r}")
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads `2e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if value in STAGE_LAYERS_MODES and field.name == "stage_layers":
+            return value
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            value = [value] if isinstance(value, int) else yaml.safe_load(f"[{value}]")
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ConfigError(f"{name} must be a list of integers, e.g. [5, 3], got {value!r}")
+        return tuple(value)
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def from_dict(raw: dict) -> Config:
+    """Builds a Config from nested dicts, rejecting unknown sections and keys by name."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    sections = {}
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(
+                f"unknown config section {section!r}; known: {sorted(_SECTION_TYPES)}"
+            )
+        cls = _SECTION_TYPES[section]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = values or {}
+        for key in values:
+            if key not in fields:
+                raise ConfigError(f"unknown config key {section}.{key}; known: {sorted(fields)}")
+        sections[section] = cls(**{k: _coerce(section, fields[k], v) for k, v in values.items()})
+    return Config(**sections)
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain nested dicts and lists (YAML- and JSON-safe)."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Applies `section.key=value` strings; values are parsed as YAML (`true`, `3`, `1e-3`)."""
+    raw = to_dict(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        path, text = item.split("=", 1)
+        parts = path.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"override key {path!r} must be section.key, e.g. parallel.tensor")
+        section, key = parts
+        if section not in raw:
+            raise ConfigError(f"unknown config section {section!r}; known: {sorted(raw)}")
+        if key not in raw[section]:
+            raise ConfigError(f"unknown config key {path}; known: {sorted(raw[section])}")
+        raw[section][key] = yaml.safe_load(text) if text.strip() else ""
+    return from_dict(raw)
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML config file and applies overrides. Does not validate (see `validate`)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config {str(path)!r} is a directory; pass a YAML file in it, e.g. "
+            f"{str(path / 'gpt_tiny.yaml')!r}"
+        )
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"config file {str(path)!r}{where}: {problem}") from None
+    cfg = from_dict(raw)
+    return apply_overrides(cfg, overrides or [])
+
+
+def padded_vocab_size(model: ModelConfig, tensor: int) -> int:
+    """Vocabulary rounded up to a multiple of `vocab_multiple * tensor` (Megatron's padding)."""
+    multiple = model.vocab_multiple * tensor
+    return -(-model.vocab_size // multiple) * multiple

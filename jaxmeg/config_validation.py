@@ -1,0 +1,301 @@
+"""Validation of a run configuration: every divisibility and product check, run once before
+anything is compiled, and the resolution of the `-1` sentinels (mesh axes, batching, kv heads,
+the learning-rate decay). Each error names the field and the numbers. Import it through
+`jaxmeg.config`.
+
+Words: axis = mesh axis (`data`, `pipe`, `tensor`); dim = tensor dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxmeg.config_sections import (
+    DTYPES,
+    ERROR_FEEDBACK,
+    OUTER_AXES,
+    PIPE_GRAD_PHASES,
+    PLACEMENTS,
+    REMAT_POLICIES,
+    ZERO_STAGES,
+    CompressionConfig,
+    Config,
+    ConfigError,
+    ParallelConfig,
+    TrainConfig,
+)
+from jaxmeg.pipeline import schedules
+from jaxmeg.pipeline.layout import LayoutError, StageLayout
+
+
+def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int, int]:
+    """Fills in the one `-1` axis so that data * pipe * tensor == num_devices."""
+    sizes = {"data": par.data, "pipe": par.pipe, "tensor": par.tensor}
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"parallel.{name} must be a positive integer or -1, got {size}")
+    unknown = [n for n, s in sizes.items() if s == -1]
+    if len(unknown) > 1:
+        raise ConfigError(f"only one of parallel.data/pipe/tensor may be -1, got {unknown}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if unknown:
+        if num_devices % known:
+            raise ConfigError(
+                f"cannot infer parallel.{unknown[0]}: {num_devices} devices are not divisible "
+                f"by the product of the other axes ({known})"
+            )
+        sizes[unknown[0]] = num_devices // known
+    product = sizes["data"] * sizes["pipe"] * sizes["tensor"]
+    if product != num_devices:
+        raise ConfigError(
+            f"parallel.data * parallel.pipe * parallel.tensor = {sizes['data']} * "
+            f"{sizes['pipe']} * {sizes['tensor']} = {product}, but there are {num_devices} devices"
+        )
+    return sizes["data"], sizes["pipe"], sizes["tensor"]
+
+
+def resolve_batching(train: TrainConfig, data: int, pipe: int = 1) -> tuple[int, int]:
+    """Returns (microbatch_size b, microbatches m) with global_batch == data * m * b.
+
+    With both left at -1: one microbatch without a pipeline, microbatches of one sequence with
+    one (the most microbatches, so the smallest bubble)."""
+    g, b, m = train.global_batch, train.microbatch_size, train.microbatches
+    if g < 1:
+        raise ConfigError(f"train.global_batch must be >= 1, got {g}")
+    if g % data:
+        raise ConfigError(f"train.global_batch ({g}) must be divisible by parallel.data ({data})")
+    per_replica = g // data
+    if b == -1 and m == -1:
+        m = 1 if pipe == 1 else per_replica
+    if b == -1:
+        if m < 1 or per_replica % m:
+            raise ConfigError(
+                f"train.global_batch / parallel.data = {g} / {data} = {per_replica} must be "
+                f"divisible by train.microbatches ({m})"
+            )
+        b = per_replica // m
+    elif m == -1:
+        if b < 1 or per_replica % b:
+            raise ConfigError(
+                f"train.global_batch ({g}) must be divisible by parallel.data * "
+                f"train.microbatch_size = {data} * {b} = {data * b}"
+            )
+        m = per_replica // b
+    if b < 1 or m < 1 or data * m * b != g:
+        raise ConfigError(
+            f"train.global_batch ({g}) must equal parallel.data * train.microbatches * "
+            f"train.microbatch_size = {data} * {m} * {b} = {data * m * b}"
+        )
+    return b, m
+
+
+def resolve_decay_steps(cfg: Config) -> Config:
+    """Fixes `optimizer.decay_steps = -1` to "until train.steps" for the current train.steps.
+
+    Call it before changing train.steps to stop a run early: the schedule then stays that of
+    the whole run, and resuming past warm-up reproduces the uninterrupted run's learning rates.
+    """
+    opt = cfg.optimizer
+    if opt.decay_steps != -1:
+        return cfg
+    decay = max(cfg.train.steps - opt.warmup_steps, 1)
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, decay_steps=decay))
+
+
+def with_steps(cfg: Config, steps: int) -> Config:
+    """The config with train.steps = `steps` and the learning-rate schedule left as it was."""
+    cfg = resolve_decay_steps(cfg)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def kv_head_rules(kv_heads: int, tensor: int) -> tuple[dict, dict]:
+    """(param, activation) rule overrides for `kv_heads` key/value heads on a tensor size t:
+    none when t divides kv_heads (`jaxmeg.parallel.rules` splits the logical axes `kv_heads` and
+    `act_kv_heads` over `tensor`), else both replicated. `validate` writes them into
+    `parallel.param_rules` / `activation_rules` unless those name the axes already."""
+    if kv_heads % tensor == 0:
+        return {}, {}
+    return {"kv_heads": None}, {"act_kv_heads": None}
+
+
+def _validate_compression(comp: CompressionConfig, pipe: int, data: int, zero_stage: int) -> None:
+    for name in ("pipe_grad_rank", "data_grad_rank", "warmup_steps"):
+        if getattr(comp, name) < 0:
+            raise ConfigError(f"compression.{name} must be >= 0, got {getattr(comp, name)}")
+    _check_choice("compression.pipe_error_feedback", comp.pipe_error_feedback, ERROR_FEEDBACK)
+    _check_choice("compression.pipe_grad_phase", comp.pipe_grad_phase, PIPE_GRAD_PHASES)
+    if comp.pipe_grad_rank and pipe == 1:
+        raise ConfigError(
+            f"compression.pipe_grad_rank = {comp.pipe_grad_rank} compresses the gradients sent "
+            f"between pipeline stages, but parallel.pipe is 1"
+        )
+    if comp.pipe_grad_phase != "all" and not comp.pipe_grad_rank:
+        raise ConfigError(
+            f"compression.pipe_grad_phase = {comp.pipe_grad_phase} needs "
+            f"compression.pipe_grad_rank > 0"
+        )
+    if comp.data_grad_rank and data == 1:
+        raise ConfigError(
+            f"compression.data_grad_rank = {comp.data_grad_rank} compresses the data-parallel "
+            f"reduction, but parallel.data is 1"
+        )
+    for name in ("fused_embedding_sync", "data_grad_rank"):
+        if getattr(comp, name) and zero_stage:
+            raise ConfigError(
+                f"compression.{name} = {getattr(comp, name)} works on whole gradients, but "
+                f"parallel.zero_stage = {zero_stage} reduce-scatters them; use one or the other"
+            )
+    if not -1 <= comp.data_grad_stages <= pipe or comp.data_grad_stages == 0:
+        raise ConfigError(
+            f"compression.data_grad_stages must be -1 (all) or a stage count in [1, "
+            f"parallel.pipe = {pipe}], got {comp.data_grad_stages}"
+        )
+
+
+def validate(cfg: Config, num_devices: int) -> Config:
+    """Checks every field and returns the config with all `-1` sentinels resolved.
+
+    Needs `model.vocab_size` to be known (set it from the dataset first).
+    """
+    m, par, tr, opt = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
+    _check_choice("model.block", m.block, ("gpt", "llama"))
+    _check_choice("model.compute_dtype", m.compute_dtype, DTYPES)
+    _check_choice("model.param_dtype", m.param_dtype, DTYPES)
+    _check_choice("model.remat", m.remat, REMAT_POLICIES)
+    _check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
+    _check_choice("parallel.schedule", par.schedule, schedules.NAMES)
+    _check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
+    _check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)
+    _check_choice("parallel.placement", par.placement, PLACEMENTS)
+    if isinstance(par.stage_layers, str):
+        raise ConfigError(
+            f"parallel.stage_layers={par.stage_layers} is resolved by the trainer before "
+            f"validation (jaxmeg.training.partitioning.resolve_stage_layers)"
+        )
+    for name in ("hidden", "layers", "heads", "mlp_ratio", "seq_len", "vocab_multiple"):
+        _check_positive(f"model.{name}", getattr(m, name))
+    if m.vocab_size < 1:
+        raise ConfigError(f"model.vocab_size must be set (>= 1), got {m.vocab_size}")
+    if m.dropout != 0.0:
+        raise ConfigError(
+            f"model.dropout must be 0.0 (dropout is not implemented), got {m.dropout}"
+        )
+    if m.hidden % m.heads:
+        raise ConfigError(f"model.hidden ({m.hidden}) must be divisible by model.heads ({m.heads})")
+    if m.block == "llama" and m.head_dim % 2:
+        raise ConfigError(f"rotary positions need an even head dim, got {m.head_dim}")
+    if m.kv_heads != -1 and (m.kv_heads < 1 or m.heads % m.kv_heads):
+        raise ConfigError(
+            f"model.kv_heads must be -1 (= heads) or a divisor of model.heads ({m.heads}), "
+            f"got {m.kv_heads}"
+        )
+    if m.ffn_hidden != -1 and m.ffn_hidden < 1:
+        raise ConfigError(
+            f"model.ffn_hidden must be -1 (= mlp_ratio x hidden) or >= 1, got {m.ffn_hidden}"
+        )
+    _check_positive("model.rope_theta", m.rope_theta)
+
+    data, pipe, tensor = resolve_mesh_shape(par, num_devices)
+    if m.heads % tensor:
+        raise ConfigError(
+            f"model.heads ({m.heads}) must be divisible by parallel.tensor ({tensor})"
+        )
+    if m.mlp_hidden % tensor:
+        raise ConfigError(
+            f"model MLP width (model.ffn_hidden or model.mlp_ratio x model.hidden = "
+            f"{m.mlp_hidden}) must be divisible by parallel.tensor ({tensor})"
+        )
+    if par.sequence_parallel and m.seq_len % tensor:
+        raise ConfigError(
+            f"sequence parallelism needs model.seq_len ({m.seq_len}) divisible by "
+            f"parallel.tensor ({tensor})"
+        )
+    if par.chunks < 1:
+        raise ConfigError(f"parallel.chunks must be >= 1, got {par.chunks}")
+    if par.zero_stage not in ZERO_STAGES:
+        raise ConfigError(
+            f"parallel.zero_stage must be one of {list(ZERO_STAGES)}, got {par.zero_stage}"
+        )
+    if par.zero_stage and data == 1:
+        raise ConfigError(
+            f"parallel.zero_stage = {par.zero_stage} splits the optimizer over parallel.data, "
+            f"which is 1; use parallel.data > 1 or zero_stage 0"
+        )
+    if par.chunks > 1 and par.schedule not in schedules.CHUNKED:
+        raise ConfigError(
+            f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b or "
+            f"breadth_first, "
+            f"got {par.schedule}"
+        )
+    if par.chunks > 1 and pipe == 1:
+        raise ConfigError(f"parallel.chunks = {par.chunks} needs parallel.pipe > 1, got 1")
+    if par.stage_layers and par.schedule == "interleaved_1f1b":
+        raise ConfigError(
+            f"parallel.stage_layers {list(par.stage_layers)} needs a schedule with one chunk per "
+            f"stage (gpipe, 1f1b or breadth_first with chunks = 1), got "
+            f"parallel.schedule=interleaved_1f1b"
+        )
+    try:
+        StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
+    b, micro = resolve_batching(tr, data, pipe)
+    if pipe > 1 and par.schedule == "interleaved_1f1b" and micro % pipe:
+        raise ConfigError(
+            f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "
+            f"parallel.pipe ({pipe})"
+        )
+    _validate_compression(cfg.compression, pipe, data, cfg.parallel.zero_stage)
+    _check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
+    _check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError(
+            f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got "
+            f"{cfg.checkpoint.every} and {cfg.checkpoint.keep}"
+        )
+    _check_positive("train.steps", tr.steps)
+    _check_positive("train.log_every", tr.log_every)
+    if not 0.0 <= cfg.data.eval_fraction < 0.5:
+        raise ConfigError(f"data.eval_fraction must be in [0, 0.5), got {cfg.data.eval_fraction}")
+    if tr.eval_every < 0:
+        raise ConfigError(f"train.eval_every must be >= 0 (0 = never), got {tr.eval_every}")
+    _check_positive("train.eval_batches", tr.eval_batches)
+    if tr.eval_every and cfg.data.eval_fraction == 0.0:
+        raise ConfigError(
+            f"train.eval_every = {tr.eval_every} evaluates the held-out split, but "
+            f"data.eval_fraction is 0 (nothing held out); set it, e.g. data.eval_fraction=0.05"
+        )
+    _check_positive("optimizer.lr", opt.lr)
+    if opt.min_lr < 0 or opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr must be in [0, lr={opt.lr}], got {opt.min_lr}")
+    if opt.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {opt.warmup_steps}")
+    if opt.grad_clip < 0:
+        raise ConfigError(f"optimizer.grad_clip must be >= 0, got {opt.grad_clip}")
+    kv_params, kv_activations = kv_head_rules(m.num_kv_heads, tensor)
+    return resolve_decay_steps(
+        dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(m, kv_heads=m.num_kv_heads, ffn_hidden=m.mlp_hidden),
+            parallel=dataclasses.replace(
+                par,
+                data=data,
+                pipe=pipe,
+                tensor=tensor,
+                param_rules={**kv_params, **par.param_rules},
+                activation_rules={**kv_activations, **par.activation_rules},
+            ),
+            train=dataclasses.replace(tr, microbatch_size=b, microbatches=micro),
+        )
+    )

@@ -1,0 +1,82 @@
+"""The layout the performance model prices: how many GPUs go to each mesh axis, the batching,
+the schedule, recompute and ZeRO. Its own module so that `jaxmeg.perf.model` and
+`jaxmeg.perf.collectives` both import it, and the model imports the collectives one way.
+
+Words: t tensor, p pipe, d data, v chunks, b microbatch, m microbatches per replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmeg.config import OUTER_AXES, REMAT_POLICIES, ZERO_STAGES
+from jaxmeg.pipeline import schedules
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    tensor: int
+    pipe: int
+    data: int
+    chunks: int = 1
+    microbatch: int = 1
+    microbatches: int = 1
+    recompute: str = "full"
+    """What a layer keeps for its backward, one of `config.REMAT_POLICIES` (`model.remat`)."""
+    pipe_scatter_gather: bool = True
+    """Megatron splits each pipeline message over the t ranks of a tensor group, and so does
+    jaxmeg's executor with `parallel.scatter_gather` (its default with tensor > 1)."""
+    sequence_parallel: bool = False
+    """Shard the residual stream on the sequence over `tensor` (Korthikanti et al., 2022); off
+    in the Megatron-LM 2021 measurements. Pipeline messages are always scatter/gathered (/t)."""
+    outer_axis: str = "pipe"
+    """Which of pipe and data varies slowest over the GPUs (`parallel.outer_axis`), and so
+    crosses nodes first."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (`parallel.schedule`); `interleaved_1f1b` when chunks > 1."""
+    warmup: str = "min_bubble"
+    """1F1B warm-up (`parallel.pipeline_warmup`); sets how many inputs a stage keeps."""
+    stage_layers: tuple[int, ...] = ()
+    """Layers per stage (`parallel.stage_layers`); empty = the even split l / p."""
+    zero_stage: int = 0
+    """ZeRO sharding over the data group (Rajbhandari et al., 2020), one of `config.ZERO_STAGES`:
+    0 none; 1 the fp32 master weights and Adam moments; 3 also the weights and gradients, the
+    weights all-gathered per chunk per use and the gradients reduce-scattered. Modelled here
+    only (jaxmeg's config has no such field)."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"
+            )
+        if self.recompute not in REMAT_POLICIES:
+            raise ValueError(
+                f"recompute must be one of {list(REMAT_POLICIES)}, got {self.recompute!r}"
+            )
+        if self.outer_axis not in OUTER_AXES:
+            raise ValueError(
+                f"outer_axis must be one of {list(OUTER_AXES)}, got {self.outer_axis!r}"
+            )
+        if self.schedule not in schedules.NAMES or self.warmup not in schedules.WARMUPS:
+            raise ValueError(
+                f"schedule must be one of {list(schedules.NAMES)} and warmup one of "
+                f"{list(schedules.WARMUPS)}, got {self.schedule!r} / {self.warmup!r}"
+            )
+        interleaved = self.schedule == "interleaved_1f1b"
+        if self.pipe > 1 and (
+            (self.chunks > 1 and self.schedule not in schedules.CHUNKED)
+            or (interleaved and self.chunks == 1)
+        ):
+            raise ValueError(
+                f"chunks = {self.chunks} goes with schedule interleaved_1f1b or breadth_first "
+                f"(chunks > 1), or gpipe, 1f1b or breadth_first (chunks = 1), got "
+                f"{self.schedule!r}"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipe * self.data
+
+    @property
+    def global_batch(self) -> int:
+        return self.data * self.microbatches * self.microbatch
