@@ -4,6 +4,11 @@
   python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 8 \
       --set parallel.data=4 --set parallel.pipe=2
   python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 1 --compare-plain
+  python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 4 --cost-report \
+      --set parallel.pipe=4 --set train.microbatches=8
+
+`--cost-report` compiles the step and counts what it executes, from its HLO (FLOPs, bytes
+written, bytes per link), against the model's needs and the planner's prediction; nothing runs.
 
 Batches are random tokens (the step's cost does not depend on them), so no dataset is needed;
 the vocabulary is `model.vocab_size`, else `data.tokenizer_vocab`.
@@ -33,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="one device: time the one step path against the plain autodiff step, alternating",
     )
+    parser.add_argument(
+        "--cost-report",
+        action="store_true",
+        help="compile only: what the step executes, counted from its HLO (text, or --json)",
+    )
+    parser.add_argument("--json", action="store_true", help="with --cost-report: one JSON object")
     args = parser.parse_args(argv)
     if args.cpu_devices:
         from jaxmeg.parallel import simulate_cpu_devices
@@ -42,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmeg.training.benchmark import benchmark, compare_with_plain
 
     cfg = config.load(args.config, args.overrides)
-    if args.compare_plain:
+    if args.cost_report:
+        from jaxmeg.training.cost_report import cost_report, format_report
+        from jaxmeg.training.trainer import prepare
+
+        report = cost_report(prepare(cfg, dataset=None))
+        print(json.dumps(report) if args.json else format_report(report))
+    elif args.compare_plain:
         print(json.dumps(compare_with_plain(cfg, steps=args.steps)))
     else:
         print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))

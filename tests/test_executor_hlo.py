@@ -67,7 +67,9 @@ def accumulator_shapes(trainable) -> set[str]:
 def test_tick_loop_copies_no_gradient_accumulator(mesh, schedule, chunks):
     trainable, _, comps, body = compiled_module(mesh, schedule, chunks)
     copies = hlo_module.ops(comps[body], "copy")
-    assert len(copies) <= 2, copies
+    # the 0-or-1-trip slot loops copy their int32 trip counters; nothing else bigger
+    arrays = [line for line in copies if not hlo_module.result_shape(line).startswith("s32[]")]
+    assert len(arrays) <= 2, arrays
     shapes = accumulator_shapes(trainable)
     assert len(shapes) >= 5  # the check below has something to match
     copied = {hlo_module.result_shape(line) for line in copies}

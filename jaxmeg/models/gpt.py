@@ -237,9 +237,39 @@ class Mlp(nn.Module):
         return y_BxSxD
 
 
+_MATMUL_PRIMITIVES = frozenset({"dot_general", "dot_product_attention_fwd_wrapper"})
+
+
+def save_matmul_outputs(prim, *_, **__) -> bool:
+    """Checkpoint policy: saves the outputs of every matmul, `dot_general` and cuDNN's fused
+    attention forward (whose backward reads its output and softmax statistics); everything
+    else is recomputed. The layer's input, the checkpointed function's argument, is kept too."""
+    return prim.name in _MATMUL_PRIMITIVES
+
+
+REMAT_POLICY = {
+    # Recompute no matmul, and nothing the backward can rebuild cheaply: keep the layer's input
+    # and the matmul outputs its backward reads (QKV and fc1 before their biases, the attention
+    # scores before scaling and masking, the attention context, the out-projection before its
+    # bias and residual add; fc2's output is read by nothing). The backward recomputes the
+    # elementwise work from them: the layer norms and their statistics, biases, rotary, the
+    # causal mask (it depends on no input), softmax, tanh-GeLU and its output (fc2's input),
+    # the residual adds. A GPT layer keeps s b h (2 + 8 / t) + a s^2 b / t elements, instead of
+    # every intermediate (45 s b h on gpt_tiny), and its backward's matmuls are exactly the
+    # forward's input and weight gradients.
+    "none": save_matmul_outputs,
+    # Keep matmuls against weights, recompute attention scores/softmax (Megatron's selective).
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep nothing inside the layer but its input.
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
 class Block(nn.Module):
     """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)). With this layer's
-    key/value cache [2, B, T, K, H] (decoding), also returns the cache the new tokens wrote."""
+    key/value cache [2, B, T, K, H] (decoding), also returns the cache the new tokens wrote.
+    What it keeps for its backward is REMAT_POLICY[cfg.remat], applied by its caller
+    (`BlockStack`, the pipeline's chunk) around each layer."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
@@ -261,14 +291,6 @@ class Block(nn.Module):
         return x, cache_2xBxTxKxH
 
 
-REMAT_POLICY = {
-    # Keep matmuls against weights, recompute attention scores/softmax (Megatron's selective).
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Keep nothing inside the layer but its input.
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
-
-
 class BlockStack(nn.Module):
     """`num_layers` Blocks with parameters stacked on a leading `layers` dim, applied by scan."""
 
@@ -282,7 +304,7 @@ class BlockStack(nn.Module):
     ) -> Array | tuple[Array, Array]:
         """x; with a key/value cache (decoding, no remat), (x, the updated cache)."""
         block = Block
-        if self.cfg.remat != "none" and cache_Lx2xBxTxKxH is None:
+        if cache_Lx2xBxTxKxH is None:
             block = nn.remat(block, policy=REMAT_POLICY[self.cfg.remat], prevent_cse=False)
         scanned = nn.scan(
             block,

@@ -12,12 +12,19 @@ temp      = 12 P               fp32 gradient accumulators, and the update's temp
           + W                  what one tick holds besides the rings (`working_bytes`)
           + 12 s b V / t       the last virtual stage's fp32 logits, softmax and their gradient
 
+With p v = 1 the whole model's forward and backward run inside one tick, and their residuals
+are gone before the optimizer update, whose temporaries reuse that space: temp = max(12 P,
+8 P + the rest), the update's buffers or, during the backward, the accumulators and one
+microbatch's gradient beside the activations (within 8% of memory_analysis on the tie cases
+of tests/test_perf.py and with m = 2 or b = 4; the plain sum counted the update twice).
+
 The residuals R cross the tick loop, so every one of them is a buffer of its own: they are
 counted leaf by leaf from the pullback of jaxmeg's layer (`stored_layer_elements`). A backward
 that runs its forward in the same computation (`full`, and the whole model when p v = 1) keeps
-less, since XLA fuses the cheap elementwise intermediates into the backward; it is counted at
-Korthikanti et al.'s per-layer counts, with the compute dtype's width and the s x s scores (no
-flash attention on CPU).
+what its layers' policy keeps; a `full` layer's recompute, which keeps every intermediate but
+lets XLA fuse the cheap elementwise ones into the backward, is counted at Korthikanti et al.'s
+per-layer counts, with the compute dtype's width and the s x s scores (no flash attention on
+CPU).
 """
 
 from __future__ import annotations
@@ -57,36 +64,50 @@ def jaxmeg_params_per_device(shape: Shape, layout: Layout, vocab_padded: int) ->
 
 
 def stored_layer_elements(shape: Shape, layout: Layout) -> float:
-    """Elements one layer's pullback keeps, per microbatch, as jaxmeg's GPT layer leaves them.
+    """Elements one layer's pullback keeps, per microbatch, as jaxmeg's GPT layer leaves them
+    (`jaxmeg.models.gpt.REMAT_POLICY`; XLA's attention, not cuDNN's).
 
-    none       s b h (8 + 28 / t) + 2 b a s^2 / t + (4 s b + 2 h + 2 b a s / t), as the leaves of
-               its pullback count: eight arrays of the residual stream's width, q, k, v and the
-               attention output (4 / t), six of the MLP's width (fc1's output and the
-               tanh-GeLU's intermediates, 24 / t), two of the scores' size, and the norms' and
-               the softmax's per-row statistics;
-    selective  s b h (2 + 7 / t): the outputs of the four weight matmuls (QKV 3 / t, fc1 4 / t,
-               the two row-parallel ones after their all-reduce);
+    none       s b h (2 + 8 / t) + a s^2 b / t: the layer's input and the matmul outputs its
+               backward reads: QKV (3 / t), the attention context (1 / t), fc1 (4 / t), the
+               out-projection after its all-reduce (1), and the scores (a s^2 b / t, float32
+               whatever the compute dtype: `attention_scores_elements`); the norms, softmax,
+               GeLU, biases and the causal mask are recomputed;
+    selective  s b h (2 + 7 / t): the layer's input and the outputs of the weight matmuls its
+               backward reads (QKV 3 / t, fc1 4 / t, the out-projection after its all-reduce);
     full       none (the stage input is the ring's).
     """
-    s, b, h, a, t = shape.seq_len, layout.microbatch, shape.hidden, shape.heads, layout.tensor
+    s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
     sbh = s * b * h
     if layout.recompute == "none":
-        return sbh * (8 + 28 / t) + 2 * b * a * s * s / t + 4 * s * b + 2 * h + 2 * b * a * s / t
+        return sbh * (2 + 8 / t) + attention_scores_elements(shape, layout)
     if layout.recompute == "selective":
         return sbh * (2 + 7 / t)
     return 0.0
 
 
+def attention_scores_elements(shape: Shape, layout: Layout) -> float:
+    """a s^2 b / t: the scores QK^T of one layer, kept in float32 by `none`."""
+    s, b, a, t = shape.seq_len, layout.microbatch, shape.heads, layout.tensor
+    return a * s * s * b / t
+
+
+def stored_layer_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
+    """`stored_layer_elements` in bytes: the compute dtype's width, 4 for `none`'s scores."""
+    scores = attention_scores_elements(shape, layout) if layout.recompute == "none" else 0.0
+    return (stored_layer_elements(shape, layout) - scores) * compute_bytes + 4 * scores
+
+
 def stored_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
-    """R: Lc layer slots' residuals (padding slots included: the scan stacks them), plus, with
-    `none`, the causal mask (bool) and its fill, b a s^2 (1 + c) / t once per chunk; 0 with one
-    stage and one chunk (nothing is kept across ticks)."""
+    """R: Lc layer slots' residuals (padding slots included: the scan stacks them), less the
+    first layer's input in an unrolled chunk; 0 with one stage and one chunk (nothing is kept
+    across ticks)."""
     if layout.pipe * layout.chunks == 1 or layout.recompute == "full":
         return 0.0
-    s, b, a, t = shape.seq_len, layout.microbatch, shape.heads, layout.tensor
-    lc = stage_layout(shape, layout).layers_per_chunk
-    mask = b * a * s * s * (1 + compute_bytes) / t if layout.recompute == "none" else 0.0
-    return lc * stored_layer_elements(shape, layout) * compute_bytes + mask
+    chunk = stage_layout(shape, layout)
+    stored = chunk.layers_per_chunk * stored_layer_bytes(shape, layout, compute_bytes)
+    if chunk.unrolled:  # the first layer's input is the stage input, kept in its own ring
+        stored -= shape.seq_len * layout.microbatch * shape.hidden * compute_bytes
+    return stored
 
 
 def working_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
@@ -96,16 +117,19 @@ def working_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
     at a time)."""
     fp32 = compute_bytes / 2  # Korthikanti's counts are for 16-bit activations
 
-    def per_layer(recompute: str) -> float:
-        choice = dataclasses.replace(layout, recompute=recompute)
-        return layer_activation_bytes(shape, choice, flash_attention=False) * fp32
+    def recomputed_layer() -> float:
+        plain = dataclasses.replace(layout, recompute="none")
+        return layer_activation_bytes(shape, plain, flash_attention=False) * fp32
 
     if layout.pipe * layout.chunks == 1:
         layers = busiest_stage_layers(shape, layout)
-        extra = per_layer("none") if layout.recompute == "full" else 0.0
-        return layers * per_layer(layout.recompute) + extra
+        if layout.recompute == "none":
+            return layers * stored_layer_bytes(shape, layout, compute_bytes)
+        kept = layer_activation_bytes(shape, layout, flash_attention=False) * fp32
+        extra = recomputed_layer() if layout.recompute == "full" else 0.0
+        return layers * kept + extra
     if layout.recompute == "full":
-        return stage_layout(shape, layout).layers_per_chunk * per_layer("none")
+        return stage_layout(shape, layout).layers_per_chunk * recomputed_layer()
     return stored_bytes(shape, layout, compute_bytes)
 
 
@@ -125,5 +149,9 @@ def jaxmeg_step_memory(
     x = s * b * shape.hidden * compute_bytes
     rings = input_slots * (x + stored_bytes(shape, layout, compute_bytes)) + cot_slots * x
     logits = 3 * 4 * s * b * vocab_padded / layout.tensor
-    temp = 12 * params + rings + working_bytes(shape, layout, compute_bytes) + logits
+    activations = rings + working_bytes(shape, layout, compute_bytes) + logits
+    if layout.pipe * layout.chunks == 1:
+        temp = max(12 * params, 8 * params + activations)
+    else:
+        temp = 12 * params + activations
     return StepMemory(params=params, arguments=arguments, temp=temp)

@@ -45,12 +45,18 @@ from jaxmeg.pipeline import compression, gradients, powersgd, residuals
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_columns import (
     B_CHUNK,
+    B_FIRST,
+    B_WHOLE,
     F_EMBED,
     F_FIRST,
-    IDLE,
+    F_LAST,
+    F_MIDDLE,
+    backward_senders,
     final_backward_chunks,
+    forward_senders,
     gather_columns,
     kind_columns,
+    send_patterns,
 )
 from jaxmeg.pipeline.tick_table import FIELDS, TickTable
 
@@ -108,17 +114,6 @@ def _zeros_like(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _write(buffer, slot, value):
-    """buffer[slot] = value where slot >= 0; unchanged where slot == -1."""
-    safe = jnp.maximum(slot, 0)
-    return buffer.at[safe].set(jnp.where(slot >= 0, value.astype(buffer.dtype), buffer[safe]))
-
-
-def _ring_pairs(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
-    """ppermute pairs s -> s + step, with the wrap-around pair only if `wrap`."""
-    return [(s, (s + step) % p) for s in range(p) if wrap or 0 <= s + step < p]
-
-
 def _split(shape: tuple, dim: int, parts: int) -> tuple:
     """`shape` with dim `dim` divided by `parts`."""
     return (*shape[:dim], shape[dim] // parts, *shape[dim + 1 :])
@@ -149,6 +144,7 @@ def make_pipeline_loss_and_grads(
     pipe_compression: compression.PipeCompression | None = None,
     data_compression: powersgd.DataCompression | None = None,
     fused_embedding_sync: bool = False,
+    scatter_gather: bool = False,
 ) -> Callable:
     """Returns `f(stage_params, shared, tokens, targets) -> (loss, (stage_grads, shared_grads))`,
     or with `pipe_compression` or `data_compression`, `f(..., targets, links, step) -> (loss,
@@ -157,6 +153,10 @@ def make_pipeline_loss_and_grads(
     h] (lazy only)} and PowerSGD's {"data": {"q": {key: [p, d, v, Lc, m, r]}, "error": {key:
     [p, d, v, Lc, ...]}}}; `step` (int32 scalar) is the optimizer step, for the warm-up.
     `fused_embedding_sync`: the shared gradients are reduced by `gradients.fused_sync`.
+    `scatter_gather` (with an automatic `tensor` axis > 1): Megatron-LM's scatter/gather; each
+    tensor rank sends 1/t of an activation or cotangent [b, s, h] (its slice of the sequence)
+    and the receiver all-gathers it over `tensor`, so the link between stages carries t times
+    fewer bytes.
 
     stage_params: leaves [v, p, Lc, ...] (`layout.shape`), `p` on `pipe`.
     shared: embedding and head params, replicated over `pipe`.
@@ -206,19 +206,46 @@ def make_pipeline_loss_and_grads(
     gathering = zero.stage == 3
     if gathering:
         columns["f_gather"], columns["b_gather"] = gather_columns(table)
+    # Each direction sends only on the pairs that carry something in that tick (one ppermute
+    # per distinct set of pairs, chosen by an index equal on every stage).
     pc = pipe_compression
-    if pc is not None:
-        sends = columns["b_kind"] == B_CHUNK
-        compress = np.asarray(pc.compress, bool) & sends
-        factor_ticks, whole_ticks = compress.any(1), (sends & ~compress).any(1)
+    f_senders, b_senders = forward_senders(table, v), backward_senders(table, v)
+    columns["send_x"], x_patterns = send_patterns(f_senders, 1)
+    if pc is None:
+        columns["send_cot"], cot_patterns = send_patterns(b_senders, -1)
+    else:
+        compress = np.asarray(pc.compress, bool) & b_senders
         columns["pipe_compress"] = compress
-        columns["factor_tick"] = np.repeat(factor_ticks[:, None], p, 1)
-        columns["whole_tick"] = np.repeat(whole_ticks[:, None], p, 1)
-        sends_factors, sends_whole = bool(factor_ticks.any()), bool(whole_ticks.any())
+        columns["send_whole"], whole_patterns = send_patterns(b_senders & ~compress, -1)
+        columns["send_factors"], factor_patterns = send_patterns(compress, -1)
+    columns["recv_x"] = table.recv_act_slot >= 0
+    columns["recv_cot"] = table.recv_cot_slot >= 0
+    # The branch each (tick, stage) takes in every conditional of the tick, and the trips of
+    # every 0-or-1-trip loop (`run_if`), by name scope: what `jaxmeg.parallel.hlo_cost` weights
+    # the compiled branches and loops by.
+    kinds = {"f_first": ("f_kind", F_FIRST), "f_middle": ("f_kind", F_MIDDLE),
+             "f_last": ("f_kind", F_LAST), "f_embed": ("f_kind", F_EMBED),
+             "b_middle": ("b_kind", B_CHUNK), "b_first": ("b_kind", B_FIRST),
+             "b_whole": ("b_kind", B_WHOLE)}  # fmt: skip
+    branch_columns = {scope: columns[col] == kind for scope, (col, kind) in kinds.items()}
+    for name in ("send_x", "send_cot", "send_whole", "send_factors", "recv_x", "recv_cot"):
+        if name in columns:
+            branch_columns[name] = columns[name]
+    if gathering:
+        branch_columns["f_gather"] = columns["f_gather"]
+        branch_columns["b_gather"] = columns["b_gather"]
+    if reduce_in_loop:
+        reducing = columns["reduce_chunk"] >= 0
+        if data_compression is not None:  # after the warm-up: PowerSGD on stages < k
+            compressed = np.arange(p)[None, :] < data_compression.stages
+            branch_columns["reduce_chunk"] = reducing * np.where(compressed, 2, 1)
+        else:
+            branch_columns["reduce_chunk"] = reducing
+    if pc is not None:
+        branch_columns["compress_link"] = columns["pipe_compress"]
+    branch_columns = {k: np.asarray(c, np.int32) for k, c in branch_columns.items()}
     columns = {name: jnp.asarray(col, jnp.int32) for name, col in columns.items()}
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
-    forward_pairs = _ring_pairs(p, 1, wrap=v > 1)
-    backward_pairs = _ring_pairs(p, -1, wrap=v > 1)
     store = fns.chunk_recompute is None and not whole_model
     manual = gradients.MANUAL_AXES
 
@@ -231,7 +258,11 @@ def make_pipeline_loss_and_grads(
         )
 
     dc, fused = data_compression, fused_embedding_sync and p > 1
+    split_sends = scatter_gather and mesh.shape.get("tensor", 1) > 1
+
     stateful = pc is not None or dc is not None
+
+    trace_info: dict[str, Any] = {}  # filled when traced: what one forward stores
 
     def per_device(stage_params, shared, tokens, targets, links=None, step=None):
         params = _varying(jax.tree.map(lambda a: a[:, 0], stage_params), "data")  # [v, Lc, ...]
@@ -286,6 +317,8 @@ def make_pipeline_loss_and_grads(
                 lambda cp, x: fns.chunk(cp, x, real_layers(0)), whole_chunk, x_probe
             )
 
+        stored_avals = [x_abstract, *(split.stored if store else ())]
+        trace_info["slot_bytes"] = sum(a.size * a.dtype.itemsize for a in stored_avals)
         carry = {
             "inputs": zeros_x(table.num_input_slots),
             "cots": zeros_x(table.num_cot_slots),
@@ -294,6 +327,8 @@ def make_pipeline_loss_and_grads(
                 for a in (split.stored if store else ())
             ],
             "loss": jnp.zeros((), jnp.float32),
+            "y": zeros_x(),  # the activation the F slot sends
+            "d_x": zeros_x(),  # the input cotangent the B slot sends
         }
         if gathering:
             carry["b_params"] = whole_chunk
@@ -317,178 +352,243 @@ def make_pipeline_loss_and_grads(
             typed = [lambda b=b: _varying_everywhere(b(), manual) for b in branches]
             return jax.lax.switch(index, typed)
 
+        def run_if(active, fn, state, scope, reads=()):
+            """fn(state, *reads) where `active`, else state unchanged, as a loop of 0 or 1 trips:
+            unlike a conditional, whose branches return copies, a loop updates its carry in
+            place, so an inactive slot writes nothing and an active one only what it changes.
+            The state and `reads` pass an optimization barrier with the trip index, so XLA
+            cannot hoist the slot's work out of the loop (and run it on every tick)."""
+            state = _varying_everywhere(state, manual)
+
+            def body(i, st):
+                _, (st, read) = jax.lax.optimization_barrier((i, (st, reads)))
+                return _varying_everywhere(fn(st, *read), manual)
+
+            with jax.named_scope(scope):
+                return jax.lax.fori_loop(0, active.astype(jnp.int32), body, state)
+
         def forward_slot(c, row):
+            """The F slot: the forward of its kind (first, middle or last virtual stage; with
+            p v = 1 the embedding only) reads its stage input and writes the ring slots it fills
+            (the embedded input, the chunk's residuals, the head's cotangent), the activation
+            to send (`y`), the shared gradients and the loss."""
             chunk, mb = row["f_chunk"], jnp.maximum(row["f_mb"], 0)
             if whole_model:
                 cp = None  # the F slot only embeds
             else:
                 cp = c["f_params"] if gathering else chunk_params(chunk)
             real = real_layers(chunk)
-            x_in = c["inputs"][jnp.maximum(row["f_slot"], 0)]
+            slot = jnp.maximum(row["f_slot"], 0)
             tokens_BxS, targets_BxS = tokens_MxBxS[mb], targets_MxBxS[mb]
-            no_stored = [jnp.zeros(a.shape, a.dtype) for a in (split.stored if store else ())]
+            dtype = c["y"].dtype
 
             def run_chunk(x):
                 if not store:
-                    return fns.chunk(cp, x, real), no_stored
+                    return fns.chunk(cp, x, real), []
                 y, traced, stored = residuals.forward(lambda p_, x_: fns.chunk(p_, x_, real), cp, x)
                 split.check(traced)
                 return y, stored
 
-            def out(x_embedded=None, y=None, stored=None, head_cot=None, d_shared=None, loss=None):
-                zero_x = jnp.zeros_like(x_in)
-                return (
-                    zero_x if x_embedded is None else x_embedded.astype(x_in.dtype),
-                    zero_x if y is None else y.astype(x_in.dtype),
-                    no_stored if stored is None else stored,
-                    zero_x if head_cot is None else head_cot.astype(x_in.dtype),
-                    _zeros_like(shared) if d_shared is None else d_shared,
-                    jnp.zeros((), jnp.float32) if loss is None else loss.astype(jnp.float32),
-                )
+            def keep(r, stored):
+                return [
+                    buf.at[slot].set(leaf.astype(buf.dtype))
+                    for buf, leaf in zip(r["stored"], stored, strict=True)
+                ]
 
-            def idle():
-                return out()
+            def embed_only(r, tokens_BxS, targets_BxS):
+                x = fns.embed(shared, tokens_BxS).astype(dtype)
+                return {**r, "inputs": r["inputs"].at[slot].set(x)}
 
-            def embed_only():
-                return out(x_embedded=fns.embed(shared, tokens_BxS))
-
-            def first():
-                x = fns.embed(shared, tokens_BxS).astype(x_in.dtype)
+            def first(r, tokens_BxS, targets_BxS):
+                x = fns.embed(shared, tokens_BxS).astype(dtype)
                 y, stored = run_chunk(x)
-                return out(x_embedded=x, y=y, stored=stored)
+                inputs = r["inputs"].at[slot].set(x)
+                return {**r, "inputs": inputs, "stored": keep(r, stored), "y": y.astype(dtype)}
 
-            def middle():
-                y, stored = run_chunk(x_in)
-                return out(y=y, stored=stored)
+            def middle(r, tokens_BxS, targets_BxS):
+                y, stored = run_chunk(r["inputs"][slot])
+                return {**r, "stored": keep(r, stored), "y": y.astype(dtype)}
 
-            def last():
-                y, stored = run_chunk(x_in)
+            def last(r, tokens_BxS, targets_BxS):
+                y, stored = run_chunk(r["inputs"][slot])
                 loss, (d_shared, d_y) = jax.value_and_grad(fns.head_loss, argnums=(0, 1))(
                     shared, y, targets_BxS
                 )
                 scale = 1.0 / m
                 d_shared = jax.tree.map(lambda g: g * scale, d_shared)
-                return out(
-                    stored=stored, head_cot=d_y * scale, d_shared=d_shared, loss=loss * scale
-                )
+                cot_slot = jnp.maximum(row["f_cot_slot"], 0)
+                return {
+                    **r,
+                    "stored": keep(r, stored),
+                    "cots": r["cots"].at[cot_slot].set((d_y * scale).astype(dtype)),
+                    "g_shared": gradients.accumulate(r["g_shared"], d_shared),
+                    "loss": r["loss"] + (loss * scale).astype(jnp.float32),
+                }
 
             if whole_model:
-                branches, index = (idle, embed_only), jnp.minimum(row["f_kind"], 1)
+                kinds = {"f_embed": (F_EMBED, embed_only)}
             else:
-                branches, index = (idle, first, middle, last), row["f_kind"]
-            x_embedded, y, stored, head_cot, d_shared, loss = _switch(index, branches)
-            embeds = (row["f_kind"] == F_FIRST) | (row["f_kind"] == F_EMBED)
-            c = {
-                **c,
-                "inputs": _write(c["inputs"], jnp.where(embeds, row["f_slot"], -1), x_embedded),
-                "stored": [
-                    _write(ring, jnp.where(row["f_kind"] == IDLE, -1, row["f_slot"]), leaf)
-                    for ring, leaf in zip(c["stored"], stored, strict=True)
-                ],
-                "cots": _write(c["cots"], row["f_cot_slot"], head_cot),
-                "g_shared": gradients.accumulate(c["g_shared"], d_shared),
-                "loss": c["loss"] + loss,
-            }
-            return c, y
+                kinds = {"f_first": (F_FIRST, first), "f_middle": (F_MIDDLE, middle),
+                         "f_last": (F_LAST, last)}  # fmt: skip
+            ring = {k: c[k] for k in ("inputs", "stored", "cots", "y", "g_shared", "loss")}
+            for scope, (kind, fn) in kinds.items():
+                ring = run_if(row["f_kind"] == kind, fn, ring, scope, (tokens_BxS, targets_BxS))
+            return {**c, **ring}
 
         def backward_slot(c, row):
+            """The B slot: the backward of its kind reads its stage input, residuals and
+            output cotangent, accumulates the gradients it produces and writes the input
+            cotangent to send (`d_x`)."""
             chunk, mb = row["b_chunk"], jnp.maximum(row["b_mb"], 0)
             cp = c["b_params"] if gathering else chunk_params(chunk)
             real = real_layers(chunk)
             slot = jnp.maximum(row["b_slot"], 0)
-            x = c["inputs"][slot]
-            cot = c["cots"][jnp.maximum(row["b_cot_slot"], 0)]
-            stored = [ring[slot] for ring in c["stored"]]
             tokens_BxS, targets_BxS = tokens_MxBxS[mb], targets_MxBxS[mb]
+            at = 0 if v == 1 else jnp.maximum(chunk, 0)  # static with one chunk
 
-            def chunk_backward():
+            def chunk_backward(a):
+                inputs, cots, rings = a["inputs"], a["cots"], a["stored"]
+                x = inputs[slot]
+                cot = cots[jnp.maximum(row["b_cot_slot"], 0)]
                 if store:
-                    return residuals.backward(split, cp, x, stored, cot)
+                    return residuals.backward(split, cp, x, [buf[slot] for buf in rings], cot)
                 _, pullback = jax.vjp(lambda p_, x_: fns.chunk_recompute(p_, x_, real), cp, x)
                 return pullback(cot)
 
-            def embed_backward(d_x):
+            def embed_backward(d_x, tokens_BxS):
                 _, pullback = jax.vjp(lambda sh: fns.embed(sh, tokens_BxS), shared)
                 return pullback(d_x.astype(x_abstract.dtype))[0]
 
-            def idle():
-                return _zeros_like(cp), _zeros_like(shared), jnp.zeros_like(x), jnp.float32(0)
+            def middle(a, tokens_BxS, targets_BxS):
+                d_params, d_x = chunk_backward(a)
+                g_stage = gradients.accumulate_at(a["g_stage"], at, d_params)
+                return {**a, "g_stage": g_stage, "d_x": d_x.astype(a["d_x"].dtype)}
 
-            def middle():
-                d_params, d_x = chunk_backward()
-                return d_params, _zeros_like(shared), d_x.astype(x.dtype), jnp.float32(0)
+            def first(a, tokens_BxS, targets_BxS):
+                d_params, d_x = chunk_backward(a)
+                d_shared = embed_backward(d_x, tokens_BxS)
+                return {
+                    **a,
+                    "g_stage": gradients.accumulate_at(a["g_stage"], at, d_params),
+                    "g_shared": gradients.accumulate(a["g_shared"], d_shared),
+                }
 
-            def first():
-                d_params, d_x = chunk_backward()
-                return d_params, embed_backward(d_x), jnp.zeros_like(x), jnp.float32(0)
-
-            def whole():
+            def whole(a, tokens_BxS, targets_BxS):
                 def chunk_head_loss(p_, sh, x_):
                     return fns.head_loss(sh, fns.chunk(p_, x_, real), targets_BxS)
 
-                loss, pullback = jax.vjp(chunk_head_loss, cp, shared, x)
+                loss, pullback = jax.vjp(chunk_head_loss, cp, shared, a["inputs"][slot])
                 d_params, d_shared, d_x = pullback(jnp.ones_like(loss) / m)
-                d_shared = gradients.accumulate(d_shared, embed_backward(d_x))
-                return d_params, d_shared, jnp.zeros_like(x), (loss / m).astype(jnp.float32)
+                d_shared = gradients.accumulate(d_shared, embed_backward(d_x, tokens_BxS))
+                return {
+                    **a,
+                    "g_stage": gradients.accumulate_at(a["g_stage"], at, d_params),
+                    "g_shared": gradients.accumulate(a["g_shared"], d_shared),
+                    "loss": a["loss"] + (loss / m).astype(jnp.float32),
+                }
 
             if whole_model:
-                branches, index = (idle, whole), jnp.minimum(row["b_kind"], 1)
+                kinds = {"b_whole": (B_WHOLE, whole)}
             else:
-                branches, index = (idle, middle, first), row["b_kind"]
-            d_params, d_shared, d_x, loss = _switch(index, branches)
-            if v == 1:
-                g_stage = gradients.accumulate_at(c["g_stage"], 0, d_params)
-            else:
-                g_stage = gradients.accumulate_at(c["g_stage"], jnp.maximum(chunk, 0), d_params)
-            c = {
-                **c,
-                "g_stage": g_stage,
-                "g_shared": gradients.accumulate(c["g_shared"], d_shared),
-                "loss": c["loss"] + loss,
+                kinds = {"b_middle": (B_CHUNK, middle), "b_first": (B_FIRST, first)}
+            # the rings it reads go through the loop too: read-only operands would be copied
+            acc = {
+                k: c[k] for k in ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored")
             }
-            return c, d_x
+            for scope, (kind, fn) in kinds.items():
+                acc = run_if(row["b_kind"] == kind, fn, acc, scope, (tokens_BxS, targets_BxS))
+            return {**c, **acc}
 
-        def send(x, pairs):
-            return jax.lax.ppermute(x, "pipe", pairs) if pairs else jax.tree.map(jnp.zeros_like, x)
+        def send(x, index, patterns, scope):
+            """ppermute `x` over the pairs of `patterns[index - 1]`, nothing where index is 0
+            (the index is the same on every stage: see `tick_columns.send_patterns`). With
+            scatter/gather each tensor rank sends its slice of the sequence and the receivers
+            all-gather it over `tensor`, in the same branch."""
+            if not patterns:
+                return jnp.zeros_like(x)
 
-        def send_when(flag, static_any, x, pairs):
-            """ppermute `x` in the ticks where `flag` (the same on every stage) is set."""
-            zeros = lambda: jax.tree.map(jnp.zeros_like, x)  # noqa: E731
-            if not static_any or not pairs:
-                return zeros()
-            return jax.lax.cond(flag > 0, lambda: send(x, pairs), zeros)
+            def branches(x_):
+                def through(pairs):
+                    if not split_sends:
+                        return lambda: jax.lax.ppermute(x_, "pipe", pairs)
+                    rank, parts = jax.lax.axis_index("tensor"), jax.lax.axis_size("tensor")
+                    size = x_.shape[1] // parts
+                    piece = jax.lax.dynamic_slice_in_dim(x_, rank * size, size, axis=1)
+                    got = lambda: jax.lax.ppermute(piece, "pipe", pairs)  # noqa: E731
+                    return lambda: jax.lax.all_gather(got(), "tensor", axis=1, tiled=True)
+
+                return [lambda: jnp.zeros_like(x_), *[through(pairs) for pairs in patterns]]
+
+            with jax.named_scope(scope):
+                if not split_sends:
+                    return _switch(index, branches(x))
+
+                # Each tensor rank's own slice: `tensor` is manual inside. The result varies
+                # over the outer manual axes (data, pipe), which the nested map's type check
+                # would count against out_specs; over `tensor` it is whole, by the gather.
+                def per_rank(x_, i_):
+                    with jax.named_scope(scope):
+                        return jax.lax.switch(i_, branches(x_))
+
+                return jax.shard_map(
+                    per_rank,
+                    in_specs=(P(), P()),
+                    out_specs=P(),
+                    axis_names=frozenset({"tensor"}),
+                    check_vma=False,
+                )(x, index)
+
+        def receive(buffer, slot, value, scope):
+            """buffer[slot] = value in the ticks where something arrives (slot >= 0)."""
+            write = lambda b, val: b.at[jnp.maximum(slot, 0)].set(val.astype(b.dtype))  # noqa: E731
+            return run_if(slot >= 0, write, buffer, scope, (value,))
 
         def send_cotangent(c, row, d_x):
             """The B slot's send, where `pipe_compression` says compressed: the link's error is
             added (lazy), then either the factors or the whole gradient go, and the receiver
             adds what arrived of both (the other is zero)."""
             if pc is None:
-                return c, send(d_x, backward_pairs)
+                return c, send(d_x, row["send_cot"], cot_patterns, "send_cot")
             chunk = jnp.maximum(row["b_chunk"], 0)
             here, sending = row["pipe_compress"] > 0, row["b_kind"] == B_CHUNK
             g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
-            factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
+            with jax.named_scope("compress_link"):
+                factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
             whole = x.astype(d_x.dtype).reshape(d_x.shape)
-            got_whole = send_when(row["whole_tick"], sends_whole, whole, backward_pairs)
-            got_p, got_q = send_when(row["factor_tick"], sends_factors, factors, backward_pairs)
+            got_whole = send(whole, row["send_whole"], whole_patterns, "send_whole")
+            got_p, got_q = send(factors, row["send_factors"], factor_patterns, "send_factors")
             rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
             return {**c, "links": new}, got_whole + rebuilt
 
-        def gather_if(flag, chunk, buffer):
-            return jax.lax.cond(flag > 0, lambda: chunk_params(chunk), lambda: buffer)
+        def gather_if(flag, chunk, buffer, scope):
+            """The chunk's weights all-gathered into `buffer` where `flag` (ZeRO-3)."""
+            return run_if(flag > 0, lambda _, ch: chunk_params(ch), buffer, scope, (chunk,))
 
         def tick(t, c):
             row = {name: col[t, stage] for name, col in columns.items()}
             if gathering:
-                c = {**c, "b_params": gather_if(row["b_gather"], row["b_chunk"], c["b_params"])}
+                c = {
+                    **c,
+                    "b_params": gather_if(
+                        row["b_gather"], row["b_chunk"], c["b_params"], "b_gather"
+                    ),
+                }
                 if not whole_model:
-                    c["f_params"] = gather_if(row["f_gather"], row["f_chunk"], c["f_params"])
-            c, y = forward_slot(c, row)
-            received_x = send(y, forward_pairs)
-            c, d_x = backward_slot(c, row)
-            c = {**c, "inputs": _write(c["inputs"], row["recv_act_slot"], received_x)}
+                    c["f_params"] = gather_if(
+                        row["f_gather"], row["f_chunk"], c["f_params"], "f_gather"
+                    )
+            c = forward_slot(c, row)
+            received_x = send(c["y"], row["send_x"], x_patterns, "send_x")
+            c = backward_slot(c, row)
+            d_x = c["d_x"]
+            c = {**c, "inputs": receive(c["inputs"], row["recv_act_slot"], received_x, "recv_x")}
             c, received_cot = send_cotangent(c, row, d_x)
-            c = {**c, "cots": _write(c["cots"], row["recv_cot_slot"], received_cot)}
+            c = {**c, "cots": receive(c["cots"], row["recv_cot_slot"], received_cot, "recv_cot")}
+            with jax.named_scope("reduce_chunk"):
+                c = reduce_in_tick(c, row)
+            return c
+
+        def reduce_in_tick(c, row):
             if reduce_in_loop and dc is not None:
                 on = (stage < dc.stages) & (step >= dc.warmup_steps)
                 c["g_stage"], data_state = gradients.reduce_final_chunk(
@@ -525,7 +625,7 @@ def make_pipeline_loss_and_grads(
         return loss, (g_stage, g_shared), jax.tree.map(lambda a: a[None, None], out["links"])
 
     link_specs = (P("pipe", "data"), P()) if stateful else ()
-    return jax.shard_map(
+    run = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(*param_specs, P("data"), P("data"), *link_specs),
@@ -535,3 +635,6 @@ def make_pipeline_loss_and_grads(
             gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage or stateful or fused
         ),
     )
+    run.branch_columns = branch_columns
+    run.trace_info = trace_info
+    return run

@@ -35,6 +35,13 @@ def _as_int(field: str, value: Any) -> int:
         raise LayoutError(f"{field} must be an integer, got {value!r}") from None
 
 
+UNROLLED_LAYERS = 4
+"""A chunk of up to this many layer slots runs its layers one after another rather than in a
+scan (even stages only): each layer's residuals are then arrays of their own, written straight
+into the pipeline's rings, where a scan first stacks them in its outputs; its first layer's input
+is the stage input itself."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
     """Layer l -> (stage, chunk, position); built with `StageLayout.create`."""
@@ -91,6 +98,11 @@ class StageLayout:
                 f"parallel.chunks = {v}"
             )
         return cls(L, p, v, counts, uneven=len(set(counts)) > 1)
+
+    @property
+    def unrolled(self) -> bool:
+        """Whether a chunk runs its layers one after another (`UNROLLED_LAYERS`)."""
+        return not self.uneven and self.layers_per_chunk <= UNROLLED_LAYERS
 
     @property
     def layers_per_chunk(self) -> int:

@@ -65,3 +65,38 @@ def gather_columns(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
                 previous = chunk[t, s]
         gathers.append(gather)
     return gathers[0], gathers[1]
+
+
+def forward_senders(table: TickTable, num_chunks: int) -> np.ndarray:
+    """bool [num_ticks, p]: the stages whose F slot sends an activation on (all but the last
+    virtual stage's forwards)."""
+    p, v = table.num_stages, num_chunks
+    virtual = table.f_chunk * p + np.arange(p)[None, :]
+    return (table.f_mb >= 0) & (virtual != p * v - 1)
+
+
+def backward_senders(table: TickTable, num_chunks: int) -> np.ndarray:
+    """bool [num_ticks, p]: the stages whose B slot sends a cotangent on (all but the first
+    virtual stage's backwards)."""
+    virtual = table.b_chunk * table.num_stages + np.arange(table.num_stages)[None, :]
+    return (table.b_mb >= 0) & (virtual != 0)
+
+
+def send_patterns(
+    senders: np.ndarray, step: int
+) -> tuple[np.ndarray, list[tuple[tuple[int, int], ...]]]:
+    """The ppermutes a direction needs: every distinct set of (source, source + step mod p)
+    pairs that some tick sends on, and int32 [num_ticks, p] the index of a tick's set in that
+    list plus one (0: nothing is sent in that tick). The index depends on the tick only, so
+    every stage takes the same branch: a `ppermute` under it cannot deadlock."""
+    p = senders.shape[1]
+    patterns: list[tuple[tuple[int, int], ...]] = []
+    index = np.zeros(senders.shape, np.int32)
+    for t, row in enumerate(senders):
+        pairs = tuple((s, (s + step) % p) for s in np.flatnonzero(row).tolist())
+        if not pairs:
+            continue
+        if pairs not in patterns:
+            patterns.append(pairs)
+        index[t, :] = patterns.index(pairs) + 1
+    return index, patterns

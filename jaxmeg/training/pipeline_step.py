@@ -4,14 +4,14 @@ The executor sees three functions (embed, a chunk of layers, head + loss), a tic
 stage layout; this module builds them from the model and splits the params into the layer stack
 (`blocks`, in the layout's [v, p, Lc, ...] form) and the shared embedding/head params.
 
-`model.remat` decides what a stage keeps for its backward, with or without a pipeline:
-  none       every residual of the chunk's forward, except dtype casts (recomputing a cast is
-             free, and keeping the bf16 copy of every weight would store the weights once per
-             microbatch);
-  selective  the residuals left by Megatron's selective policy (the weight matmuls' outputs and
-             each layer's input; attention scores and softmax are recomputed);
-  full       only the stage input; the backward recomputes the chunk once, without a second,
-             per-layer recompute inside it.
+`model.remat` decides what a stage keeps for its backward, with or without a pipeline, as a
+checkpoint policy around each layer (`jaxmeg.models.gpt.REMAT_POLICY`):
+  none       every matmul's output and each layer's input: no matmul runs twice, the cheap
+             elementwise work (norms, softmax, GeLU, masks) is recomputed in the backward;
+  selective  the weight matmuls' outputs and each layer's input (Megatron's selective policy:
+             attention scores and softmax are recomputed);
+  full       only the stage input; the backward recomputes the chunk once (under `none`),
+             without a second, per-layer recompute inside it.
 With one stage and one chunk there is nothing to keep across ticks: the backward runs the whole
 model under one `jax.vjp` with the policy applied per layer, as plain training does.
 """
@@ -34,21 +34,26 @@ from jaxmeg.training import links
 from jaxmeg.training.state import Trainable, block_shapes, zero_dims
 
 
-def _all_but_casts(prim, *_, **__) -> bool:
-    return prim.name != "convert_element_type"
-
-
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
-    """chunk(layer_params [Lc, ...], x, real_layers) -> x: a scan over the chunk's layer slots;
-    with uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond`."""
+    """chunk(layer_params [Lc, ...], x, real_layers) -> x: the chunk's layers one after another
+    (`StageLayout.unrolled`) or a scan over its layer slots; with uneven stages a padding
+    slot (index >= real_layers) is skipped by `lax.cond`. REMAT_POLICY[remat] around each."""
     block = Block(trainable.cfg.model, constrain)
 
-    def layer(layer_params, x):
+    def apply(layer_params, x):
         return block.apply({"params": layer_params}, x)[0]
 
-    if remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICY[remat], prevent_cse=False)
-    padded = trainable.layout.uneven
+    def stacked_layer(layer_params, x, i):
+        # the layer's slice is taken inside the checkpoint, so what the pullback keeps of the
+        # weights is the stacked params themselves, not a per-microbatch copy of a slice
+        return apply(jax.tree.map(lambda a: a[i], layer_params), x)
+
+    policy = REMAT_POLICY[remat]
+    layer = jax.checkpoint(apply, policy=policy, prevent_cse=False)
+    stacked_layer = jax.checkpoint(
+        stacked_layer, policy=policy, prevent_cse=False, static_argnums=(2,)
+    )
+    padded, unrolled = trainable.layout.uneven, trainable.layout.unrolled
 
     def chunk(layer_params, x_BxSxD, real_layers):
         def body(x, scanned):
@@ -59,12 +64,17 @@ def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
                 x = layer(params_i, x)
             return x, None
 
-        slots = jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
+        count = jax.tree.leaves(layer_params)[0].shape[0]
+        if unrolled:
+            # Unrolled, each layer's residuals are arrays of their own that the executor
+            # writes straight into its rings; a scan would first stack them in its outputs.
+            for i in range(count):
+                x_BxSxD = stacked_layer(layer_params, x_BxSxD, i)
+            return x_BxSxD
+        slots = jnp.arange(count)
         x, _ = jax.lax.scan(body, x_BxSxD, (layer_params, slots))
         return x
 
-    if remat == "none":
-        return jax.checkpoint(chunk, policy=_all_but_casts, prevent_cse=False)
     return chunk
 
 
@@ -128,6 +138,7 @@ def make_loss_and_grads(trainable: Trainable) -> Callable:
         pipe_compression=links.pipe_compression(cfg, table),
         data_compression=links.data_compression(cfg, block_shapes(trainable)),
         fused_embedding_sync=cfg.compression.fused_embedding_sync,
+        scatter_gather=cfg.parallel.uses_scatter_gather,
     )
 
     def loss_and_grads(params, tokens, targets, *link_state, step=0):
@@ -139,4 +150,7 @@ def make_loss_and_grads(trainable: Trainable) -> Callable:
         )
         return loss, {**shared_grads, "blocks": {"layers": stage_grads}}, *link_state
 
+    loss_and_grads.table = table
+    loss_and_grads.branch_columns = run.branch_columns
+    loss_and_grads.trace_info = run.trace_info
     return loss_and_grads

@@ -1,0 +1,292 @@
+"""What a compiled step executes, counted from its HLO text: matmul and elementwise FLOPs, bytes
+written by dynamic-update-slice and copy, and bytes sent per collective kind and mesh axis, per
+pipeline stage and summed over all devices.
+
+XLA's `compiled.cost_analysis()` counts a while body once and only the costliest branch of each
+conditional. Here every loop body counts `known_trip_count` times, and a conditional whose JAX
+name scope is listed in `branch_columns` counts each branch by how many ticks of the loop it is
+in take it on that stage (the pipeline executor's slots: the same tick table the executor runs).
+Any other conditional counts its costliest branch, and is listed in `Cost.unweighted`.
+
+Counting rules, per executed instruction:
+  dot                     2 x output elements x contracted size (matmul FLOPs)
+  elementwise, reduce     one FLOP per output element (per input element for reduce)
+  dynamic-update-slice    the update's bytes (the write is in place)
+  copy                    the result's bytes
+  collectives             bytes a device sends on its links: collective-permute its result if
+                          it is a source, all-reduce 2 (g-1)/g of it (a ring), all-gather and
+                          all-to-all (g-1)/g of the result, reduce-scatter (g-1) x the result
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections import Counter
+from collections.abc import Mapping
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxmeg.parallel.hlo import (
+    _BYTES,
+    _COMPUTATION_RE,
+    KINDS,
+    _group_axes,
+    _result_bytes,
+    replica_groups,
+)
+
+_INSTRUCTION_RE = re.compile(
+    r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
+_ARRAY_RE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+ELEMENTWISE = frozenset(
+    "add subtract multiply divide exponential exponential-minus-one log log-plus-one tanh "
+    "logistic maximum minimum rsqrt sqrt cbrt power negate abs compare select clamp erf sine "
+    "cosine floor ceil round-nearest-even sign and or xor not remainder atan2".split()
+)
+COLLECTIVES = frozenset(KINDS) | {f"{k}-start" for k in KINDS}
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str
+    op: str
+    operands: list[str]
+    attributes: str
+    op_name: str
+
+
+def _elements(shape_text: str) -> int:
+    return sum(
+        int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        for _, dims in _ARRAY_RE.findall(shape_text)
+    )
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Computation name -> its instructions, and the entry computation's name."""
+    comps: dict[str, list[Instruction]] = {}
+    current, entry = None, ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        m = _INSTRUCTION_RE.match(line)
+        if current is None or not m:
+            continue
+        rest = m.group("rest")
+        args, _, attributes = rest.partition(")")
+        op_name = _OP_NAME_RE.search(line)
+        comps[current].append(
+            Instruction(
+                name=m.group("name"),
+                shape=m.group("shape"),
+                op=m.group("op"),
+                operands=re.findall(r"%([\w.\-]+)", args),
+                attributes=attributes,
+                op_name=op_name.group(1) if op_name else "",
+            )
+        )
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+@dataclasses.dataclass
+class Cost:
+    """Executed work of one device (or a sum over devices): FLOPs, bytes written, collective
+    bytes keyed by (kind, sorted mesh axes)."""
+
+    matmul_flops: float = 0.0
+    elementwise_flops: float = 0.0
+    dus_bytes: float = 0.0
+    copy_bytes: float = 0.0
+    dus_count: float = 0.0
+    copy_count: float = 0.0
+    collective_bytes: Counter = dataclasses.field(default_factory=Counter)
+    elementwise_by_shape: Counter = dataclasses.field(default_factory=Counter)
+    """Elementwise FLOPs by result array (`f32[4096,128]`): where a step touches what."""
+    unweighted: set = dataclasses.field(default_factory=set)
+
+    def add(self, other: Cost, weight: float = 1.0) -> None:
+        for f in ("matmul_flops", "elementwise_flops", "dus_bytes", "copy_bytes"):
+            setattr(self, f, getattr(self, f) + weight * getattr(other, f))
+        self.dus_count += weight * other.dus_count
+        self.copy_count += weight * other.copy_count
+        for key, value in other.collective_bytes.items():
+            self.collective_bytes[key] += weight * value
+        for key, value in other.elementwise_by_shape.items():
+            self.elementwise_by_shape[key] += weight * value
+        self.unweighted |= other.unweighted
+
+    @property
+    def written_bytes(self) -> float:
+        return self.dus_bytes + self.copy_bytes
+
+    def bytes_over(self, axis: str) -> float:
+        """Collective bytes over groups that span exactly `axis`."""
+        return sum(b for (_, axes), b in self.collective_bytes.items() if axes == (axis,))
+
+
+def _wire_share(kind: str, group: int) -> float:
+    if group <= 1:
+        return 0.0
+    kind = kind.removesuffix("-start")
+    if kind == "all-reduce":
+        return 2 * (group - 1) / group
+    if kind == "reduce-scatter":
+        return float(group - 1)
+    return (group - 1) / group
+
+
+class StepCost:
+    """Walks a compiled module once per pipeline stage.
+
+    branch_columns: JAX name scope of a conditional -> int [ticks, p] branch index per (tick,
+        stage) of the loop it sits in; of a loop without a known trip count -> its trips per
+        (tick, stage).
+    """
+
+    def __init__(
+        self, hlo_text: str, mesh: Mesh, branch_columns: Mapping[str, np.ndarray] | None = None
+    ):
+        self.comps, self.entry = parse(hlo_text)
+        self.mesh = mesh
+        self.columns = dict(branch_columns or {})
+        names = list(mesh.axis_names)
+        self.pipe_dim = names.index("pipe") if "pipe" in names else None
+        self.p = mesh.shape.get("pipe", 1)
+        self._shapes = {
+            comp: {ins.name: ins.shape for ins in instructions}
+            for comp, instructions in self.comps.items()
+        }
+
+    def _stage_of(self, device: int) -> int:
+        if self.pipe_dim is None:
+            return 0
+        # replica groups are written in positions on the mesh's device order
+        coords = np.unravel_index(device, self.mesh.devices.shape)
+        return int(coords[self.pipe_dim])
+
+    def _fractions(self, scope: str, stage: int, branches: int) -> np.ndarray | None:
+        column = self.columns.get(scope)
+        if column is None:
+            return None
+        counts = np.bincount(np.asarray(column)[:, stage], minlength=branches)[:branches]
+        return counts / column.shape[0]
+
+    @functools.cache  # noqa: B019 - one walker per compiled module
+    def cost(self, comp: str, stage: int) -> Cost:
+        total = Cost()
+        shapes = self._shapes[comp]
+        for ins in self.comps[comp]:
+            self._instruction(ins, shapes, stage, total)
+        return total
+
+    def _instruction(self, ins: Instruction, shapes: dict, stage: int, total: Cost) -> None:
+        op, attrs = ins.op, ins.attributes
+        if op == "while":
+            trips = _TRIP_RE.search(attrs)
+            parts = ins.op_name.split("/")
+            column = self.columns.get(parts[-2]) if len(parts) >= 2 else None
+            if trips:
+                n = int(trips.group(1))
+            elif column is not None:  # trips per tick of the loop it sits in
+                n = float(np.asarray(column)[:, stage].mean())
+            else:
+                n = 1
+                total.unweighted.add(f"{ins.op_name} (a loop without a known trip count, once)")
+            for key in ("body", "condition"):
+                m = re.search(rf"\b{key}=%?([\w.\-]+)", attrs)
+                total.add(self.cost(m.group(1), stage), n)
+            return
+        if op == "conditional":
+            self._conditional(ins, stage, total)
+            return
+        for called in re.findall(r"\bcalls=%?([\w.\-]+)", attrs):
+            total.add(self.cost(called, stage))
+        if op == "dot":
+            lhs = shapes.get(ins.operands[0], "")
+            dims = [int(d) for d in _ARRAY_RE.search(lhs).group(2).split(",") if d] if lhs else []
+            contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+            k = np.prod([dims[int(i)] for i in contract.group(1).split(",") if i]) if dims else 1
+            total.matmul_flops += 2.0 * _elements(ins.shape) * float(k)
+        elif op in ELEMENTWISE:
+            total.elementwise_flops += _elements(ins.shape)
+            array = _ARRAY_RE.search(ins.shape)
+            if array:
+                total.elementwise_by_shape[f"{array.group(1)}[{array.group(2)}]"] += _elements(
+                    ins.shape
+                )
+        elif op == "reduce":
+            total.elementwise_flops += sum(_elements(shapes.get(o, "")) for o in ins.operands)
+        elif op == "dynamic-update-slice":
+            total.dus_bytes += _result_bytes(shapes.get(ins.operands[1], ""))
+            total.dus_count += 1
+        elif op in ("copy", "copy-start"):
+            total.copy_bytes += _result_bytes(ins.shape)
+            total.copy_count += 1
+        elif op in COLLECTIVES:
+            self._collective(ins, stage, total)
+
+    def _conditional(self, ins: Instruction, stage: int, total: Cost) -> None:
+        m = re.search(r"branch_computations=\{([^}]*)\}", ins.attributes)
+        if m:
+            branches = re.findall(r"%?([\w.\-]+)", m.group(1))
+        else:  # a predicate: false first, as JAX orders a cond's branches
+            branches = [
+                re.search(rf"\b{k}_computation=%?([\w.\-]+)", ins.attributes).group(1)
+                for k in ("false", "true")
+            ]
+        parts = ins.op_name.split("/")
+        scope = parts[-2] if len(parts) >= 2 else ""
+        costs = [self.cost(b, stage) for b in branches]
+        fractions = self._fractions(scope, stage, len(branches))
+        if fractions is None:
+            worst = max(costs, key=lambda c: (c.matmul_flops, c.written_bytes))
+            total.add(worst)
+            total.unweighted.add(ins.op_name)
+            return
+        for c, f in zip(costs, fractions, strict=True):
+            if f:
+                total.add(c, float(f))
+
+    def _collective(self, ins: Instruction, stage: int, total: Cost) -> None:
+        line = f"x = {ins.shape} {ins.op}({ins.attributes}"
+        groups = replica_groups(line)
+        axes = tuple(sorted(_group_axes(groups, self.mesh))) if groups else ()
+        kind = ins.op.removesuffix("-start")
+        nbytes = _result_bytes(ins.shape)
+        if kind == "collective-permute":
+            sources = {self._stage_of(a) for a, _ in groups}
+            if stage not in sources:
+                return
+            # one pair per device of that stage that sends
+            senders = sum(1 for a, _ in groups if self._stage_of(a) == stage)
+            per_stage = self.mesh.size // self.p
+            total.collective_bytes[(kind, axes)] += nbytes * senders / per_stage
+            return
+        group = len(groups[0]) if groups else 1
+        total.collective_bytes[(kind, axes)] += nbytes * _wire_share(kind, group)
+
+    def per_stage(self) -> list[Cost]:
+        """The cost of one device of each pipeline stage."""
+        return [self.cost(self.entry, s) for s in range(self.p)]
+
+    def total(self) -> Cost:
+        """Summed over every device of the mesh."""
+        out = Cost()
+        per_stage_devices = self.mesh.size // self.p
+        for c in self.per_stage():
+            out.add(c, per_stage_devices)
+        return out
