@@ -6,6 +6,7 @@ checkpoint and a reshard."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,26 +116,38 @@ def test_low_rank_links_change_the_gradients_and_keep_state():
     assert not state["error"][0].any()  # stage 0 sends nothing
 
 
-def pipe_permute_bytes(cfg) -> list[int]:
+def pipe_permute_bytes(cfg) -> dict[str, set[int]]:
+    """Bytes of the pipe collective-permutes by the send they belong to (`send_x`: the
+    activations; `send_cot`, `send_whole`, `send_factors`: the cotangents). A send is one
+    ppermute per distinct set of sending pairs, so each kind may appear several times."""
     trainable = trainable_for(cfg)
     text = compile_step(trainable)[0].as_text()
     found = collectives(text, trainable.mesh)
-    return sorted(c.bytes for c in found if c.kind == "collective-permute" and c.axes == {"pipe"})
+    sends: dict[str, set[int]] = {}
+    for c in found:
+        if c.kind == "collective-permute" and c.axes == {"pipe"}:
+            kind = re.search(r"/(send_\w+)/", c.op_name).group(1)
+            sends.setdefault(kind, set()).add(c.bytes)
+    return sends
 
 
 def test_hlo_backward_ppermute_bytes_drop_by_the_element_ratio():
     mesh, rank = (1, 4, 1), 2
     whole = ROWS * COLS * 4
     plain = pipe_permute_bytes(config(mesh))
-    assert plain == [whole, whole]  # activations forward, cotangents backward
+    assert plain == {"send_x": {whole}, "send_cot": {whole}}  # activations, cotangents
     compressed = pipe_permute_bytes(config(mesh, rank=rank))
-    assert compressed.count(whole) == 1  # only the forward activations go whole
-    factors = sum(b for b in compressed if b != whole)
-    assert factors == rank * (ROWS + COLS) * 4
+    factors = rank * (ROWS + COLS) * 4
+    # only the forward activations go whole; the cotangents as P [b s, r] and Q [h, r]
+    assert compressed == {"send_x": {whole}, "send_factors": {rank * ROWS * 4, rank * COLS * 4}}
     assert whole / factors == ROWS * COLS / (rank * (ROWS + COLS))
     # epilogue: the backward link keeps a whole send for the steady state, besides the factors
     epilogue = pipe_permute_bytes(config(mesh, rank=rank, pipe_grad_phase="epilogue"))
-    assert epilogue.count(whole) == 2 and sum(b for b in epilogue if b != whole) == factors
+    assert epilogue == {
+        "send_x": {whole},
+        "send_whole": {whole},
+        "send_factors": compressed["send_factors"],
+    }
     # a rank at or above min(b s, h) sends the matrix whole: no factors anywhere
     assert pipe_permute_bytes(config(mesh, rank=ROWS)) == plain
 

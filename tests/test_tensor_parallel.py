@@ -3,6 +3,8 @@ collectives that prove the layout, counted in the compiled HLO."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -82,20 +84,29 @@ def compiled_collectives(trainable):
     return collectives(compiled.as_text(), trainable.mesh), compiled.as_text()
 
 
-# The layer stack is a scan, so the layer body appears once in the HLO: counts are per layer.
-LAYER = "/Block/"
+# A layer's ops: `.../Block/...` or, in the forward under `jax.vjp`, `.../jvp(Block)/...`.
+LAYER = re.compile(r"Block\)?/")
 
 
 def layer_collectives(found, backward: bool):
-    return [c for c in found if LAYER in c.op_name and ("transpose(" in c.op_name) == backward]
+    return [c for c in found if LAYER.search(c.op_name) and ("transpose(" in c.op_name) == backward]
+
+
+def layer_bodies(trainable) -> int:
+    """How many layer bodies the HLO holds: one for a scan, each layer's for an unrolled chunk
+    (`StageLayout.unrolled`), so counts divided by it are per layer."""
+    layout = trainable.layout
+    return layout.layers_per_chunk * layout.num_chunks if layout.unrolled else 1
 
 
 def test_megatron_collectives_per_layer():
-    found, _ = compiled_collectives(trainable_for(tiny_config(data=2, tensor=2)))
+    trainable = trainable_for(tiny_config(data=2, tensor=2))
+    found, _ = compiled_collectives(trainable)
     forward, backward = layer_collectives(found, False), layer_collectives(found, True)
     # Megatron's g (after each row-parallel matmul) in the forward, f in the backward.
-    assert [(c.kind, set(c.axes)) for c in forward] == [("all-reduce", {"tensor"})] * 2
-    assert [(c.kind, set(c.axes)) for c in backward] == [("all-reduce", {"tensor"})] * 2
+    per_layer = [("all-reduce", {"tensor"})] * 2 * layer_bodies(trainable)
+    assert [(c.kind, set(c.axes)) for c in forward] == per_layer
+    assert [(c.kind, set(c.axes)) for c in backward] == per_layer
     # One data-parallel reduction of the layer gradients (in the tick loop, in the tick of the
     # last backward) and one of the embedding/head gradients with the loss, after the loop.
     data_reductions = [c for c in found if c.axes == {"data"}]
@@ -104,24 +115,27 @@ def test_megatron_collectives_per_layer():
 
 
 def test_sequence_parallel_collectives_per_layer():
-    found, _ = compiled_collectives(trainable_for(tiny_config(tensor=4, sequence_parallel=True)))
+    trainable = trainable_for(tiny_config(tensor=4, sequence_parallel=True))
+    found, _ = compiled_collectives(trainable)
     forward = layer_collectives(found, False)
+    bodies = layer_bodies(trainable)
     # Each column-parallel input is all-gathered along the sequence (the residual stream stays
     # sequence-sharded); each row-parallel output is reduced and scattered back along the
     # sequence. XLA:CPU emits that reduction as an all-reduce plus a local slice (its pipeline
     # has no reduce-scatter fusion), so either kind is counted.
-    assert count(forward, "all-gather", {"tensor"}) == 2
-    assert (
-        count(forward, "all-reduce", {"tensor"}) + count(forward, "reduce-scatter", {"tensor"}) == 2
+    assert count(forward, "all-gather", {"tensor"}) == 2 * bodies
+    reductions = count(forward, "all-reduce", {"tensor"}) + count(
+        forward, "reduce-scatter", {"tensor"}
     )
+    assert reductions == 2 * bodies
     # Backward: the transposes swap the two (a gather's cotangent is reduce-scattered, a
     # scatter's is gathered), plus the gathers of the recomputed forward; all activation-sized.
     backward = layer_collectives(found, True)
     activation = max(c.bytes for c in forward)
     gathers = [c for c in backward if c.kind == "all-gather"]
     reductions = [c for c in backward if c.kind in ("all-reduce", "reduce-scatter")]
-    assert len(gathers) >= 2 and all(c.bytes == activation for c in gathers)
-    assert sum(c.bytes >= activation for c in reductions) >= 2
+    assert len(gathers) >= 2 * bodies and all(c.bytes == activation for c in gathers)
+    assert sum(c.bytes >= activation for c in reductions) >= 2 * bodies
     assert all(c.axes == {"tensor"} for c in found)
 
 

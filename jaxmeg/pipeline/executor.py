@@ -499,17 +499,18 @@ def make_pipeline_loss_and_grads(
                 acc = run_if(row["b_kind"] == kind, fn, acc, scope, (tokens_BxS, targets_BxS))
             return {**c, **acc}
 
-        def send(x, index, patterns, scope):
+        def send(x, index, patterns, scope, split=True):
             """ppermute `x` over the pairs of `patterns[index - 1]`, nothing where index is 0
             (the index is the same on every stage: see `tick_columns.send_patterns`). With
             scatter/gather each tensor rank sends its slice of the sequence and the receivers
             all-gather it over `tensor`, in the same branch."""
+            split = split and split_sends
             if not patterns:
-                return jnp.zeros_like(x)
+                return jax.tree.map(jnp.zeros_like, x)
 
             def branches(x_):
                 def through(pairs):
-                    if not split_sends:
+                    if not split:
                         return lambda: jax.lax.ppermute(x_, "pipe", pairs)
                     rank, parts = jax.lax.axis_index("tensor"), jax.lax.axis_size("tensor")
                     size = x_.shape[1] // parts
@@ -517,10 +518,11 @@ def make_pipeline_loss_and_grads(
                     got = lambda: jax.lax.ppermute(piece, "pipe", pairs)  # noqa: E731
                     return lambda: jax.lax.all_gather(got(), "tensor", axis=1, tiled=True)
 
-                return [lambda: jnp.zeros_like(x_), *[through(pairs) for pairs in patterns]]
+                zeros = lambda: jax.tree.map(jnp.zeros_like, x_)  # noqa: E731
+                return [zeros, *[through(pairs) for pairs in patterns]]
 
             with jax.named_scope(scope):
-                if not split_sends:
+                if not split:
                     return _switch(index, branches(x))
 
                 # Each tensor rank's own slice: `tensor` is manual inside. The result varies
@@ -556,7 +558,10 @@ def make_pipeline_loss_and_grads(
                 factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
             whole = x.astype(d_x.dtype).reshape(d_x.shape)
             got_whole = send(whole, row["send_whole"], whole_patterns, "send_whole")
-            got_p, got_q = send(factors, row["send_factors"], factor_patterns, "send_factors")
+            # the rank-r factors are small: they go whole from every tensor rank
+            got_p, got_q = send(
+                factors, row["send_factors"], factor_patterns, "send_factors", split=False
+            )
             rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
             return {**c, "links": new}, got_whole + rebuilt
 
