@@ -76,28 +76,33 @@ def test_tick_loop_copies_no_gradient_accumulator(mesh, schedule, chunks):
     assert not copied & shapes, copied & shapes
 
 
-def branch_matmuls(comps, body) -> list[list[int]]:
-    """Dot counts of each branch of each conditional at the top of the tick loop, in order."""
-    return [
-        [hlo_module.count_ops(comps, branch, "dot") for branch in hlo_module.branches(line)]
-        for line in hlo_module.ops(comps[body], "conditional")
-    ]
+def slot_matmuls(comps, body) -> dict[str, int]:
+    """Dot counts of each slot of the tick loop (its 0-or-1-trip loops, by name scope)."""
+    found = {}
+    for line in hlo_module.ops(comps[body], "while"):
+        scope = re.search(r'op_name="[^"]*/(\w+)/while"', line)
+        if scope:
+            found[scope.group(1)] = hlo_module.count_ops(
+                comps, re.search(r"\bbody=%?([\w.\-]+)", line).group(1), "dot"
+            )
+    return found
 
 
-def test_backward_branch_runs_only_the_backward_matmuls():
-    """Stored residuals (`model.remat=none`): the B slot's chunk branch holds exactly twice the
+def test_backward_slot_runs_only_the_backward_matmuls():
+    """Stored residuals (`model.remat=none`): the B slot of a chunk holds exactly twice the
     F slot's chunk matmuls (input and weight gradient of each), no forward. With `full` it holds
-    three times as many: the recomputed forward, once."""
+    three times as many, less one: the recomputed forward, once."""
     _, _, comps, body = compiled_module((1, 4, 1), remat="none")
-    (f_idle, f_first, f_middle, f_last), (b_idle, b_middle, b_first) = branch_matmuls(comps, body)
-    assert f_idle == b_idle == 0
-    assert f_middle > 0 and f_first == f_middle and f_last > f_middle  # + head forward/backward
-    assert b_middle == b_first == 2 * f_middle
+    dots = slot_matmuls(comps, body)
+    assert dots["f_middle"] > 0 and dots["f_first"] == dots["f_middle"]
+    assert dots["f_last"] > dots["f_middle"]  # + head forward and backward
+    assert dots["b_middle"] == dots["b_first"] == 2 * dots["f_middle"]
 
     _, _, comps, body = compiled_module((1, 4, 1), remat="full")
-    (_, _, f_middle_full, _), (_, b_middle_full, _) = branch_matmuls(comps, body)
-    assert f_middle_full == f_middle
-    assert b_middle_full == 3 * f_middle
+    full = slot_matmuls(comps, body)
+    assert full["f_middle"] == dots["f_middle"]
+    # the recomputed forward, less the last layer's fc2, whose output nothing reads
+    assert full["b_middle"] == 3 * dots["f_middle"] - 1
 
 
 def pipe_pairs(trainable, line) -> list[tuple[int, int]]:
@@ -110,20 +115,21 @@ def pipe_pairs(trainable, line) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_one_ppermute_pair_per_tick_and_no_ring_wrap_without_chunks(chunks):
+def test_ppermutes_go_one_stage_on_and_wrap_only_with_chunks(chunks):
+    """Every ppermute the tick runs (one per distinct set of sending pairs, under the send
+    switches) moves activations s -> s + 1 and cotangents s -> s - 1; the ring wrap (p - 1 -> 0
+    forward, 0 -> p - 1 backward) only with chunks."""
     schedule = "interleaved_1f1b" if chunks > 1 else "1f1b"
     trainable, _, comps, body = compiled_module((1, 2, 2), schedule, chunks)
-    permutes = hlo_module.ops(comps[body], "collective-permute")
-    assert len(permutes) == 2, permutes
-    pairs = {pair for line in permutes for pair in pipe_pairs(trainable, line)}
-    wrap = {(1, 0), (0, 1)}  # p = 2: forward 0->1 and backward 1->0 are also the wrap's pairs
+    sent = {"send_x": set(), "send_cot": set()}
+    for name in hlo_module.reachable(comps, body):
+        for line in hlo_module.ops(comps[name], "collective-permute"):
+            kind = re.search(r'op_name="[^"]*/(send_\w+)/', line).group(1)
+            sent[kind] |= set(pipe_pairs(trainable, line))
     if chunks == 1:
-        # forward 0 -> 1 in one permute, backward 1 -> 0 in the other; no p-1 -> 0 forward.
-        forward, backward = (set(pipe_pairs(trainable, line)) for line in permutes)
-        assert forward == {(0, 1)} and backward == {(1, 0)}
-    else:
-        assert pairs == wrap
-        assert all(len(set(pipe_pairs(trainable, line))) == 2 for line in permutes)
+        assert sent == {"send_x": {(0, 1)}, "send_cot": {(1, 0)}}
+    else:  # p = 2: the wrap's pairs are the other direction's
+        assert sent == {"send_x": {(0, 1), (1, 0)}, "send_cot": {(1, 0), (0, 1)}}
 
 
 def test_pipe1_has_no_pipe_collectives():

@@ -445,7 +445,8 @@ def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict
     """Bytes one GPU sends per step on each link, and the message sizes behind them.
 
     tensor: 2 all-reduces of b s h per layer in the forward and 2 in the backward (+2 more for
-    the recomputed forward with `recompute="full"`), each moving 2 (t-1)/t of the message; pipe:
+    the recomputed forward with `recompute="full"`), each moving 2 (t-1)/t of the message, and
+    with scatter/gather the all-gather of each received pipeline message, (t-1)/t of it; pipe:
     b s h per microbatch per boundary each way (/t with scatter-gather), as a stage with a
     neighbour on both sides sends (jaxmeg's executor sends only what Megatron-LM sends); data: the
     `collectives.data_parallel_collectives` on a ring of d. Layers are the busiest stage's.
@@ -460,6 +461,9 @@ def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict
     pipe_message = message / t if split else message
     sends = 2 * layout.microbatches * layout.chunks
     pipe_bytes = sends * pipe_message if layout.pipe > 1 else 0
+    if layout.pipe > 1 and t > 1 and layout.pipe_scatter_gather and not layout.sequence_parallel:
+        # scatter/gather: each received message is all-gathered over the tensor group
+        tensor_bytes += sends * message * (t - 1) / t
     collectives = data_parallel_collectives(
         params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
     )

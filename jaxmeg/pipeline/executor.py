@@ -502,47 +502,49 @@ def make_pipeline_loss_and_grads(
         def send(x, index, patterns, scope, split=True):
             """ppermute `x` over the pairs of `patterns[index - 1]`, nothing where index is 0
             (the index is the same on every stage: see `tick_columns.send_patterns`). With
-            scatter/gather each tensor rank sends its slice of the sequence and the receivers
-            all-gather it over `tensor`, in the same branch."""
+            scatter/gather each tensor rank sends its slice of the sequence: what arrives is
+            split over `tensor`, and `receive` gathers it where it is kept."""
             split = split and split_sends
             if not patterns:
                 return jax.tree.map(jnp.zeros_like, x)
 
             def branches(x_):
-                def through(pairs):
-                    if not split:
-                        return lambda: jax.lax.ppermute(x_, "pipe", pairs)
-                    rank, parts = jax.lax.axis_index("tensor"), jax.lax.axis_size("tensor")
-                    size = x_.shape[1] // parts
-                    piece = jax.lax.dynamic_slice_in_dim(x_, rank * size, size, axis=1)
-                    got = lambda: jax.lax.ppermute(piece, "pipe", pairs)  # noqa: E731
-                    return lambda: jax.lax.all_gather(got(), "tensor", axis=1, tiled=True)
-
                 zeros = lambda: jax.tree.map(jnp.zeros_like, x_)  # noqa: E731
-                return [zeros, *[through(pairs) for pairs in patterns]]
+                sends = [
+                    lambda pairs=pairs: jax.lax.ppermute(x_, "pipe", pairs) for pairs in patterns
+                ]
+                return [zeros, *sends]
 
             with jax.named_scope(scope):
                 if not split:
                     return _switch(index, branches(x))
 
-                # Each tensor rank's own slice: `tensor` is manual inside. The result varies
-                # over the outer manual axes (data, pipe), which the nested map's type check
-                # would count against out_specs; over `tensor` it is whole, by the gather.
+                # `tensor` is manual inside: each rank slices its part of the sequence. The
+                # result varies over the outer manual axes (data, pipe) too, which the nested
+                # map's type check would count against out_specs.
                 def per_rank(x_, i_):
+                    rank, parts = jax.lax.axis_index("tensor"), jax.lax.axis_size("tensor")
+                    size = x_.shape[1] // parts
+                    piece = jax.lax.dynamic_slice_in_dim(x_, rank * size, size, axis=1)
                     with jax.named_scope(scope):
-                        return jax.lax.switch(i_, branches(x_))
+                        return jax.lax.switch(i_, branches(piece))
 
                 return jax.shard_map(
                     per_rank,
                     in_specs=(P(), P()),
-                    out_specs=P(),
+                    out_specs=P(None, "tensor"),
                     axis_names=frozenset({"tensor"}),
                     check_vma=False,
                 )(x, index)
 
         def receive(buffer, slot, value, scope):
-            """buffer[slot] = value in the ticks where something arrives (slot >= 0)."""
-            write = lambda b, val: b.at[jnp.maximum(slot, 0)].set(val.astype(b.dtype))  # noqa: E731
+            """buffer[slot] = value in the ticks where something arrives (slot >= 0); a value
+            split over `tensor` (scatter/gather) is all-gathered there, on the receivers only."""
+            def write(buf, val):
+                if split_sends:  # whole over `tensor` where it is kept
+                    val = jax.lax.with_sharding_constraint(val, P(*([None] * val.ndim)))
+                return buf.at[jnp.maximum(slot, 0)].set(val.astype(buf.dtype))
+
             return run_if(slot >= 0, write, buffer, scope, (value,))
 
         def send_cotangent(c, row, d_x):
@@ -557,7 +559,8 @@ def make_pipeline_loss_and_grads(
             with jax.named_scope("compress_link"):
                 factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
             whole = x.astype(d_x.dtype).reshape(d_x.shape)
-            got_whole = send(whole, row["send_whole"], whole_patterns, "send_whole")
+            # compressed links send whole: the two parts are added before they are kept
+            got_whole = send(whole, row["send_whole"], whole_patterns, "send_whole", split=False)
             # the rank-r factors are small: they go whole from every tensor rank
             got_p, got_q = send(
                 factors, row["send_factors"], factor_patterns, "send_factors", split=False

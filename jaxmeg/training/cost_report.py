@@ -18,7 +18,8 @@ Per step, summed over all devices:
                      tensor group (scatter/gather, its default) when t > 1; without it in
                      `megatron_pipe_bytes_without_scatter_gather`
 `per_device` holds the busiest device's figures (the most matmul FLOPs) beside the planner's
-per-GPU prediction (`jaxmeg.perf.model`).
+per-GPU prediction (`jaxmeg.perf.model`), `per_stage_collective_bytes` one device's of each stage
+(the planner's per-GPU links are a stage with neighbours on both sides and no embedding or head).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def cost_report(trainable: Trainable) -> dict[str, Any]:
                 "data": predicted["data"] * grad_bytes / WIRE_BYTES,
             },
         },
-        "per_stage_pipe_bytes": [_collective_bytes(c)["pipe"] for c in stages],
+        "per_stage_collective_bytes": [_collective_bytes(c) for c in stages],
         "unweighted_conditionals": sorted(total.unweighted),
         "devices": mesh.size,
         **memory_report(compiled),
