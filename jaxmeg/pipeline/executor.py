@@ -2,13 +2,15 @@
 schedule's tick table for a generic model given as `StageFunctions`. Every layout takes this
 path; pipe = 1 is the degenerate pipeline of one stage.
 
-Per tick, every stage looks up its actions in static tables at (tick, axis_index('pipe')):
-  F slot  `lax.switch` over {idle, first virtual stage: embed + chunk, middle: chunk, last:
-          chunk + head + loss and the head's backward (its output cotangent goes to the `cots`
-          ring)}, then ALL stages `ppermute` the activation to stage s+1 (the ring wrap from
-          stage p-1 to stage 0 only when v > 1).
-  B slot  `lax.switch` over {idle, chunk backward, first virtual stage: chunk and embedding
-          backward}, then ALL stages `ppermute` the input cotangent to stage s-1.
+Per tick, every stage looks up its actions in static tables at (tick, axis_index('pipe'))
+(`tick_columns.slot_columns`):
+  F slot  the forward of the stage's kind in that tick (first virtual stage: embed + chunk;
+          middle: chunk; last: chunk + head + loss and the head's backward, whose output
+          cotangent goes to the `cots` ring), each a loop of 0 or 1 trips (`slots.run_if`) that
+          writes only the ring slots it fills; then the activation goes to stage s+1 on the
+          pairs that send in that tick (`slots.send`; the wrap p-1 -> 0 only when v > 1).
+  B slot  likewise the backward of its kind (chunk; first virtual stage: chunk and embedding),
+          accumulating its gradients in place; then the input cotangent goes to stage s-1.
 With p v = 1 the F slot only embeds and the B slot runs chunk + head + loss under one
 `jax.vjp`, then the embedding's backward: plain training, nothing recomputed.
 
@@ -18,11 +20,10 @@ What a stage keeps for its backward (`StageFunctions.chunk_recompute`):
          rebuilds the pullback: no forward runs twice (`model.remat` none / selective).
   a fn   the F slot runs the chunk forward only and keeps just the stage input; the B slot runs
          `jax.vjp(chunk_recompute)` from it: one recompute (`model.remat` full).
-The branches return only what they produce; ring writes and gradient accumulation happen once,
-outside `lax.switch`, so the loop carries no copies. The B slot reads its inputs before the F
-slot's receive is written, so the activation send overlaps the backward. The ppermutes sit
-outside the branches: a pipe collective inside a stage-dependent branch deadlocks; collectives
-over `tensor` inside the branches are fine (a tensor group shares a stage).
+The B slot reads its inputs before the F slot's receive is written, so the activation send
+overlaps the backward. The sends' index depends on the tick only, so every stage runs the same
+ppermute: a pipe collective that only some stages reach deadlocks. Collectives over `tensor`
+inside the stage-dependent slot loops are fine (a tensor group shares a stage).
 
 Accumulation and the reductions over `data` and `pipe` live in `gradients`; with `data` > 1 a
 chunk's layer gradients are reduced in the tick of its last backward on its stage, inside the
@@ -37,11 +38,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.pipeline import compression, gradients, powersgd, residuals
+from jaxmeg.pipeline import compression, gradients, powersgd, residuals, slots
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_columns import (
     B_CHUNK,
@@ -51,14 +51,9 @@ from jaxmeg.pipeline.tick_columns import (
     F_FIRST,
     F_LAST,
     F_MIDDLE,
-    backward_senders,
-    final_backward_chunks,
-    forward_senders,
-    gather_columns,
-    kind_columns,
-    send_patterns,
+    slot_columns,
 )
-from jaxmeg.pipeline.tick_table import FIELDS, TickTable
+from jaxmeg.pipeline.tick_table import TickTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,21 +92,6 @@ class ZeroSharding:
 
 def _varying(tree, axes):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
-
-
-def _varying_everywhere(tree, axes):
-    """pcast each leaf to varying over the `axes` it does not vary over yet, so that all
-    `lax.switch` branches return the same types."""
-
-    def cast(x):
-        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _zeros_like(tree):
-    return jax.tree.map(jnp.zeros_like, tree)
 
 
 def _split(shape: tuple, dim: int, parts: int) -> tuple:
@@ -181,9 +161,6 @@ def make_pipeline_loss_and_grads(
             f"{table.num_stages}"
         )
     whole_model = p * v == 1
-    columns = {name: getattr(table, name) for name in FIELDS}
-    columns["f_kind"], columns["b_kind"] = kind_columns(table, v)
-    columns["reduce_chunk"] = final_backward_chunks(table)
     # Reducing each chunk inside the loop leaves the stage gradients typed as varying over
     # `data` though their values agree, which shard_map's type check cannot know: it is off then
     # (the equivalence tests check the values).
@@ -204,47 +181,14 @@ def make_pipeline_loss_and_grads(
         grad_specs = (P(None, "pipe"), P())
     param_specs = grad_specs if zero.stage == 3 else (P(None, "pipe"), P())
     gathering = zero.stage == 3
-    if gathering:
-        columns["f_gather"], columns["b_gather"] = gather_columns(table)
-    # Each direction sends only on the pairs that carry something in that tick (one ppermute
-    # per distinct set of pairs, chosen by an index equal on every stage).
     pc = pipe_compression
-    f_senders, b_senders = forward_senders(table, v), backward_senders(table, v)
-    columns["send_x"], x_patterns = send_patterns(f_senders, 1)
-    if pc is None:
-        columns["send_cot"], cot_patterns = send_patterns(b_senders, -1)
-    else:
-        compress = np.asarray(pc.compress, bool) & b_senders
-        columns["pipe_compress"] = compress
-        columns["send_whole"], whole_patterns = send_patterns(b_senders & ~compress, -1)
-        columns["send_factors"], factor_patterns = send_patterns(compress, -1)
-    columns["recv_x"] = table.recv_act_slot >= 0
-    columns["recv_cot"] = table.recv_cot_slot >= 0
-    # The branch each (tick, stage) takes in every conditional of the tick, and the trips of
-    # every 0-or-1-trip loop (`run_if`), by name scope: what `jaxmeg.parallel.hlo_cost` weights
-    # the compiled branches and loops by.
-    kinds = {"f_first": ("f_kind", F_FIRST), "f_middle": ("f_kind", F_MIDDLE),
-             "f_last": ("f_kind", F_LAST), "f_embed": ("f_kind", F_EMBED),
-             "b_middle": ("b_kind", B_CHUNK), "b_first": ("b_kind", B_FIRST),
-             "b_whole": ("b_kind", B_WHOLE)}  # fmt: skip
-    branch_columns = {scope: columns[col] == kind for scope, (col, kind) in kinds.items()}
-    for name in ("send_x", "send_cot", "send_whole", "send_factors", "recv_x", "recv_cot"):
-        if name in columns:
-            branch_columns[name] = columns[name]
-    if gathering:
-        branch_columns["f_gather"] = columns["f_gather"]
-        branch_columns["b_gather"] = columns["b_gather"]
-    if reduce_in_loop:
-        reducing = columns["reduce_chunk"] >= 0
-        if data_compression is not None:  # after the warm-up: PowerSGD on stages < k
-            compressed = np.arange(p)[None, :] < data_compression.stages
-            branch_columns["reduce_chunk"] = reducing * np.where(compressed, 2, 1)
-        else:
-            branch_columns["reduce_chunk"] = reducing
-    if pc is not None:
-        branch_columns["compress_link"] = columns["pipe_compress"]
-    branch_columns = {k: np.asarray(c, np.int32) for k, c in branch_columns.items()}
-    columns = {name: jnp.asarray(col, jnp.int32) for name, col in columns.items()}
+    table_columns = slot_columns(
+        table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
+        compress=None if pc is None else pc.compress,
+        powersgd_stages=None if data_compression is None else data_compression.stages,
+    )  # fmt: skip
+    patterns, branch_columns = table_columns.patterns, table_columns.branch_columns
+    columns = {name: jnp.asarray(col, jnp.int32) for name, col in table_columns.columns.items()}
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
     store = fns.chunk_recompute is None and not whole_model
     manual = gradients.MANUAL_AXES
@@ -274,7 +218,7 @@ def make_pipeline_loss_and_grads(
                 shared,
                 shared_dims,
             )
-        shared = _varying_everywhere(shared, manual)
+        shared = slots.varying_everywhere(shared, manual)
         tokens_MxBxS = tokens.reshape(m, -1, tokens.shape[-1])
         targets_MxBxS = targets.reshape(m, -1, targets.shape[-1])
         stage = jax.lax.axis_index("pipe")
@@ -287,7 +231,7 @@ def make_pipeline_loss_and_grads(
 
         def chunk_params(chunk):
             shard = chunk_shard(chunk)
-            return _varying_everywhere(gather_chunk(shard), manual) if gathering else shard
+            return slots.varying_everywhere(gather_chunk(shard), manual) if gathering else shard
 
         def real_layers(chunk):
             return chunk_layers[jnp.maximum(chunk, 0), stage]
@@ -296,7 +240,7 @@ def make_pipeline_loss_and_grads(
             return jnp.zeros((*lead, *x_abstract.shape), x_abstract.dtype)
 
         if gathering:  # the slots' gathered chunks, filled by their first gather
-            whole_chunk = _varying_everywhere(
+            whole_chunk = slots.varying_everywhere(
                 jax.tree.map(
                     lambda a, dim: jnp.zeros(
                         a.shape if dim < 0 else _whole(a.shape, dim, d), a.dtype
@@ -346,26 +290,7 @@ def make_pipeline_loss_and_grads(
         carry["g_shared"] = gradients.zeros_f32(shared)
         if stateful:
             carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
-        carry = _varying_everywhere(carry, manual)
-
-        def _switch(index, branches):
-            typed = [lambda b=b: _varying_everywhere(b(), manual) for b in branches]
-            return jax.lax.switch(index, typed)
-
-        def run_if(active, fn, state, scope, reads=()):
-            """fn(state, *reads) where `active`, else state unchanged, as a loop of 0 or 1 trips:
-            unlike a conditional, whose branches return copies, a loop updates its carry in
-            place, so an inactive slot writes nothing and an active one only what it changes.
-            The state and `reads` pass an optimization barrier with the trip index, so XLA
-            cannot hoist the slot's work out of the loop (and run it on every tick)."""
-            state = _varying_everywhere(state, manual)
-
-            def body(i, st):
-                _, (st, read) = jax.lax.optimization_barrier((i, (st, reads)))
-                return _varying_everywhere(fn(st, *read), manual)
-
-            with jax.named_scope(scope):
-                return jax.lax.fori_loop(0, active.astype(jnp.int32), body, state)
+        carry = slots.varying_everywhere(carry, manual)
 
         def forward_slot(c, row):
             """The F slot: the forward of its kind (first, middle or last virtual stage; with
@@ -432,7 +357,9 @@ def make_pipeline_loss_and_grads(
                          "f_last": (F_LAST, last)}  # fmt: skip
             ring = {k: c[k] for k in ("inputs", "stored", "cots", "y", "g_shared", "loss")}
             for scope, (kind, fn) in kinds.items():
-                ring = run_if(row["f_kind"] == kind, fn, ring, scope, (tokens_BxS, targets_BxS))
+                ring = slots.run_if(
+                    row["f_kind"] == kind, fn, ring, scope, (tokens_BxS, targets_BxS)
+                )
             return {**c, **ring}
 
         def backward_slot(c, row):
@@ -496,63 +423,21 @@ def make_pipeline_loss_and_grads(
                 k: c[k] for k in ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored")
             }
             for scope, (kind, fn) in kinds.items():
-                acc = run_if(row["b_kind"] == kind, fn, acc, scope, (tokens_BxS, targets_BxS))
+                acc = slots.run_if(row["b_kind"] == kind, fn, acc, scope, (tokens_BxS, targets_BxS))
             return {**c, **acc}
 
         def send(x, index, patterns, scope, split=True):
-            """ppermute `x` over the pairs of `patterns[index - 1]`, nothing where index is 0
-            (the index is the same on every stage: see `tick_columns.send_patterns`). With
-            scatter/gather each tensor rank sends its slice of the sequence: what arrives is
-            split over `tensor`, and `receive` gathers it where it is kept."""
-            split = split and split_sends
-            if not patterns:
-                return jax.tree.map(jnp.zeros_like, x)
-
-            def branches(x_):
-                zeros = lambda: jax.tree.map(jnp.zeros_like, x_)  # noqa: E731
-                sends = [
-                    lambda pairs=pairs: jax.lax.ppermute(x_, "pipe", pairs) for pairs in patterns
-                ]
-                return [zeros, *sends]
-
-            with jax.named_scope(scope):
-                if not split:
-                    return _switch(index, branches(x))
-
-                # `tensor` is manual inside: each rank slices its part of the sequence. The
-                # result varies over the outer manual axes (data, pipe) too, which the nested
-                # map's type check would count against out_specs.
-                def per_rank(x_, i_):
-                    rank, parts = jax.lax.axis_index("tensor"), jax.lax.axis_size("tensor")
-                    size = x_.shape[1] // parts
-                    piece = jax.lax.dynamic_slice_in_dim(x_, rank * size, size, axis=1)
-                    with jax.named_scope(scope):
-                        return jax.lax.switch(i_, branches(piece))
-
-                return jax.shard_map(
-                    per_rank,
-                    in_specs=(P(), P()),
-                    out_specs=P(None, "tensor"),
-                    axis_names=frozenset({"tensor"}),
-                    check_vma=False,
-                )(x, index)
+            return slots.send(x, index, patterns, scope, split=split and split_sends)
 
         def receive(buffer, slot, value, scope):
-            """buffer[slot] = value in the ticks where something arrives (slot >= 0); a value
-            split over `tensor` (scatter/gather) is all-gathered there, on the receivers only."""
-            def write(buf, val):
-                if split_sends:  # whole over `tensor` where it is kept
-                    val = jax.lax.with_sharding_constraint(val, P(*([None] * val.ndim)))
-                return buf.at[jnp.maximum(slot, 0)].set(val.astype(buf.dtype))
-
-            return run_if(slot >= 0, write, buffer, scope, (value,))
+            return slots.receive(buffer, slot, value, scope, gather=split_sends)
 
         def send_cotangent(c, row, d_x):
             """The B slot's send, where `pipe_compression` says compressed: the link's error is
             added (lazy), then either the factors or the whole gradient go, and the receiver
             adds what arrived of both (the other is zero)."""
             if pc is None:
-                return c, send(d_x, row["send_cot"], cot_patterns, "send_cot")
+                return c, send(d_x, row["send_cot"], patterns["send_cot"], "send_cot")
             chunk = jnp.maximum(row["b_chunk"], 0)
             here, sending = row["pipe_compress"] > 0, row["b_kind"] == B_CHUNK
             g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
@@ -560,17 +445,19 @@ def make_pipeline_loss_and_grads(
                 factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
             whole = x.astype(d_x.dtype).reshape(d_x.shape)
             # compressed links send whole: the two parts are added before they are kept
-            got_whole = send(whole, row["send_whole"], whole_patterns, "send_whole", split=False)
+            got_whole = send(
+                whole, row["send_whole"], patterns["send_whole"], "send_whole", split=False
+            )
             # the rank-r factors are small: they go whole from every tensor rank
             got_p, got_q = send(
-                factors, row["send_factors"], factor_patterns, "send_factors", split=False
+                factors, row["send_factors"], patterns["send_factors"], "send_factors", split=False
             )
             rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
             return {**c, "links": new}, got_whole + rebuilt
 
         def gather_if(flag, chunk, buffer, scope):
             """The chunk's weights all-gathered into `buffer` where `flag` (ZeRO-3)."""
-            return run_if(flag > 0, lambda _, ch: chunk_params(ch), buffer, scope, (chunk,))
+            return slots.run_if(flag > 0, lambda _, ch: chunk_params(ch), buffer, scope, (chunk,))
 
         def tick(t, c):
             row = {name: col[t, stage] for name, col in columns.items()}
@@ -586,7 +473,7 @@ def make_pipeline_loss_and_grads(
                         row["f_gather"], row["f_chunk"], c["f_params"], "f_gather"
                     )
             c = forward_slot(c, row)
-            received_x = send(c["y"], row["send_x"], x_patterns, "send_x")
+            received_x = send(c["y"], row["send_x"], patterns["send_x"], "send_x")
             c = backward_slot(c, row)
             d_x = c["d_x"]
             c = {**c, "inputs": receive(c["inputs"], row["recv_act_slot"], received_x, "recv_x")}

@@ -1,13 +1,16 @@
 """Static per-(tick, stage) columns the executor reads besides the tick table's own: which
-branch each slot runs, the chunk whose gradients become final, and where ZeRO-3 gathers a
-chunk's weights. All are derived from the table in NumPy, before anything is traced.
+slot kind runs, the chunk whose gradients become final, where ZeRO-3 gathers a chunk's weights,
+which pairs each direction sends on (`send_patterns`); `slot_columns` gathers them all. All are
+derived from the table in NumPy, before anything is traced.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from jaxmeg.pipeline.tick_table import TickTable
+from jaxmeg.pipeline.tick_table import FIELDS, TickTable
 
 IDLE = 0
 F_FIRST, F_MIDDLE, F_LAST, F_EMBED = 1, 2, 3, 4
@@ -100,3 +103,78 @@ def send_patterns(
             patterns.append(pairs)
         index[t, :] = patterns.index(pairs) + 1
     return index, patterns
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotColumns:
+    """What the executor's tick reads, all static.
+
+    columns: int [num_ticks, p] by name: the tick table's, the slot kinds, the chunk whose
+        reduction is due, ZeRO-3's gathers, the send indices (`send_patterns`), where a cotangent
+        is compressed, where something arrives.
+    patterns: send name -> its sets of pairs (`send_patterns`).
+    branch_columns: name scope -> int [num_ticks, p]: the branch each (tick, stage) takes in
+        every conditional of the tick, and the trips of every 0-or-1-trip slot loop; what
+        `jaxmeg.parallel.hlo_cost` weights the compiled branches and loops by.
+    """
+
+    columns: dict[str, np.ndarray]
+    patterns: dict[str, list[tuple[tuple[int, int], ...]]]
+    branch_columns: dict[str, np.ndarray]
+
+
+def slot_columns(
+    table: TickTable,
+    num_chunks: int,
+    *,
+    gathering: bool = False,
+    reduce_in_loop: bool = False,
+    compress: np.ndarray | None = None,
+    powersgd_stages: int | None = None,
+) -> SlotColumns:
+    """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, in-loop data
+    reductions where `reduce_in_loop` (PowerSGD's on stages < `powersgd_stages`), compressed
+    cotangents where `compress` (bool [num_ticks, p]) says. Each direction sends only on the
+    pairs that carry something in that tick (one ppermute per distinct set of pairs, chosen by
+    an index equal on every stage)."""
+    p, v = table.num_stages, num_chunks
+    columns = {name: getattr(table, name) for name in FIELDS}
+    columns["f_kind"], columns["b_kind"] = kind_columns(table, v)
+    columns["reduce_chunk"] = final_backward_chunks(table)
+    if gathering:
+        columns["f_gather"], columns["b_gather"] = gather_columns(table)
+    patterns = {}
+    b_senders = backward_senders(table, v)
+    columns["send_x"], patterns["send_x"] = send_patterns(forward_senders(table, v), 1)
+    if compress is None:
+        columns["send_cot"], patterns["send_cot"] = send_patterns(b_senders, -1)
+    else:
+        compress = np.asarray(compress, bool) & b_senders
+        columns["pipe_compress"] = compress
+        whole = send_patterns(b_senders & ~compress, -1)
+        columns["send_whole"], patterns["send_whole"] = whole
+        columns["send_factors"], patterns["send_factors"] = send_patterns(compress, -1)
+    columns["recv_x"] = table.recv_act_slot >= 0
+    columns["recv_cot"] = table.recv_cot_slot >= 0
+
+    kinds = {"f_first": ("f_kind", F_FIRST), "f_middle": ("f_kind", F_MIDDLE),
+             "f_last": ("f_kind", F_LAST), "f_embed": ("f_kind", F_EMBED),
+             "b_middle": ("b_kind", B_CHUNK), "b_first": ("b_kind", B_FIRST),
+             "b_whole": ("b_kind", B_WHOLE)}  # fmt: skip
+    branches = {scope: columns[col] == kind for scope, (col, kind) in kinds.items()}
+    named = ("send_x", "send_cot", "send_whole", "send_factors", "recv_x", "recv_cot",
+             "f_gather", "b_gather")  # fmt: skip
+    branches.update({name: columns[name] for name in named if name in columns})
+    if reduce_in_loop:
+        reducing = columns["reduce_chunk"] >= 0
+        if powersgd_stages is not None:  # after the warm-up: PowerSGD on stages < k
+            branches["reduce_chunk"] = reducing * np.where(np.arange(p) < powersgd_stages, 2, 1)
+        else:
+            branches["reduce_chunk"] = reducing
+    if compress is not None:
+        branches["compress_link"] = columns["pipe_compress"]
+    return SlotColumns(
+        columns={k: np.asarray(c, np.int32) for k, c in columns.items()},
+        patterns=patterns,
+        branch_columns={k: np.asarray(c, np.int32) for k, c in branches.items()},
+    )

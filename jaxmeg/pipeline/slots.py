@@ -1,0 +1,104 @@
+"""How the executor's tick runs a slot and moves what it sends, inside its `shard_map` (manual
+over `data` and `pipe`, automatic over `tensor`).
+
+- `run_if`: a slot's work as a loop of 0 or 1 trips. A `lax.switch` over slot kinds returned,
+  from every branch, copies of every ring buffer it passed through (XLA copies a conditional's
+  results), so an idle stage rewrote whole rings on every tick; a loop updates its carry in
+  place, so an inactive slot writes nothing and an active one only what it fills.
+- `send`: a `ppermute` over `pipe` on exactly the pairs that carry something in that tick, one
+  ppermute per distinct set of pairs, chosen by an index that depends on the tick only
+  (`tick_columns.send_patterns`): every stage takes the same branch, so no stage waits in a
+  collective that another skips. With scatter/gather each tensor rank sends its slice of the
+  sequence (a nested map, manual over `tensor`).
+- `receive`: writes what arrived into its ring slot, all-gathering a split message over
+  `tensor` there, on the receivers only (a tensor group shares its stage, so a `tensor`
+  collective may sit under a stage-dependent loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxmeg.pipeline.gradients import MANUAL_AXES
+
+
+def varying_everywhere(tree, axes=MANUAL_AXES):
+    """pcast each leaf to varying over the `axes` it does not vary over yet, so that loop
+    carries and `lax.switch` branches keep one type."""
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def switch(index, branches: Sequence[Callable]):
+    """`lax.switch` over argument-less branches whose results are made varying alike."""
+    typed = [lambda b=b: varying_everywhere(b()) for b in branches]
+    return jax.lax.switch(index, typed)
+
+
+def run_if(active, fn: Callable, state, scope: str, reads=()):
+    """fn(state, *reads) where `active`, else `state` unchanged, as a loop of 0 or 1 trips
+    named `scope` (what `jaxmeg.parallel.hlo_cost` weights it by). The state and `reads` pass
+    an optimization barrier with the trip index, so XLA cannot hoist the slot's work out of the
+    loop (and run it on every tick)."""
+    state = varying_everywhere(state)
+
+    def body(i, st):
+        _, (st, read) = jax.lax.optimization_barrier((i, (st, reads)))
+        return varying_everywhere(fn(st, *read))
+
+    with jax.named_scope(scope):
+        return jax.lax.fori_loop(0, active.astype(jnp.int32), body, state)
+
+
+def send(x, index, patterns, scope: str, split: bool = False):
+    """ppermute `x` over the pairs of `patterns[index - 1]`, zeros where index is 0. With
+    `split` (scatter/gather), x [b, s, h] goes as each tensor rank's slice of the sequence, and
+    what arrives is split over `tensor` (`receive` gathers it)."""
+    if not patterns:
+        return jax.tree.map(jnp.zeros_like, x)
+
+    def branches(x_):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, x_)  # noqa: E731
+        sends = [lambda pairs=pairs: jax.lax.ppermute(x_, "pipe", pairs) for pairs in patterns]
+        return [zeros, *sends]
+
+    with jax.named_scope(scope):
+        if not split:
+            return switch(index, branches(x))
+
+        # The result varies over the outer manual axes (data, pipe) too, which the nested
+        # map's type check would count against out_specs.
+        def per_rank(x_, i_):
+            rank, parts = jax.lax.axis_index("tensor"), jax.lax.axis_size("tensor")
+            size = x_.shape[1] // parts
+            piece = jax.lax.dynamic_slice_in_dim(x_, rank * size, size, axis=1)
+            with jax.named_scope(scope):
+                return jax.lax.switch(i_, branches(piece))
+
+        return jax.shard_map(
+            per_rank,
+            in_specs=(P(), P()),
+            out_specs=P(None, "tensor"),
+            axis_names=frozenset({"tensor"}),
+            check_vma=False,
+        )(x, index)
+
+
+def receive(buffer, slot, value, scope: str, gather: bool = False):
+    """buffer[slot] = value in the ticks where something arrives (slot >= 0); with `gather`
+    the value, split over `tensor`, is made whole there."""
+
+    def write(buf, val):
+        if gather:
+            val = jax.lax.with_sharding_constraint(val, P(*([None] * val.ndim)))
+        return buf.at[jnp.maximum(slot, 0)].set(val.astype(buf.dtype))
+
+    return run_if(slot >= 0, write, buffer, scope, (value,))
