@@ -530,6 +530,8 @@ def make_pipeline_loss_and_grads(
             gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage or stateful or fused
         ),
     )
+    # for `jaxmeg.training.cost_report`: how to weight the compiled slots, and what a forward
+    # stores (filled when `run` is traced)
     run.branch_columns = branch_columns
     run.trace_info = trace_info
     return run

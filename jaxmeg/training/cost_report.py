@@ -12,7 +12,9 @@ Per step, summed over all devices:
                      per tensor group)
   collective_bytes   bytes sent on links: `pipe` the sends between stages, `data` and `tensor`
                      every collective within one data or tensor group; the rest (the shared
-                     gradients' reduction over stages, groups over several axes) by kind and axes
+                     gradients' reduction over stages, groups over several axes) by kind and axes;
+                     every one by kind and axes in `collective_bytes_by_kind` (ZeRO-3's gathers
+                     are `all-gather@data`)
   megatron_pipe_bytes  Megatron-LM's pipe traffic for the layout: b s h per microbatch per
                      stage boundary each way, 2 m (p v - 1) messages per replica, split over the
                      tensor group (scatter/gather, its default) when t > 1; without it in
@@ -124,6 +126,11 @@ def cost_report(trainable: Trainable) -> dict[str, Any]:
         "copy_bytes": total.copy_bytes,
         "stored_bytes": float(stored),
         "collective_bytes": collective,
+        "collective_bytes_by_kind": {
+            f"{kind}@{'+'.join(axes)}": nbytes
+            for (kind, axes), nbytes in sorted(total.collective_bytes.items())
+            if axes
+        },
         "megatron_pipe_bytes": float(megatron),
         "megatron_pipe_bytes_without_scatter_gather": float(megatron_whole),
         "ratios": {

@@ -125,7 +125,9 @@ def make_loss_and_grads(trainable: Trainable) -> Callable:
     """(params, tokens, targets) -> (mean loss, fp32 grads), params and grads in the run's
     layout and shardings, for every mesh (pipe = 1 included). With compression state (the
     train state's `links`, `jaxmeg.training.links`): (params, tokens, targets, links, step=)
-    -> (loss, grads, links); `step` is the optimizer step (PowerSGD's warm-up)."""
+    -> (loss, grads, links); `step` is the optimizer step (PowerSGD's warm-up). For the cost
+    report, the function also carries its tick `table`, the executor's `branch_columns` and
+    `trace_info` (what one forward stores, filled when it is traced)."""
     cfg = trainable.cfg
     table = build_tick_table(build_schedule(trainable))
     run = executor(
