@@ -119,10 +119,8 @@ class Cost:
     unweighted: set = dataclasses.field(default_factory=set)
 
     def add(self, other: Cost, weight: float = 1.0) -> None:
-        for f in ("matmul_flops", "elementwise_flops", "dus_bytes", "copy_bytes"):
+        for f in _SCALARS:
             setattr(self, f, getattr(self, f) + weight * getattr(other, f))
-        self.dus_count += weight * other.dus_count
-        self.copy_count += weight * other.copy_count
         for key, value in other.collective_bytes.items():
             self.collective_bytes[key] += weight * value
         for key, value in other.elementwise_by_shape.items():
@@ -136,6 +134,16 @@ class Cost:
     def bytes_over(self, axis: str) -> float:
         """Collective bytes over groups that span exactly `axis`."""
         return sum(b for (_, axes), b in self.collective_bytes.items() if axes == (axis,))
+
+
+_SCALARS = (
+    "matmul_flops",
+    "elementwise_flops",
+    "dus_bytes",
+    "copy_bytes",
+    "dus_count",
+    "copy_count",
+)
 
 
 def _wire_share(kind: str, group: int) -> float:
