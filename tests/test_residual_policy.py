@@ -16,7 +16,8 @@ import pytest
 from jaxmeg import config as C
 from jaxmeg.models.gpt import REMAT_POLICY, Block
 from jaxmeg.perf.jaxmeg_memory import stored_bytes
-from jaxmeg.perf.model import Layout, shape_of
+from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.model import shape_of
 from jaxmeg.pipeline import residuals
 from jaxmeg.training.pipeline_step import stage_functions
 from jaxmeg.training.state import abstract_state

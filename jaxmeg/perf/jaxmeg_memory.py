@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import (
-    Layout,
     Shape,
     busiest_stage_layers,
     layer_activation_bytes,
