@@ -15,7 +15,7 @@ import pytest
 
 from jaxmeg import config as C
 from jaxmeg.parallel import hlo_module
-from jaxmeg.parallel.hlo import replica_groups
+from jaxmeg.parallel.hlo import collectives, replica_groups
 from jaxmeg.pipeline import residuals
 from jaxmeg.training.pipeline_step import stage_functions
 from jaxmeg.training.state import abstract_state
@@ -76,16 +76,31 @@ def test_tick_loop_copies_no_gradient_accumulator(mesh, schedule, chunks):
     assert not copied & shapes, copied & shapes
 
 
+def test_data_mean_runs_beside_the_slots():
+    """data = 2: a chunk's gradient mean over `data` (an all-reduce in the `reduce_chunk` loop,
+    the tick after the chunk's last backward) neither waits for that tick's slots nor holds
+    them up; `reduce_write` puts it back after the B slot."""
+    trainable, text, comps, name = compiled_module((2, 1, 2))
+    body = comps[name]
+    loops = hlo_module.slot_loops(body)
+    mean = loops["reduce_chunk"]
+    inside = hlo_module.reachable(comps, re.search(r"\bbody=%?([\w.\-]+)", mean).group(1))
+    found = collectives(text, trainable.mesh)
+    assert [c for c in found if c.computation in inside and c.axes == {"data"}]
+    for scope in ("f_embed", "b_whole"):
+        slot = loops[scope]
+        assert hlo_module.defined(slot) not in hlo_module.upstream(body, mean)
+        assert hlo_module.defined(mean) not in hlo_module.upstream(body, slot)
+    write = hlo_module.upstream(body, loops["reduce_write"])
+    assert {hlo_module.defined(mean), hlo_module.defined(loops["b_whole"])} <= write
+
+
 def slot_matmuls(comps, body) -> dict[str, int]:
     """Dot counts of each slot of the tick loop (its 0-or-1-trip loops, by name scope)."""
-    found = {}
-    for line in hlo_module.ops(comps[body], "while"):
-        scope = re.search(r'op_name="[^"]*/(\w+)/while"', line)
-        if scope:
-            found[scope.group(1)] = hlo_module.count_ops(
-                comps, re.search(r"\bbody=%?([\w.\-]+)", line).group(1), "dot"
-            )
-    return found
+    return {
+        scope: hlo_module.count_ops(comps, re.search(r"\bbody=%?([\w.\-]+)", line).group(1), "dot")
+        for scope, line in hlo_module.slot_loops(comps[body]).items()
+    }
 
 
 def test_backward_slot_runs_only_the_backward_matmuls():

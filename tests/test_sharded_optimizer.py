@@ -6,6 +6,7 @@ the optimizer, in tests/test_train_cli.py."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -80,6 +81,27 @@ def test_zero3_breadth_first_gathers_each_chunk_twice_per_step(microbatches):
     assert {c.kind for c in in_loop} >= {"all-gather", "reduce-scatter"}
     assert not [c for c in outside if c.kind in ("all-gather", "reduce-scatter")], outside
     assert all(c.bytes < 1024 for c in outside), outside  # the grad norm's partial sums
+
+
+def test_zero3_slots_take_weights_gathered_in_an_earlier_tick():
+    """ZeRO-3 gathers ahead: a slot whose chunk changes takes the weights from its second
+    buffer (the `f_gather` / `b_gather` loops), which then all-gathers the chunk it takes next
+    (the `f_fetch` / `b_fetch` loops, over `data`); no slot of the tick waits for that."""
+    trainable, step = compiled((4, 2, 1), 3)
+    text = step.as_text()
+    comps = hlo_module.computations(text)
+    body = comps[hlo_module.tick_loop_body(text)]
+    loops = hlo_module.slot_loops(body)
+    found = collectives(text, trainable.mesh)
+    slot_scopes = {"f": ("f_first", "f_middle", "f_last"), "b": ("b_middle", "b_first")}
+    for slot, scopes in slot_scopes.items():
+        fetch = loops[f"{slot}_fetch"]
+        inside = hlo_module.reachable(comps, re.search(r"\bbody=%?([\w.\-]+)", fetch).group(1))
+        assert [c for c in found if c.computation in inside and c.kind == "all-gather"]
+        for scope in scopes:
+            reads = hlo_module.upstream(body, loops[scope])
+            assert hlo_module.defined(loops[f"{slot}_gather"]) in reads, scope
+            assert hlo_module.defined(fetch) not in reads, scope
 
 
 def test_zero1_gathers_the_weights_before_the_loop_and_scatters_gradients_in_it():

@@ -12,7 +12,8 @@ Counting rules, per executed instruction:
   dot                     2 x output elements x contracted size (matmul FLOPs)
   elementwise, reduce     one FLOP per output element (per input element for reduce)
   dynamic-update-slice    the update's bytes (the write is in place)
-  copy                    the result's bytes
+  copy                    the result's bytes (`transpose_bytes` too where its layout differs from
+                          its operand's: a transpose the backend placed, not a move of data)
   collectives             bytes a device sends on its links: collective-permute its result if
                           it is a source, all-reduce 2 (g-1)/g of it (a ring), all-gather and
                           all-to-all (g-1)/g of the result, reduce-scatter (g-1) x the result
@@ -42,6 +43,7 @@ _INSTRUCTION_RE = re.compile(
     r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
 )
 _ARRAY_RE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_LAYOUT_RE = re.compile(r"\{[\d,]*\}")
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 ELEMENTWISE = frozenset(
@@ -111,6 +113,7 @@ class Cost:
     elementwise_flops: float = 0.0
     dus_bytes: float = 0.0
     copy_bytes: float = 0.0
+    transpose_bytes: float = 0.0
     dus_count: float = 0.0
     copy_count: float = 0.0
     collective_bytes: Counter = dataclasses.field(default_factory=Counter)
@@ -141,6 +144,7 @@ _SCALARS = (
     "elementwise_flops",
     "dus_bytes",
     "copy_bytes",
+    "transpose_bytes",
     "dus_count",
     "copy_count",
 )
@@ -244,6 +248,10 @@ class StepCost:
         elif op in ("copy", "copy-start"):
             total.copy_bytes += _result_bytes(ins.shape)
             total.copy_count += 1
+            operand = shapes.get(ins.operands[0], "") if ins.operands else ""
+            if _LAYOUT_RE.search(operand) and _LAYOUT_RE.search(ins.shape):
+                if _LAYOUT_RE.search(operand).group(0) != _LAYOUT_RE.search(ins.shape).group(0):
+                    total.transpose_bytes += _result_bytes(ins.shape)
         elif op in COLLECTIVES:
             self._collective(ins, stage, total)
 

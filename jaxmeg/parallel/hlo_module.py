@@ -87,3 +87,42 @@ def count_ops(comps: dict[str, list[str]], name: str, opcode: str) -> int:
     """How many `opcode` instructions `name` and everything it calls hold (a loop body's
     instructions count once, however many times the loop runs)."""
     return sum(len(ops(comps[c], opcode)) for c in reachable(comps, name))
+
+
+_DEFINES_RE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_SLOT_LOOP_RE = re.compile(r'op_name="[^"]*/(\w+)/while"')
+
+
+def slot_loops(lines: list[str]) -> dict[str, str]:
+    """The 0-or-1-trip slot loops (`pipeline.slots.run_if`) of a computation, usually the tick
+    loop body: JAX name scope -> the loop's instruction line."""
+    found = {}
+    for line in ops(lines, "while"):
+        scope = _SLOT_LOOP_RE.search(line)
+        if scope:
+            found[scope.group(1)] = line
+    return found
+
+
+def upstream(lines: list[str], line: str) -> set[str]:
+    """The names of every instruction of the computation whose result `line` reads, directly
+    or through others: what must finish before it can start."""
+    operands = {}
+    for each in lines:
+        m = _DEFINES_RE.match(each)
+        if m:
+            args = each[m.end() :].split(", metadata=")[0]
+            operands[m.group(1)] = re.findall(r"%([\w.\-]+)", args)
+    seen: set[str] = set()
+    todo = list(operands.get(_DEFINES_RE.match(line).group(1), []))
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(operands.get(name, []))
+    return seen
+
+
+def defined(line: str) -> str:
+    """The name an instruction line defines."""
+    return _DEFINES_RE.match(line).group(1)

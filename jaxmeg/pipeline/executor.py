@@ -26,8 +26,12 @@ ppermute: a pipe collective that only some stages reach deadlocks. Collectives o
 inside the stage-dependent slot loops are fine (a tensor group shares a stage).
 
 Accumulation and the reductions over `data` and `pipe` live in `gradients`; with `data` > 1 a
-chunk's layer gradients are reduced in the tick of its last backward on its stage, inside the
-loop (the `reduce_chunk` column), overlapping the backward of the chunks still running.
+chunk's layer gradients are reduced inside the loop (the `reduce_chunk` column): the reduction
+starts from the gradients as the tick after the chunk's last backward begins, runs beside that
+tick's slots (nothing in them waits for it) and is written back at its end. With ZeRO-3 a slot
+takes a chunk's weights gathered in the tick before (a second buffer per slot), so no slot
+waits for its gather either. The loop runs the table's ticks plus an idle one before them
+(ZeRO-3: the first gather) and one after (the last reduction).
 """
 
 from __future__ import annotations
@@ -181,9 +185,12 @@ def make_pipeline_loss_and_grads(
         grad_specs = (P(None, "pipe"), P())
     param_specs = grad_specs if zero.stage == 3 else (P(None, "pipe"), P())
     gathering = zero.stage == 3
+    # with p v = 1 the F slot only embeds: only the B slot gathers
+    gathering_slots = (("b",) if whole_model else ("b", "f")) if gathering else ()
     pc = pipe_compression
     table_columns = slot_columns(
         table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
+        sharded_reduction=bool(zero.stage),
         compress=None if pc is None else pc.compress,
         powersgd_stages=None if data_compression is None else data_compression.stages,
     )  # fmt: skip
@@ -193,11 +200,22 @@ def make_pipeline_loss_and_grads(
     store = fns.chunk_recompute is None and not whole_model
     manual = gradients.MANUAL_AXES
 
-    def gather_chunk(chunk_shard):
-        """A chunk's weights [Lc, ...] whole from their split over `data` (ZeRO-3)."""
+    def gather_pieces(chunk_shard):
+        """ZeRO-3: every replica's piece of a chunk's split leaves, stacked [d, ...] (the
+        layout the all-gather writes, so the buffer it fills needs no transposing copy)."""
         return jax.tree.map(
-            lambda a, dim: a if dim < 0 else jax.lax.all_gather(a, "data", axis=dim, tiled=True),
+            lambda a, dim: a if dim < 0 else jax.lax.all_gather(a, "data", axis=0),
             chunk_shard,
+            chunk_dims,
+        )
+
+    def assemble(pieces):
+        """The chunk's weights [Lc, ...] whole from `gather_pieces`."""
+        return jax.tree.map(
+            lambda a, dim: (
+                a if dim < 0 else jnp.moveaxis(a, 0, dim).reshape(_whole(a.shape[1:], dim, d))
+            ),
+            pieces,
             chunk_dims,
         )
 
@@ -229,9 +247,8 @@ def make_pipeline_loss_and_grads(
                 return jax.tree.map(lambda a: a[0], params)
             return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], params)
 
-        def chunk_params(chunk):
-            shard = chunk_shard(chunk)
-            return slots.varying_everywhere(gather_chunk(shard), manual) if gathering else shard
+        def chunk_params(chunk):  # without ZeRO-3
+            return chunk_shard(chunk)
 
         def real_layers(chunk):
             return chunk_layers[jnp.maximum(chunk, 0), stage]
@@ -274,10 +291,14 @@ def make_pipeline_loss_and_grads(
             "y": zeros_x(),  # the activation the F slot sends
             "d_x": zeros_x(),  # the input cotangent the B slot sends
         }
-        if gathering:
-            carry["b_params"] = whole_chunk
-            if not whole_model:  # with p v = 1 the F slot only embeds
-                carry["f_params"] = whole_chunk
+        if gathering:  # each slot's chunk, and the one gathered for its next
+            for slot in gathering_slots:
+                carry[f"{slot}_params"] = whole_chunk
+                carry[f"{slot}_next"] = jax.tree.map(
+                    lambda a, dim: jnp.zeros(a.shape if dim < 0 else (d, *a.shape), a.dtype),
+                    chunk_shard(0),
+                    chunk_dims,
+                )
         carry["g_stage"] = gradients.zeros_f32(g_like)
         if zero.stage and reduce_in_loop:  # the split accumulator the reductions write into
             carry["g_reduced"] = gradients.zeros_f32(
@@ -287,6 +308,8 @@ def make_pipeline_loss_and_grads(
                     local_stage_dims,
                 )
             )
+        if reduce_in_loop and not zero.stage:  # a chunk's gradients until reduced
+            carry["pending"] = jax.tree.map(lambda a: a[0], carry["g_stage"])
         carry["g_shared"] = gradients.zeros_f32(shared)
         if stateful:
             carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
@@ -455,23 +478,93 @@ def make_pipeline_loss_and_grads(
             rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
             return {**c, "links": new}, got_whole + rebuilt
 
-        def gather_if(flag, chunk, buffer, scope):
-            """The chunk's weights all-gathered into `buffer` where `flag` (ZeRO-3)."""
-            return slots.run_if(flag > 0, lambda _, ch: chunk_params(ch), buffer, scope, (chunk,))
+        def take_prefetched(c, row):
+            """ZeRO-3: a slot whose chunk changes takes the weights gathered ahead into its
+            second buffer, which then all-gathers the chunk the slot takes next: a loop of its
+            own, so that no slot waits for it before a later tick (the idle tick before the
+            table gathers the first)."""
+            c = dict(c)
+            for slot in gathering_slots:
+                # both buffers go through the loop: one only read by it would be copied
+                c[f"{slot}_params"], c[f"{slot}_next"] = slots.run_if(
+                    row[f"{slot}_gather"] > 0, lambda st: (assemble(st[1]), st[1]),
+                    (c[f"{slot}_params"], c[f"{slot}_next"]), f"{slot}_gather",
+                )  # fmt: skip
+                chunk = row[f"{slot}_fetch_chunk"]
+                c[f"{slot}_next"] = slots.run_if(
+                    chunk >= 0, lambda _, ch: gather_pieces(chunk_shard(ch)), c[f"{slot}_next"],
+                    f"{slot}_fetch", (chunk,),
+                )  # fmt: skip
+            return c
+
+        def take_final(c, row):
+            """After the B slot: the gradients of the chunk whose last backward ran now move to
+            `pending`, where the next tick reduces them while its slots run."""
+            chunk = row["final_chunk"]
+
+            def take(st):
+                return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], st[1]), st[1]
+
+            pending, g_stage = slots.run_if(
+                chunk >= 0, take, (c["pending"], c["g_stage"]), "reduce_take"
+            )
+            return {**c, "pending": pending, "g_stage": g_stage}
+
+        def scatter_final(c, row):
+            """A sharded optimizer: after the B slot, the chunk whose last backward ran is
+            reduce-scattered into the split accumulator, which only the optimizer reads."""
+            chunk = row["reduce_chunk"]
+            at = jnp.maximum(chunk, 0)
+
+            def scatter(st):
+                part = jax.tree.map(lambda a: a[at], st[1])
+                part = gradients.reduce_scatter(part, chunk_dims, ("data",))
+                return jax.tree.map(lambda a, r: a.at[at].set(r), st[0], part), st[1]
+
+            g_reduced, g_stage = slots.run_if(
+                chunk >= 0, scatter, (c["g_reduced"], c["g_stage"]), "reduce_chunk"
+            )
+            return {**c, "g_reduced": g_reduced, "g_stage": g_stage}
+
+        def start_reduction(c, row):
+            """Reduce `pending` over `data` (the chunk `reduce_chunk` whose last backward ran in
+            the tick before; PowerSGD's on its stages after the warm-up): nothing in this
+            tick's slots waits for it, and `finish_reduction` writes it back."""
+            chunk = row["reduce_chunk"]
+            due, at = chunk >= 0, jnp.maximum(chunk, 0)
+            mean = gradients.reduce_over_data
+            if dc is None:
+                return {**c, "pending": slots.run_if(due, mean, c["pending"], "reduce_chunk")}
+            on = (stage < dc.stages) & (step >= dc.warmup_steps)
+            reduced = slots.run_if(due & ~on, mean, c["pending"], "reduce_chunk")
+
+            def compressed(st):
+                return gradients.reduce_chunk_compressed(st[0], at, st[1], dc)
+
+            reduced, data_state = slots.run_if(
+                due & on, compressed, (reduced, c["links"]["data"]), "reduce_powersgd"
+            )
+            return {**c, "pending": reduced, "links": {**c["links"], "data": data_state}}
+
+        def finish_reduction(c, row):
+            """The mean written back into the stage gradients, after this tick's B slot."""
+            chunk = row["reduce_chunk"]
+
+            def write(st):
+                at = jnp.maximum(chunk, 0)
+                return jax.tree.map(lambda a, r: a.at[at].set(r), st[0], st[1]), st[1]
+
+            g_stage, pending = slots.run_if(
+                chunk >= 0, write, (c["g_stage"], c["pending"]), "reduce_write"
+            )
+            return {**c, "g_stage": g_stage, "pending": pending}
 
         def tick(t, c):
             row = {name: col[t, stage] for name, col in columns.items()}
             if gathering:
-                c = {
-                    **c,
-                    "b_params": gather_if(
-                        row["b_gather"], row["b_chunk"], c["b_params"], "b_gather"
-                    ),
-                }
-                if not whole_model:
-                    c["f_params"] = gather_if(
-                        row["f_gather"], row["f_chunk"], c["f_params"], "f_gather"
-                    )
+                c = take_prefetched(c, row)
+            if reduce_in_loop and not zero.stage:
+                c = start_reduction(c, row)
             c = forward_slot(c, row)
             received_x = send(c["y"], row["send_x"], patterns["send_x"], "send_x")
             c = backward_slot(c, row)
@@ -479,26 +572,13 @@ def make_pipeline_loss_and_grads(
             c = {**c, "inputs": receive(c["inputs"], row["recv_act_slot"], received_x, "recv_x")}
             c, received_cot = send_cotangent(c, row, d_x)
             c = {**c, "cots": receive(c["cots"], row["recv_cot_slot"], received_cot, "recv_cot")}
-            with jax.named_scope("reduce_chunk"):
-                c = reduce_in_tick(c, row)
-            return c
-
-        def reduce_in_tick(c, row):
-            if reduce_in_loop and dc is not None:
-                on = (stage < dc.stages) & (step >= dc.warmup_steps)
-                c["g_stage"], data_state = gradients.reduce_final_chunk(
-                    c["g_stage"], c["g_stage"], row["reduce_chunk"],
-                    compressed=(dc, c["links"]["data"], on),
-                )  # fmt: skip
-                c["links"] = {**c["links"], "data": data_state}
+            if reduce_in_loop and zero.stage:
+                c = scatter_final(c, row)
             elif reduce_in_loop:
-                key = "g_reduced" if zero.stage else "g_stage"
-                c[key] = gradients.reduce_final_chunk(
-                    c["g_stage"], c[key], row["reduce_chunk"], chunk_dims
-                )
+                c = take_final(finish_reduction(c, row), row)
             return c
 
-        out = jax.lax.fori_loop(0, table.num_ticks, tick, carry)
+        out = jax.lax.fori_loop(0, table_columns.num_ticks, tick, carry)
         scatter = {}
         if zero.stage:
             scatter = {

@@ -8,12 +8,12 @@ tick loop's carry; a step then makes
                      the first stage plus head grads of the last; with tied embeddings, the two
                      copies' sum) and the mean over replicas at once;
   loss:              the same (only the last stage has it).
-With `data` > 1 each chunk's layer gradients are reduced inside the tick loop, in the tick of
-the chunk's last backward on its stage (`reduce_final_chunk`), so the reduction overlaps the
-backward of the chunks still running; after the loop only the shared gradients and the loss are
-reduced. With a sharded optimizer every reduction is a reduce-scatter (`reduce_scatter`) into
-split accumulators. With PowerSGD (`compression.data_grad_rank`) a chunk's reduction on the
-stages that compress is `powersgd.reduce`; with the fused embedding sync
+With `data` > 1 each chunk's layer gradients are reduced inside the tick loop, in the tick
+after the chunk's last backward on its stage, beside that tick's slots; after the loop only the
+shared gradients and the loss are reduced. With a sharded optimizer every reduction is a
+reduce-scatter (`reduce_scatter`) into split accumulators. With PowerSGD
+(`compression.data_grad_rank`) a chunk's reduction on the stages that compress is
+`powersgd.reduce` (`reduce_chunk_compressed`); with the fused embedding sync
 (`compression.fused_embedding_sync`) the shared gradients and the loss are reduced over
 {first, last stage} x data only (`fused_sync`).
 When `data` and `pipe` both have size 1 the reductions are skipped: they are the identity, and
@@ -80,37 +80,11 @@ def drop_leading_dims(dims, count: int):
     return jax.tree.map(lambda dim: dim - count if dim >= 0 else dim, dims)
 
 
-def reduce_final_chunk(stage_grads, reduced, chunk, chunk_dims=None, compressed=None):
-    """Reduce chunk `chunk` of stage_grads [v, ...] over `data` into `reduced` [v, ...] (nothing
-    when chunk is -1): a mean (`reduced` is `stage_grads`, updated in place) or, with
-    `chunk_dims` (a sharded optimizer: per leaf the dim of one chunk to split, -1 for none), a
-    reduce-scatter into the split accumulator. The same on every replica of a stage (they run
-    the same table row), so the collective may sit under this stage-dependent `lax.cond`.
-
-    With `compressed` = (dc: powersgd.DataCompression, state {"q", "error"} with leaves
-    [v, ...], on: bool scalar) the chunk is reduced by `powersgd.reduce` where `on`, and the
-    return value is (reduced, state)."""
-    safe = jnp.maximum(chunk, 0)
-    part = jax.tree.map(lambda a: a[safe], stage_grads)
-    if chunk_dims is None:
-        reduce = reduce_over_data
-    else:
-        reduce = functools.partial(reduce_scatter, dims=chunk_dims, axes=("data",))
-    current = jax.tree.map(lambda a: a[safe], reduced)
-    if compressed is None:
-        part = jax.lax.cond(chunk >= 0, reduce, lambda _: current, part)
-        return jax.tree.map(lambda a, p: a.at[safe].set(p), reduced, part)
-    dc, state, on = compressed
-    chunk_state = jax.tree.map(lambda a: a[safe], state)
-    branches = (
-        lambda part_, st: (current, st),
-        lambda part_, st: (reduce(part_), st),
-        lambda part_, st: powersgd.reduce(part_, st, dc),
-    )
-    index = jnp.where(chunk < 0, 0, jnp.where(on, 2, 1))
-    part, chunk_state = jax.lax.switch(index, branches, part, chunk_state)
-    write = lambda a, p: a.at[safe].set(p)  # noqa: E731
-    return jax.tree.map(write, reduced, part), jax.tree.map(write, state, chunk_state)
+def reduce_chunk_compressed(part, chunk, state, dc):
+    """(reduced part, new state): one chunk's gradients `part` reduced over `data` by PowerSGD
+    (`powersgd.reduce`) with the chunk's slice of `state` (leaves [v, ...]), updated in place."""
+    reduced, new = powersgd.reduce(part, jax.tree.map(lambda a: a[chunk], state), dc)
+    return reduced, jax.tree.map(lambda a, n: a.at[chunk].set(n), state, new)
 
 
 def broadcast_rounds(p: int) -> list[list[tuple[int, int]]]:

@@ -110,8 +110,12 @@ class SlotColumns:
     """What the executor's tick reads, all static.
 
     columns: int [num_ticks, p] by name: the tick table's, the slot kinds, the chunk whose
-        reduction is due, ZeRO-3's gathers, the send indices (`send_patterns`), where a cotangent
-        is compressed, where something arrives.
+        reduction starts (the tick after its last backward), ZeRO-3's gathers (`f_gather`: the
+        slot takes the chunk `f_fetch` gathered in the tick before, from `f_fetch_chunk`), the
+        send indices (`send_patterns`), where a cotangent is compressed, where something
+        arrives. num_ticks is the table's plus one idle tick before it where ZeRO-3 gathers
+        (the first gather's tick) and one after it where the loop reduces chunks (the last
+        reduction's).
     patterns: send name -> its sets of pairs (`send_patterns`).
     branch_columns: name scope -> int [num_ticks, p]: the branch each (tick, stage) takes in
         every conditional of the tick, and the trips of every 0-or-1-trip slot loop; what
@@ -122,6 +126,41 @@ class SlotColumns:
     patterns: dict[str, list[tuple[tuple[int, int], ...]]]
     branch_columns: dict[str, np.ndarray]
 
+    @property
+    def num_ticks(self) -> int:
+        return len(self.columns["f_mb"])
+
+
+def _pad(columns: dict[str, np.ndarray], before: int, after: int) -> dict[str, np.ndarray]:
+    """Idle ticks around the table: nothing runs, sends or arrives in them."""
+    idle = {name: -1 if name in (*FIELDS, "reduce_chunk") else 0 for name in columns}
+    pad = ((before, after), (0, 0))
+    return {
+        name: np.pad(np.asarray(col, np.int32), pad, constant_values=idle[name])
+        for name, col in columns.items()
+    }
+
+
+def _next_gathered(gather: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+    """int32 [num_ticks, p]: at each tick that gathers, the chunk of the stage's next gather
+    after it (-1: none), which that tick fetches ahead."""
+    out = np.full_like(chunk, -1)
+    for s in range(gather.shape[1]):
+        ticks = np.flatnonzero(gather[:, s])
+        for here, then in zip(ticks[:-1], ticks[1:], strict=True):
+            out[here, s] = chunk[then, s]
+    return out
+
+
+def _shift(column: np.ndarray, ticks: int, fill: int) -> np.ndarray:
+    """column moved `ticks` later (earlier where negative), `fill` where nothing moved in."""
+    out = np.full_like(column, fill)
+    if ticks >= 0:
+        out[ticks:] = column[: len(column) - ticks]
+    else:
+        out[:ticks] = column[-ticks:]
+    return out
+
 
 def slot_columns(
     table: TickTable,
@@ -129,6 +168,7 @@ def slot_columns(
     *,
     gathering: bool = False,
     reduce_in_loop: bool = False,
+    sharded_reduction: bool = False,
     compress: np.ndarray | None = None,
     powersgd_stages: int | None = None,
 ) -> SlotColumns:
@@ -136,7 +176,14 @@ def slot_columns(
     reductions where `reduce_in_loop` (PowerSGD's on stages < `powersgd_stages`), compressed
     cotangents where `compress` (bool [num_ticks, p]) says. Each direction sends only on the
     pairs that carry something in that tick (one ppermute per distinct set of pairs, chosen by
-    an index equal on every stage)."""
+    an index equal on every stage).
+
+    No slot waits for a collective that could have run earlier: a ZeRO-3 chunk is gathered
+    ahead, in the tick where its slot takes the chunk before it (a second buffer per slot),
+    and a chunk's data mean runs in the tick after its last backward, beside that tick's
+    slots, and is written back at its end. With `sharded_reduction` (a sharded optimizer) the
+    reduce-scatter runs in the tick of the last backward, after its B slot, into the split
+    accumulator that only the optimizer reads."""
     p, v = table.num_stages, num_chunks
     columns = {name: getattr(table, name) for name in FIELDS}
     columns["f_kind"], columns["b_kind"] = kind_columns(table, v)
@@ -165,14 +212,29 @@ def slot_columns(
     named = ("send_x", "send_cot", "send_whole", "send_factors", "recv_x", "recv_cot",
              "f_gather", "b_gather")  # fmt: skip
     branches.update({name: columns[name] for name in named if name in columns})
-    if reduce_in_loop:
-        reducing = columns["reduce_chunk"] >= 0
-        if powersgd_stages is not None:  # after the warm-up: PowerSGD on stages < k
-            branches["reduce_chunk"] = reducing * np.where(np.arange(p) < powersgd_stages, 2, 1)
-        else:
-            branches["reduce_chunk"] = reducing
     if compress is not None:
         branches["compress_link"] = columns["pipe_compress"]
+    deferred = reduce_in_loop and not sharded_reduction
+    before, after = int(gathering), int(deferred)
+    columns, branches = _pad(columns, before, after), _pad(branches, before, after)
+    if gathering:
+        for slot in ("f", "b"):
+            gather = columns[f"{slot}_gather"]
+            gather[0] = gather[1:].any(axis=0)  # the first chunk's, ahead
+            fetch = _next_gathered(gather, columns[f"{slot}_chunk"])
+            columns[f"{slot}_fetch_chunk"] = fetch
+            branches[f"{slot}_gather"], branches[f"{slot}_fetch"] = gather, fetch >= 0
+    if reduce_in_loop and sharded_reduction:
+        branches["reduce_chunk"] = (columns["reduce_chunk"] >= 0).astype(np.int32)
+    elif reduce_in_loop:
+        columns["final_chunk"] = columns["reduce_chunk"]
+        columns["reduce_chunk"] = _shift(columns["reduce_chunk"], 1, -1)
+        reducing = (columns["reduce_chunk"] >= 0).astype(np.int32)
+        powersgd = np.arange(p) < (powersgd_stages or 0)  # after the warm-up: stages < k
+        branches["reduce_take"] = (columns["final_chunk"] >= 0).astype(np.int32)
+        branches["reduce_chunk"] = reducing * ~powersgd
+        branches["reduce_powersgd"] = reducing * powersgd
+        branches["reduce_write"] = reducing
     return SlotColumns(
         columns={k: np.asarray(c, np.int32) for k, c in columns.items()},
         patterns=patterns,

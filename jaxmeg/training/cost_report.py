@@ -6,7 +6,8 @@ prediction for the same config beside it. Compile only: nothing runs.
 Per step, summed over all devices:
   model_flops        Megatron-LM eq. 3 without recompute (the model's FLOPs)
   matmul_flops       dots executed; `elementwise_flops` one per element of the other arithmetic
-  written_bytes      bytes written by dynamic-update-slice and copy
+  written_bytes      bytes written by dynamic-update-slice and copy (`transpose_bytes`: the
+                     copies that change layout, transposes the backend placed around matmuls)
   stored_bytes       what the forwards keep for their backwards: each forward's stage input and
                      the residuals its chunk stores, at their logical size (with tensor > 1, once
                      per tensor group)
@@ -124,6 +125,7 @@ def cost_report(trainable: Trainable) -> dict[str, Any]:
         "written_bytes": total.written_bytes,
         "dynamic_update_slice_bytes": total.dus_bytes,
         "copy_bytes": total.copy_bytes,
+        "transpose_bytes": total.transpose_bytes,
         "stored_bytes": float(stored),
         "collective_bytes": collective,
         "collective_bytes_by_kind": {
@@ -177,7 +179,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"  matmul FLOPs        {gf(r['matmul_flops'])}   x{ratios['matmul_over_model_flops']:.3f}",
         f"  elementwise FLOPs   {gf(r['elementwise_flops'])}",
         f"  written (DUS+copy)  {gb(r['written_bytes'])}   "
-        f"(DUS {r['dynamic_update_slice_bytes'] / 1e9:.4f}, copy {r['copy_bytes'] / 1e9:.4f})",
+        f"(DUS {r['dynamic_update_slice_bytes'] / 1e9:.4f}, copy {r['copy_bytes'] / 1e9:.4f}, "
+        f"of which transposes {r['transpose_bytes'] / 1e9:.4f})",
         f"  stored for backward {gb(r['stored_bytes'])}   written/stored "
         + (f"x{ratios['written_over_stored']:.2f}" if ratios["written_over_stored"] else "-"),
     ]
