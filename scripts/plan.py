@@ -97,7 +97,7 @@ def parse_args(argv):
         help="rank of the compressed pipeline and data-parallel gradients",
     )  # fmt: skip
     parser.add_argument(
-        "--pipe-grad-phase", choices=PIPE_GRAD_PHASES, default="all",
+        "--pipe-grad-phase", choices=PIPE_GRAD_PHASES, default="epilogue",
         help="which backward pipeline transfers are compressed (compression.pipe_grad_phase)",
     )  # fmt: skip
     parser.add_argument("--top", type=int, default=15, help="rows of the table")
@@ -304,9 +304,11 @@ def cluster_report(args, shape, pins) -> int:
         f"cluster {cluster.name} ({groups}); batch {batch} x {shape.seq_len}; "
         f"{len(plans)} layouts fit, fastest (auto) first"
     )
+    print(f"megatron: its rank order and even split; transport: {rows[0]['megatron_transport']}")
     print(
         f"{'t':>2} {'p':>3} {'d':>3} {'b':>2} {'recomp':>9} {'mem GB':>6} | {'auto layers':<28} "
-        f"{'TFLOP/s':>7} {'step s':>7} | {'megatron layers':<28} {'TFLOP/s':>7} {'step s':>7}"
+        f"{'TFLOP/s':>7} {'step s':>7} | {'megatron layers':<28} {'TFLOP/s':>7} {'step s':>7} | "
+        f"{'per-group TFLOP/s':>17}"
     )
     for row in rows:
         meg = row["megatron"]
@@ -314,7 +316,8 @@ def cluster_report(args, shape, pins) -> int:
             f"{row['tensor']:>2} {row['pipe']:>3} {row['data']:>3} {row['microbatch']:>2} "
             f"{row['recompute']:>9} {row['memory_per_gpu_gb']:>6.1f} | "
             f"{_stage_summary(row):<28} {row['tflops_per_gpu']:>7.1f} {row['step_time_s']:>7.3f} | "
-            f"{_stage_summary(meg):<28} {meg['tflops_per_gpu']:>7.1f} {meg['step_time_s']:>7.3f}"
+            f"{_stage_summary(meg):<28} {meg['tflops_per_gpu']:>7.1f} {meg['step_time_s']:>7.3f} | "
+            f"{row['megatron_per_group']['tflops_per_gpu']:>17.1f}"
         )
     return 0
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxmeg import config as C
-from jaxmeg.parallel import make_mesh
+from jaxmeg.parallel import hlo_module, make_mesh
 from jaxmeg.training.state import Trainable
 
 TINY_MODEL = C.ModelConfig(
@@ -45,3 +45,13 @@ def put_batch(trainable: Trainable, tokens: np.ndarray):
 
 def replace_model(cfg: C.Config, **changes) -> C.Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
+
+
+def run_checked(trainable: Trainable, fn, *args):
+    """jit(fn)(*args) under the trainable's mesh, after checking the compiled step for what
+    could hang it (`hlo_module.deadlock_hazards`): every equivalence run passes this check."""
+    with jax.set_mesh(trainable.mesh):
+        compiled = jax.jit(fn).lower(*args).compile()
+        hazards = hlo_module.deadlock_hazards(compiled.as_text(), trainable.mesh)
+        assert not hazards, "\n".join(hazards)
+        return compiled(*args)

@@ -266,6 +266,9 @@ def test_plan_cluster_json_ranks_auto_against_megatron_on_holmes():
         for key in FIGURES:
             assert key in row and key in row["megatron"], key
         assert row["placement"] == "auto" and row["megatron"]["placement"] == "megatron"
+        assert row["megatron_per_group"]["placement"] == "megatron_per_group"
+        assert row["megatron"]["tflops_per_gpu"] <= row["megatron_per_group"]["tflops_per_gpu"]
+        assert "sockets" in row["megatron_transport"]
         assert row["tensor"] * row["pipe"] * row["data"] == 64
         assert sum(row["stage_layers"]) == sum(row["megatron"]["stage_layers"]) == 36
         assert row["tflops_per_gpu"] >= row["megatron"]["tflops_per_gpu"]
@@ -274,6 +277,26 @@ def test_plan_cluster_json_ranks_auto_against_megatron_on_holmes():
     assert best["stage_layers"][0] > best["stage_layers"][-1]
     assert best["tflops_per_gpu"] > best["megatron"]["tflops_per_gpu"]
     assert best["megatron"]["stage_layers"] == [18] * best["pipe"]
+
+
+def test_megatron_runs_over_one_transport_where_nics_differ():
+    """Megatron-LM's one NCCL configuration: on the IB + RoCE cluster every inter-node hop goes
+    over sockets on the shared Ethernet (slower than its order with per-group transports); on
+    a cluster of one NIC type the two are the same model."""
+    layout = Layout(tensor=4, pipe=2, data=8, microbatch=2, microbatches=32, recompute="full")
+    holmes = load_cluster("holmes_ib_roce")
+    one = cluster_step_time(GPT_7_5B, holmes, layout, "megatron")
+    per_group = cluster_step_time(GPT_7_5B, holmes, layout, "megatron_per_group")
+    assert one.stage_layers == per_group.stage_layers == (18, 18)
+    assert one.total > 1.5 * per_group.total
+    ib = load_cluster("ib_only")
+    equal = [
+        cluster_step_time(GPT_7_5B, ib, layout, mode).total
+        for mode in ("megatron", "megatron_per_group")
+    ]
+    assert equal[0] == equal[1]
+    with pytest.raises(ValueError, match="placement must be one of"):
+        cluster_step_time(GPT_7_5B, ib, layout, "nccl")
 
 
 def test_plan_cluster_three_groups_text_table_and_errors():

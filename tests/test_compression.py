@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from jaxmeg.training import links
 from jaxmeg.training.pipeline_step import build_schedule, make_loss_and_grads
 from jaxmeg.training.state import init_state, initial_link_state
 from jaxmeg.training.trainer import compile_step
-from tests.helpers import put_batch, random_batch, trainable_for
+from tests.helpers import put_batch, random_batch, run_checked, trainable_for
 from tests.test_train_cli import single_device_losses  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,6 +58,69 @@ def test_lazy_error_propagation_telescopes_in_fp64():
         assert float(jnp.abs(error).max()) > 1e-3  # rank 3 of 12 x 20 really loses something
 
 
+def test_the_defaults_are_the_papers_epilogue_with_the_authors_lazy_error():
+    comp = C.CompressionConfig()
+    assert (comp.pipe_grad_phase, comp.pipe_error_feedback) == ("epilogue", "lazy")
+    cfg = config((1, 2, 1), rank=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.validate(cfg, 2)  # the defaults: no warning
+    every = config((1, 2, 1), rank=4, pipe_grad_phase="all")
+    for feedback in ("lazy", "lazy_flush"):
+        comp = dataclasses.replace(every.compression, pipe_error_feedback=feedback)
+        with pytest.warns(C.LazyErrorOnEverySendWarning, match="pipe_grad_phase = all"):
+            C.validate(dataclasses.replace(every, compression=comp), 2)
+
+
+@pytest.mark.parametrize("feedback", ["lazy", "lazy_flush", "none"])
+def test_lazy_error_goes_only_into_compressed_sends(feedback):
+    """Two sends on one link, the first compressed, the second not, worked by hand: `lazy`
+    (the authors' code) adds the error e0 to the compressed send only, keeps what it lost, e1,
+    and sends the second gradient alone, e1 still kept; `lazy_flush` sends g2 + e1 and clears
+    it; `none` keeps nothing."""
+    rng = np.random.default_rng(2)
+    g1, g2, e0 = (jnp.asarray(rng.normal(size=(6, 10)), jnp.float32) for _ in range(3))
+    q0 = jnp.asarray(rng.normal(size=(1, 10, 2)), jnp.float32)
+    pc = compression.PipeCompression(
+        2, feedback != "none", np.ones((2, 1), bool), flush=feedback == "lazy_flush"
+    )
+    links = {"q": q0, "error": e0[None]} if pc.lazy else {"q": q0}
+    (p, q), whole, links = compression.encode_link(pc, links, 0, g1, True, True)
+    x1 = g1 + e0 if pc.lazy else g1
+    p_ref, q_ref = compression.power_step(x1, q0[0])
+    np.testing.assert_allclose(compression.rebuild(p, q), p_ref @ q_ref.T, atol=1e-5)
+    assert not whole.any()
+    e1 = x1 - p_ref @ q_ref.T
+    if pc.lazy:
+        np.testing.assert_allclose(links["error"][0], e1, atol=1e-5)
+    (p, q), whole, links = compression.encode_link(pc, links, 0, g2, False, True)
+    assert not p.any() and not q.any()
+    expected = {"lazy": (g2, e1), "lazy_flush": (g2 + e1, 0 * e1), "none": (g2, None)}
+    sent, kept = expected[feedback]
+    np.testing.assert_allclose(whole, sent, atol=1e-5)
+    if kept is not None:
+        np.testing.assert_allclose(links["error"][0], kept, atol=1e-5)
+
+
+def test_powersgd_warm_starts_are_full_rank_per_leaf():
+    """Each leaf's first Q: every layer's [m, r] block has rank r (it once repeated one
+    [head dim, r] block along the heads), the same on every data replica."""
+    cfg = C.validate(
+        dataclasses.replace(
+            config((2, 2, 1)), compression=C.CompressionConfig(data_grad_rank=4)
+        ), 4,
+    )  # fmt: skip
+    qs = initial_link_state(trainable_for(cfg))["data"]["q"]
+    assert set(qs) == {"attn/w_qkv", "attn/w_out", "mlp/w_in", "mlp/w_out"}
+    for key, q in qs.items():
+        q = np.asarray(q)  # [p, d, v, Lc, ..., r]
+        np.testing.assert_array_equal(q[:, 0], q[:, 1], err_msg=key)
+        blocks = q.reshape(*q.shape[:4], -1, q.shape[-1])
+        for block in blocks.reshape(-1, *blocks.shape[-2:]):
+            assert np.linalg.matrix_rank(block) == q.shape[-1], key
+        assert not np.allclose(blocks[:, :, :, 0], blocks[:, :, :, 1]), key  # layers differ
+
+
 def test_a_rank_at_or_above_the_matrix_rank_rebuilds_it_exactly():
     rng = np.random.default_rng(1)
     m = jnp.asarray(rng.normal(size=(16, 2)) @ rng.normal(size=(2, 24)), jnp.float32)  # rank 2
@@ -71,19 +135,18 @@ def loss_grads_links(cfg, tokens):
     trainable = trainable_for(cfg)
     state = init_state(trainable, seed=0)
     extra = (state["links"],) if "links" in state else ()
-    with jax.set_mesh(trainable.mesh):
-        out = jax.jit(make_loss_and_grads(trainable))(
-            state["params"], *put_batch(trainable, tokens), *extra
-        )
+    out = run_checked(
+        trainable, make_loss_and_grads(trainable), state["params"],
+        *put_batch(trainable, tokens), *extra,
+    )  # fmt: skip
     return jax.tree.map(np.asarray, out)
 
 
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 4, 1)])
 @pytest.mark.parametrize(
     "comp",
-    [dict(pipe_error_feedback="lazy"),
-     dict(pipe_error_feedback="none", pipe_grad_phase="epilogue")],
-    ids=["lazy-all", "none-epilogue"],
+    [dict(pipe_error_feedback="lazy_flush", pipe_grad_phase="all"), dict()],
+    ids=["lazy_flush-all", "defaults-lazy-epilogue"],
 )  # fmt: skip
 def test_compressed_links_at_full_rank_equal_uncompressed(mesh, comp, monkeypatch):
     tokens = random_batch(config(mesh), seed=3)
@@ -136,7 +199,7 @@ def test_hlo_backward_ppermute_bytes_drop_by_the_element_ratio():
     whole = ROWS * COLS * 4
     plain = pipe_permute_bytes(config(mesh))
     assert plain == {"send_x": {whole}, "send_cot": {whole}}  # activations, cotangents
-    compressed = pipe_permute_bytes(config(mesh, rank=rank))
+    compressed = pipe_permute_bytes(config(mesh, rank=rank, pipe_grad_phase="all"))
     factors = rank * (ROWS + COLS) * 4
     # only the forward activations go whole; the cotangents as P [b s, r] and Q [h, r]
     assert compressed == {"send_x": {whole}, "send_factors": {rank * ROWS * 4, rank * COLS * 4}}

@@ -15,7 +15,7 @@ from jaxmeg.pipeline import compression, powersgd
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
 from jaxmeg.training.trainer import compile_step
-from tests.helpers import put_batch, random_batch, trainable_for
+from tests.helpers import put_batch, random_batch, run_checked, trainable_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,10 +39,11 @@ def run(cfg, tokens, step=0):
     trainable = trainable_for(cfg)
     state = init_state(trainable, seed=0)
     extra = (state["links"],) if "links" in state else ()
-    with jax.set_mesh(trainable.mesh):
-        out = jax.jit(lambda *a: make_loss_and_grads(trainable)(*a, step=step))(
-            state["params"], *put_batch(trainable, tokens), *extra
-        )
+    fn = make_loss_and_grads(trainable)
+    out = run_checked(
+        trainable, lambda *a: fn(*a, step=step), state["params"], *put_batch(trainable, tokens),
+        *extra,
+    )  # fmt: skip
     out = jax.tree.map(np.asarray, out)
     return (*out, None) if len(out) == 2 else out
 
@@ -134,6 +135,26 @@ def test_powersgd_compresses_only_stages_below_k_and_not_in_the_warm_up():
     assert not state["data"]["error"]["attn/w_qkv"].any()
     _, after, _ = run(config(mesh, **comp), tokens, step=3)
     assert not np.allclose(stage_leaf(after, 1), stage_leaf(grads, 1), rtol=1e-3)
+
+
+def test_powersgd_runs_at_ranks_on_both_sides_of_every_smaller_side():
+    """(2,2,2), PowerSGD on stage 0 only: ranks around each matrix's smaller side, whole (32)
+    and per tensor shard (attn/w_out's 16). Rank 32 on gpt_tiny hung this mesh: the QR's LAPACK
+    call waited for threads that stage 1's devices held in a collective (`run_checked` now
+    fails any step with a LAPACK call or a pipe collective in its tick loop). At 32 every
+    matrix goes whole: the plain mean."""
+    mesh = (2, 2, 2)
+    tokens = random_batch(config(mesh), seed=7)
+    _, grads, _ = run(config(mesh), tokens)
+    for rank in (15, 17, 32):
+        _, got, state = run(config(mesh, data_grad_rank=rank, data_grad_stages=1), tokens)
+        assert all(np.isfinite(g).all() for g in jax.tree.leaves(got)), rank
+        np.testing.assert_allclose(stage_leaf(got, 1), stage_leaf(grads, 1), rtol=1e-5, atol=1e-7)
+        if rank < MODEL.hidden:
+            assert set(state["data"]["q"]) == {"attn/w_qkv", "attn/w_out", "mlp/w_in", "mlp/w_out"}
+        else:
+            assert state is None or not state["data"]["q"]
+            assert_grads_close(got, grads)
 
 
 def test_a_rank_at_the_smaller_side_sends_matrices_whole():

@@ -26,7 +26,7 @@ from jaxmeg.training.state import (
 )
 from jaxmeg.training.step import make_train_step
 from jaxmeg.training.trainer import compile_step, memory_report
-from tests.helpers import put_batch, random_batch, trainable_for
+from tests.helpers import put_batch, random_batch, run_checked, trainable_for
 
 pytestmark = pytest.mark.timeout(300)  # a deadlocked pipe collective aborts, never hangs
 
@@ -141,8 +141,9 @@ def check_against_single_device(
     params = jax.device_put(
         to_stage_layout(ref_params, trainable.layout), state_shardings(trainable)["params"]
     )
-    with jax.set_mesh(trainable.mesh):
-        loss, grads = jax.jit(make_loss_and_grads(trainable))(params, *put_batch(trainable, tokens))
+    loss, grads = run_checked(
+        trainable, make_loss_and_grads(trainable), params, *put_batch(trainable, tokens)
+    )
     grads = jax.tree.map(np.asarray, grads)
     assert_padding_is_zero(trainable, grads)
     grads = to_canonical_layout(grads, trainable.layout)

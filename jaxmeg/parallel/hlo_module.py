@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import re
 
-from jaxmeg.parallel.hlo import _COMPUTATION_RE
+from jaxmeg.parallel.hlo import _COMPUTATION_RE, Collective, collectives
 
 _CALLED_RE = re.compile(
     r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
 )
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 _SHAPE_RE = re.compile(r"=\s*(\w+\[[\d,]*\])")
-TICK_LOOP_OP_NAME = 'op_name="jit(step)/shard_map/while"'
-"""The executor's `lax.fori_loop` over ticks, directly inside the step's shard_map."""
+_TICK_LOOP_RE = re.compile(r'op_name="jit\([^)]*\)/shard_map/while"')
+"""The executor's `lax.fori_loop` over ticks, directly inside the jitted step's shard_map."""
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -76,7 +76,7 @@ def tick_loop_body(hlo_text: str) -> str:
         line
         for lines in comps.values()
         for line in ops(lines, "while")
-        if TICK_LOOP_OP_NAME in line
+        if _TICK_LOOP_RE.search(line)
     ]
     if len(loops) != 1:
         raise ValueError(f"expected one tick loop in the module, found {len(loops)}")
@@ -126,3 +126,48 @@ def upstream(lines: list[str], line: str) -> set[str]:
 def defined(line: str) -> str:
     """The name an instruction line defines."""
     return _DEFINES_RE.match(line).group(1)
+
+
+_SEND_SCOPE_RE = re.compile(r"/send_\w+/")
+_BLOCKING_CALL_RE = re.compile(r'custom_call_target="(lapack_\w+)"')
+
+
+def pipe_collectives_in_stage_branches(hlo_text: str, mesh) -> list[Collective]:
+    """Collectives inside the tick loop's slots and branches whose groups span `pipe`, other
+    than the sends (collective-permutes under a `send_*` scope, whose branch index depends on
+    the tick only). The slots run where a stage's table row says: a collective over `pipe`
+    there waits for stages that never reach it, and the step hangs. Empty when safe."""
+    comps = computations(hlo_text)
+    body = tick_loop_body(hlo_text)
+    nested = reachable(comps, body) - {body}
+    return [
+        c
+        for c in collectives(hlo_text, mesh)
+        if c.computation in nested
+        and "pipe" in c.axes
+        and not (c.kind == "collective-permute" and _SEND_SCOPE_RE.search(c.op_name))
+    ]
+
+
+def deadlock_hazards(hlo_text: str, mesh) -> list[str]:
+    """What could hang a step, one line each (empty when safe):
+    - a collective over `pipe` in a stage-dependent slot or branch of the tick loop
+      (`pipe_collectives_in_stage_branches`; a table of one tick runs no loop, XLA removes it);
+    - a CPU LAPACK call (`jnp.linalg` on CPU) anywhere in the step: it spreads a batch over
+      the thread pool and waits for it, while other devices hold those threads waiting in a
+      collective (PowerSGD's QR hung a 2 x 2 x 2 step this way)."""
+    comps = computations(hlo_text)
+    found = []
+    if any(_TICK_LOOP_RE.search(line) for lines in comps.values() for line in lines):
+        found = [
+            f"{c.kind} over {sorted(c.axes)} in a stage branch: {c.op_name}"
+            for c in pipe_collectives_in_stage_branches(hlo_text, mesh)
+        ]
+    for lines in comps.values():
+        for line in lines:
+            call = _BLOCKING_CALL_RE.search(line)
+            if call:
+                op_name = re.search(r'op_name="([^"]*)"', line)
+                where = op_name.group(1) if op_name else ""
+                found.append(f"{call.group(1)} in the step: {where}")
+    return found

@@ -101,10 +101,30 @@ def cross_link(cluster: Cluster, groups: Sequence[str], sharing: int) -> Link:
     return link.gbps / 8 * efficiency / max(sharing, 1), link.latency_us
 
 
-def members_link(cluster: Cluster, members: Sequence[DeviceRecord], sharing: int) -> Link:
+def one_transport(cluster: Cluster) -> bool:
+    """Whether one NCCL configuration for every process (Megatron-LM's: one environment for the
+    job) must give up RDMA: the groups' NICs differ, and RDMA fabrics of different types
+    cannot reach each other, so inter-node traffic runs over what every node shares."""
+    return len({g.nic for g in cluster.groups}) > 1
+
+
+def shared_transport_link(cluster: Cluster, sharing: int) -> Link:
+    """An inter-node hop under one transport for the whole job: sockets over the Ethernet every
+    node shares (the cluster's links between groups: the slowest, per node pair, shared by
+    `sharing` GPUs of a host), at least SOCKET_LATENCY_US per step."""
+    gb_per_s, latency = cross_link(cluster, cluster.group_names, sharing)
+    return gb_per_s, max(latency, SOCKET_LATENCY_US)
+
+
+def members_link(
+    cluster: Cluster, members: Sequence[DeviceRecord], sharing: int, shared: bool = False
+) -> Link:
     """The slowest hop among `members` (a ring or a send pair): NVLink inside one host, the
-    group's NIC inside one group, else the link between their groups."""
+    group's NIC inside one group, else the link between their groups; with `shared` (one
+    transport for the job, `one_transport`) every hop between hosts is `shared_transport_link`."""
     groups = {r.group for r in members}
+    if shared and len({r.host for r in members}) > 1:
+        return shared_transport_link(cluster, sharing)
     if len(groups) > 1:
         return cross_link(cluster, sorted(groups), sharing)
     hw = group_hardware(cluster, next(iter(groups)))
@@ -126,8 +146,9 @@ class PlacementLinks:
     """The slowest hop of the pipe x data rings that reduce the embedding and head."""
 
 
-def placement_links(cluster: Cluster, placement: Placement) -> PlacementLinks:
-    """The links a placement's collectives and sends take (grid [data, pipe, tensor])."""
+def placement_links(cluster: Cluster, placement: Placement, shared: bool = False) -> PlacementLinks:
+    """The links a placement's collectives and sends take (grid [data, pipe, tensor]); with
+    `shared`, under one transport for the job (`members_link`)."""
     by_id = {r.id: r for r in placement.records}
     grid = placement.grid
     d, p, t = grid.shape
@@ -136,8 +157,19 @@ def placement_links(cluster: Cluster, placement: Placement) -> PlacementLinks:
         r for stage in rings for ring in stage if len({x.group for x in ring}) > 1 for r in ring
     ]
     sharing = _busiest_host(crossing)
+    if shared:  # every ring between hosts takes the shared network at once
+        sharing = _busiest_host(
+            [
+                r
+                for stage in rings
+                for ring in stage
+                if len({x.host for x in ring}) > 1
+                for r in ring
+            ]
+        )
     data = tuple(
-        _slowest([members_link(cluster, ring, sharing) for ring in stage]) for stage in rings
+        _slowest([members_link(cluster, ring, sharing, shared) for ring in stage])
+        for stage in rings
     )
     boundaries = []
     for s in range(p - 1):
@@ -146,12 +178,18 @@ def placement_links(cluster: Cluster, placement: Placement) -> PlacementLinks:
             for a in range(d)
             for c in range(t)
         ]
-        senders = _busiest_host([x for x, y in pairs if x.group != y.group])
-        boundaries.append(_slowest([members_link(cluster, pair, senders) for pair in pairs]))
+        crosses = (lambda x, y: x.host != y.host) if shared else (lambda x, y: x.group != y.group)
+        senders = _busiest_host([x for x, y in pairs if crosses(x, y)])
+        boundaries.append(
+            _slowest([members_link(cluster, pair, senders, shared) for pair in pairs])
+        )
     shared_rings = [[by_id[int(i)] for i in grid[:, :, c].ravel()] for c in range(t)]
     everyone = _busiest_host(placement.records)  # every GPU reduces them at once
-    shared = _slowest([members_link(cluster, ring, everyone) for ring in shared_rings])
-    return PlacementLinks(data, tuple(boundaries), shared)
+    return PlacementLinks(
+        data,
+        tuple(boundaries),
+        _slowest([members_link(cluster, ring, everyone, shared) for ring in shared_rings]),
+    )
 
 
 def assumed_data_links(
@@ -363,20 +401,29 @@ def even_stage_layers(layers: int, pipe: int) -> tuple[int, ...]:
     return balance([StageCost(1.0)] * pipe, layers)
 
 
+PLACEMENTS = ("auto", "megatron", "megatron_per_group")
+"""`auto`: jaxmeg's NIC-aware placement, per-group NCCL transports and the self-adapting
+partition (Holmes). `megatron`: Megatron-LM as it runs there: its rank order, the even split,
+and one NCCL configuration for the job, so with NICs of different types every inter-node hop
+goes over sockets on the shared Ethernet (`one_transport`). `megatron_per_group`: Megatron's
+order and split with Holmes's per-group transports."""
+
+
 def cluster_step_time(
     shape: Shape, cluster: Cluster, layout: Layout, placement: str = "auto"
 ) -> ClusterStepTime:
-    """Step time of `layout` on the whole `cluster` with `place(..., mode=placement)`. Layers per
+    """Step time of `layout` on the whole `cluster` under `placement` (`PLACEMENTS`). Layers per
     stage: `layout.stage_layers` when set, else `balance` of `stage_costs` for `auto` and the
-    even split for `megatron`. One chunk per stage (uneven stages need it)."""
+    even split for Megatron's. One chunk per stage (uneven stages need it)."""
     if layout.chunks != 1:
         raise ValueError(f"the cluster model takes one chunk per stage, got {layout.chunks}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
     d, p, t, slots = layout.data, layout.pipe, layout.tensor, pipeline_slots(layout)
-    placed = place(
-        cluster_records(cluster), cluster.group_names, d, p, t, placement, layout.outer_axis
-    )
+    mode = "auto" if placement == "auto" else "megatron"
+    placed = place(cluster_records(cluster), cluster.group_names, d, p, t, mode, layout.outer_axis)
     groups = placed.stage_groups()
-    links = placement_links(cluster, placed)
+    links = placement_links(cluster, placed, placement == "megatron" and one_transport(cluster))
     times = stage_times(shape, cluster, layout, groups, links.data)
     stage_layers = tuple(layout.stage_layers)
     if not stage_layers:

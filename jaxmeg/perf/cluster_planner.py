@@ -10,7 +10,12 @@ import math
 from collections.abc import Iterator
 
 from jaxmeg.parallel.cluster import Cluster
-from jaxmeg.perf.cluster_model import ClusterStepTime, cluster_step_time, group_hardware
+from jaxmeg.perf.cluster_model import (
+    ClusterStepTime,
+    cluster_step_time,
+    group_hardware,
+    one_transport,
+)
 from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import Shape, memory_per_gpu
 from jaxmeg.perf.planner import MICROBATCH_SIZES, check_inputs
@@ -22,8 +27,13 @@ class ClusterPlan:
     """Without stage_layers; each placement's partition is in its step time."""
     auto: ClusterStepTime
     megatron: ClusterStepTime
+    """Megatron-LM as it runs on the cluster: its order, even split, one transport."""
+    megatron_per_group: ClusterStepTime
+    """Megatron's order and split with per-group NCCL transports (Holmes's)."""
     memory_per_gpu_gb: float
     """The busiest stage's, under the auto partition."""
+    one_transport: bool = False
+    """Whether `megatron` runs over one shared transport (`cluster_model.one_transport`)."""
 
     @staticmethod
     def _figures(lay: Layout, step: ClusterStepTime) -> dict:
@@ -47,6 +57,13 @@ class ClusterPlan:
             "recompute": lay.recompute,
             "memory_per_gpu_gb": round(self.memory_per_gpu_gb, 2),
             "megatron": self._figures(lay, self.megatron),
+            "megatron_per_group": self._figures(lay, self.megatron_per_group),
+            "megatron_transport": (
+                "sockets over the shared Ethernet for every inter-node hop (one NCCL "
+                "configuration; the groups' RDMA NICs differ)"
+                if self.one_transport
+                else "each group's NIC (one NIC type: one configuration serves all)"
+            ),
         }
 
 
@@ -98,10 +115,11 @@ def cluster_layouts(
 def evaluate(shape: Shape, cluster: Cluster, layout: Layout) -> ClusterPlan:
     auto = cluster_step_time(shape, cluster, layout, "auto")
     megatron = cluster_step_time(shape, cluster, layout, "megatron")
+    per_group = cluster_step_time(shape, cluster, layout, "megatron_per_group")
     hw = min((group_hardware(cluster, g.name) for g in cluster.groups), key=lambda h: h.memory_gb)
     partitioned = dataclasses.replace(layout, stage_layers=auto.stage_layers)
     memory = memory_per_gpu(shape, partitioned, hw).total / 1e9
-    return ClusterPlan(layout, auto, megatron, memory)
+    return ClusterPlan(layout, auto, megatron, per_group, memory, one_transport(cluster))
 
 
 def plan_cluster(shape: Shape, cluster: Cluster, batch: int, **pins) -> list[ClusterPlan]:

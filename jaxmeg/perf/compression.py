@@ -317,7 +317,7 @@ def pipe_grad_cost(
     }
     forward = layout.microbatches * layout.chunks * dense_gpu
     after_total = ranks * (sum(transfers.values()) * dense_gpu + sum(backward.values()))
-    lazy = comp.pipe_error_feedback == "lazy"
+    lazy = comp.pipe_error_feedback != "none"
     compute = power_iteration_seconds(n, h, rank, hw, rebuild=lazy, feedback=lazy)
     compute += _gemm_seconds(n, h, rank, hw)  # the receiver's P Q^T
     t_dense = pipe_message_seconds(shape, layout, hw)

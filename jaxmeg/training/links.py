@@ -40,8 +40,10 @@ def pipe_compression(cfg: Config, table) -> compression.PipeCompression | None:
         compress = critical_path.exposed_backward_sends(table) > 0
     else:
         compress = np.ones(table.b_mb.shape, bool)
-    lazy = comp.pipe_error_feedback == "lazy"
-    return compression.PipeCompression(comp.pipe_grad_rank, lazy, compress)
+    lazy = comp.pipe_error_feedback != "none"
+    return compression.PipeCompression(
+        comp.pipe_grad_rank, lazy, compress, flush=comp.pipe_error_feedback == "lazy_flush"
+    )
 
 
 def data_compression(cfg: Config, block_shapes) -> powersgd.DataCompression | None:
@@ -79,7 +81,7 @@ def link_state_shapes(cfg: Config, mesh_shape, block_shapes) -> dict:
     rows, cols = _matrix(cfg)
     if compression.worth_compressing(comp.pipe_grad_rank, rows, cols):
         shapes["q"] = (*lead, cols, comp.pipe_grad_rank)
-        if comp.pipe_error_feedback == "lazy":
+        if comp.pipe_error_feedback != "none":
             shapes["error"] = (*lead, rows, cols)
     dc = data_compression(cfg, block_shapes)
     if dc is not None:
@@ -95,9 +97,18 @@ def link_state_shapes(cfg: Config, mesh_shape, block_shapes) -> dict:
     )
 
 
+def _replicated_noise(seed: int, shape: tuple[int, ...]):
+    """Normal noise of a PowerSGD warm start [p, d, v, Lc, ..., r]: its own for every layer,
+    matrix entry and rank column (full rank per leaf), the same on every data replica."""
+    p, d, v, *rest = shape
+    noise = jax.random.normal(jax.random.key(seed), (p, 1, v, *rest))
+    return jnp.broadcast_to(noise, shape)
+
+
 def initial_link_state(cfg: Config, mesh_shape, block_shapes) -> dict:
-    """Zero errors; the same random warm starts on every link and replica (a fixed key, so that
-    runs are reproducible whatever the seed)."""
+    """Zero errors and random warm starts from fixed keys (runs are reproducible whatever the
+    seed): the backward links' the same [h, r] on every link; PowerSGD's full-shape noise per
+    leaf, the same on every data replica (`_replicated_noise`)."""
     shapes = link_state_shapes(cfg, mesh_shape, block_shapes)
     state = {}
     if "q" in shapes:
@@ -109,13 +120,7 @@ def initial_link_state(cfg: Config, mesh_shape, block_shapes) -> dict:
         data = shapes["data"]
         keys = sorted(data["q"])
         state["data"] = {
-            "q": {
-                k: jnp.broadcast_to(
-                    jax.random.normal(jax.random.key(1 + i), data["q"][k].shape[-2:]),
-                    data["q"][k].shape,
-                )
-                for i, k in enumerate(keys)
-            },
+            "q": {k: _replicated_noise(1 + i, data["q"][k].shape) for i, k in enumerate(keys)},
             "error": {k: jnp.zeros(a.shape, jnp.float32) for k, a in data["error"].items()},
         }
     return state
