@@ -5,13 +5,22 @@ error feedback) as part of the train state, under the key `links`.
 The state is per link or replica: one per (stage, data replica, chunk it sends from), so it
 lives on (pipe, data) as [p, d, v, ...]. It is kept across steps and checkpointed; a run resumed on
 another pipe, data, chunk or microbatch shape has other links and starts them afresh.
+
+`Links` is the one place the train state (shapes, shardings, initial values), the step (what
+the executor is told) and the checkpoint (what to start afresh) ask about it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config
 from jaxmeg.pipeline import compression, critical_path, powersgd, schedules
@@ -124,3 +133,48 @@ def initial_link_state(cfg: Config, mesh_shape, block_shapes) -> dict:
             "error": {k: jnp.zeros(a.shape, jnp.float32) for k, a in data["error"].items()},
         }
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """A run's compression links. `block_shapes` / `block_specs`: the layer params in the run
+    layout (leaves [v, p, Lc, ...]) and their PartitionSpecs."""
+
+    cfg: Config
+    mesh_shape: Mapping[str, int]
+    block_shapes: Any
+    block_specs: Any
+
+    @functools.cached_property
+    def data(self) -> powersgd.DataCompression | None:
+        """What the executor's PowerSGD is told (`data_compression`)."""
+        return data_compression(self.cfg, self.block_shapes)
+
+    def pipe(self, table) -> compression.PipeCompression | None:
+        """What the executor's compressed backward links are told (`pipe_compression`)."""
+        return pipe_compression(self.cfg, table)
+
+    @functools.cached_property
+    def shapes(self) -> dict:
+        """The state's global shapes (`link_state_shapes`); {} when nothing is compressed."""
+        return link_state_shapes(self.cfg, self.mesh_shape, self.block_shapes)
+
+    def specs(self) -> dict:
+        """On (pipe, data); PowerSGD's error buffers also split over `tensor` like their
+        params' gradients, so that keeping them costs no collective."""
+        specs = jax.tree.map(lambda _: P("pipe", "data"), self.shapes)
+        if "data" in specs:
+            by_key = {
+                powersgd.leaf_key(path): spec
+                for path, spec in jax.tree_util.tree_flatten_with_path(
+                    self.block_specs, is_leaf=lambda x: isinstance(x, P)
+                )[0]
+            }
+            specs["data"]["error"] = {
+                k: P("pipe", "data", None, None, *by_key[k][3:]) for k in specs["data"]["error"]
+            }
+        return specs
+
+    def initial(self) -> dict:
+        """The state a run starts with (`initial_link_state`)."""
+        return initial_link_state(self.cfg, self.mesh_shape, self.block_shapes)

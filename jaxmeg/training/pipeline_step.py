@@ -31,7 +31,7 @@ from jaxmeg.pipeline.executor import StageFunctions, ZeroSharding
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
 from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training import links
-from jaxmeg.training.state import Trainable, block_shapes, zero_dims
+from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
@@ -130,6 +130,7 @@ def make_loss_and_grads(trainable: Trainable) -> Callable:
     `trace_info` (what one forward stores, filled when it is traced)."""
     cfg = trainable.cfg
     table = build_tick_table(build_schedule(trainable))
+    run_links = links_of(trainable)
     run = executor(
         stage_functions(trainable),
         table,
@@ -137,8 +138,8 @@ def make_loss_and_grads(trainable: Trainable) -> Callable:
         trainable.mesh,
         microbatches=cfg.train.microbatches,
         zero=zero_sharding(trainable),
-        pipe_compression=links.pipe_compression(cfg, table),
-        data_compression=links.data_compression(cfg, block_shapes(trainable)),
+        pipe_compression=run_links.pipe(table),
+        data_compression=run_links.data,
         fused_embedding_sync=cfg.compression.fused_embedding_sync,
         scatter_gather=cfg.parallel.uses_scatter_gather,
     )

@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 from jaxmeg.config import Config, padded_vocab_size
 from jaxmeg.models import GPT
 from jaxmeg.parallel import named, param_rules, param_specs, zero
-from jaxmeg.pipeline import powersgd
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.training import links
 from jaxmeg.training.optimizer import make_optimizer
@@ -138,9 +137,9 @@ def vocab_dims(trainable: Trainable) -> TrainState:
         transform_non_params=lambda _: NO_VOCAB_DIM,
     )
     dims = {"step": NO_VOCAB_DIM, "params": param_dims, "opt_state": opt_dims}
-    links = _link_state_shapes(trainable)
-    if links:
-        dims["links"] = jax.tree.map(lambda _: NO_VOCAB_DIM, links)
+    shapes = links_of(trainable).shapes
+    if shapes:
+        dims["links"] = jax.tree.map(lambda _: NO_VOCAB_DIM, shapes)
     return dims
 
 
@@ -186,39 +185,24 @@ def state_specs(trainable: Trainable) -> TrainState:
         is_leaf=lambda x: isinstance(x, P),
     )
     specs = {"step": P(), "params": p_specs, "opt_state": opt_specs}
-    links = _link_state_shapes(trainable)
-    if links:
-        specs["links"] = _link_specs(links, p_specs["blocks"]["layers"])
+    run_links = links_of(trainable)
+    if run_links.shapes:
+        specs["links"] = run_links.specs()
     return specs
 
 
-def _link_specs(link_shapes, layer_specs):
-    """On (pipe, data); PowerSGD's error buffers also split over `tensor` like their params'
-    gradients, so that keeping them costs no collective."""
-    specs = jax.tree.map(lambda _: P("pipe", "data"), link_shapes)
-    if "data" in specs:
-        by_key = {
-            powersgd.leaf_key(path): spec
-            for path, spec in jax.tree_util.tree_flatten_with_path(layer_specs, is_leaf=_is_spec)[0]
-        }
-        specs["data"]["error"] = {
-            k: P("pipe", "data", None, None, *by_key[k][3:]) for k in specs["data"]["error"]
-        }
-    return specs
-
-
-def block_shapes(trainable: Trainable):
-    """The layer params in the run layout as ShapeDtypeStructs (leaves [v, p, Lc, ...])."""
-    return _params_in_run_layout(trainable)[1]["blocks"]["layers"]
-
-
-def _link_state_shapes(trainable: Trainable):
-    return links.link_state_shapes(trainable.cfg, trainable.mesh.shape, block_shapes(trainable))
+def links_of(trainable: Trainable) -> links.Links:
+    """The run's compression links (`jaxmeg.training.links.Links`): the one place the state,
+    the step and the checkpoint ask about them."""
+    specs, shapes = _params_in_run_layout(trainable)
+    return links.Links(
+        trainable.cfg, trainable.mesh.shape, shapes["blocks"]["layers"], specs["blocks"]["layers"]
+    )
 
 
 def initial_link_state(trainable: Trainable):
-    """The compression state a run starts with (`links.initial_link_state`)."""
-    return links.initial_link_state(trainable.cfg, trainable.mesh.shape, block_shapes(trainable))
+    """The compression state a run starts with."""
+    return links_of(trainable).initial()
 
 
 def _state_from_key(trainable: Trainable, key: jax.Array) -> TrainState:
@@ -229,8 +213,9 @@ def _state_from_key(trainable: Trainable, key: jax.Array) -> TrainState:
         "params": params,
         "opt_state": trainable.tx.init(params),
     }
-    if _link_state_shapes(trainable):
-        state["links"] = initial_link_state(trainable)
+    run_links = links_of(trainable)
+    if run_links.shapes:
+        state["links"] = run_links.initial()
     return state
 
 
