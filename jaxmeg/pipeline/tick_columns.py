@@ -110,8 +110,9 @@ class SlotColumns:
     """What the executor's tick reads, all static.
 
     columns: int [num_ticks, p] by name: the tick table's, the slot kinds, the chunk whose
-        reduction starts (the tick after its last backward), ZeRO-3's gathers (`f_gather`: the
-        slot takes the chunk `f_fetch` gathered in the tick before, from `f_fetch_chunk`), the
+        reduction starts (the tick after its last backward; `final_chunk`: the tick of it),
+        ZeRO-3's gathers (`f_gather`: the slot takes the chunk gathered ahead, and its second
+        buffer gathers `f_fetch_chunk`, the chunk of the slot's next gather), the
         send indices (`send_patterns`), where a cotangent is compressed, where something
         arrives. num_ticks is the table's plus one idle tick before it where ZeRO-3 gathers
         (the first gather's tick) and one after it where the loop reduces chunks (the last
