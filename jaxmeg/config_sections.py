@@ -138,7 +138,8 @@ class ParallelConfig:
     entry >= 1; gpipe, 1f1b and breadth_first with chunks = 1). Empty = the even split L / (p v).
     Shorter stages are padded to the longest with identity layers that are never updated and
     counted nowhere. `auto`: the split that minimises the slowest stage's time by the performance
-    model, given each stage's node group (`scripts/train.py --cluster`); `measured`: the same
+    model, given each stage's node group (`scripts/train.py --cluster`), else the profile of the
+    run's devices (configs/hardware/: `cpu`, or the one that names the GPU); `measured`: the same
     partitioner fed by a short probe on the devices, saved in the run directory and reused on
     resume (see `jaxmeg.training.stage_probe`)."""
     placement: str = "auto"

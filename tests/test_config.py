@@ -10,6 +10,7 @@ import yaml
 
 from jaxmeg import config as C
 
+ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
 
@@ -274,8 +275,27 @@ def test_stage_layers_words_resolve_before_validation():
     assert cfg.parallel.stage_layers == "auto"
     with pytest.raises(C.ConfigError, match="resolved by the trainer before validation"):
         C.validate(cfg, 2)
-    # Without a cluster file every stage costs the same per layer; the last also runs the head.
+    # Without a cluster file the stages are priced with the running devices' profile (here the
+    # CPU's): a small head costs less than a layer, gpt_tiny's (vocab 4096) about 1.2 layers,
+    # and [5, 3] is what measures fastest on 2 CPU devices (docs/benchmarks.md: [5, 3] 0.42 s,
+    # [4, 4] 0.45 s, [7, 1] 0.49 s per step).
     layout = resolve(cfg, devices=2)
     assert layout.cfg.parallel.stage_layers == (4, 4)
-    big_vocab = C.apply_overrides(cfg, ["model.vocab_size=1000"])  # head ~ 1.7 layers
-    assert resolve(big_vocab, devices=2).cfg.parallel.stage_layers == (5, 3)
+    assert layout.source == "performance model"
+    tiny = C.load(ROOT / "configs" / "gpt_tiny.yaml", ["model.vocab_size=4096", "parallel.pipe=2",
+                  "train.microbatches=8", "parallel.stage_layers=auto"])  # fmt: skip
+    assert resolve(tiny, devices=2).cfg.parallel.stage_layers == (5, 3)
+
+
+def test_stage_layers_auto_names_a_device_no_profile_knows():
+    from types import SimpleNamespace
+
+    from jaxmeg.training.partitioning import local_cluster
+
+    cpu = SimpleNamespace(platform="cpu", device_kind="cpu", process_index=0)
+    assert local_cluster([cpu] * 4).groups[0].gpu == "cpu"
+    h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", process_index=0)
+    assert local_cluster([h100] * 8).groups[0].gpu == "h100_dgx"
+    odd = SimpleNamespace(platform="gpu", device_kind="Radeon 9000", process_index=0)
+    with pytest.raises(C.ConfigError, match="device kind 'Radeon 9000'.*--cluster"):
+        local_cluster([odd])

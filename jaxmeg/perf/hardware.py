@@ -79,21 +79,41 @@ def _squeezed(kind: str) -> str:
     return re.sub(r"[\s_-]", "", kind).upper()
 
 
-def peak_tflops_for_device_kind(kind: str) -> float | None:
-    """Dense bf16 peak of the GPU named `kind` (jax's `device_kind`): the peak of the longest
-    name in any profile's `device_kinds` or `variant_peak_tflops` that `kind` contains, so
-    `H100 PCIe` wins over `H100`. None when no profile names it; ValueError when two profiles
-    give the same name different peaks."""
+def profile_for_device_kind(kind: str) -> Hardware | None:
+    """The profile of the GPU named `kind` (jax's `device_kind`): the profile with the longest
+    name in its `device_kinds` or `variant_peak_tflops` that `kind` contains, so `H100 PCIe`
+    wins over `H100`, with that name's peak. None when no profile names it; ValueError when two
+    profiles give the same name different peaks."""
     squeezed = _squeezed(kind)
-    matches: dict[str, dict[float, list[str]]] = {}
+    matches: dict[str, dict[float, list[Hardware]]] = {}
     for hw in all_profiles():
         named = {name: hw.peak_tflops for name in hw.device_kinds} | hw.variant_peak_tflops
         for name, peak in named.items():
             if _squeezed(name) in squeezed:
-                matches.setdefault(_squeezed(name), {}).setdefault(float(peak), []).append(hw.name)
+                matches.setdefault(_squeezed(name), {}).setdefault(float(peak), []).append(hw)
     if not matches:
         return None
     name = max(matches, key=len)
     if len(matches[name]) > 1:
-        raise ValueError(f"hardware profiles disagree on the peak of {name!r}: {matches[name]}")
-    return next(iter(matches[name]))
+        names = {peak: [hw.name for hw in hws] for peak, hws in matches[name].items()}
+        raise ValueError(f"hardware profiles disagree on the peak of {name!r}: {names}")
+    ((peak, profiles),) = matches[name].items()
+    return dataclasses.replace(profiles[0], peak_tflops=peak)
+
+
+def peak_tflops_for_device_kind(kind: str) -> float | None:
+    """Dense bf16 peak of the GPU named `kind` (`profile_for_device_kind`), None if unknown."""
+    hw = profile_for_device_kind(kind)
+    return None if hw is None else hw.peak_tflops
+
+
+CPU_PROFILE = "cpu"
+"""The profile of simulated CPU devices (configs/hardware/cpu.yaml)."""
+
+
+def profile_for_device(platform: str, kind: str) -> Hardware | None:
+    """The profile of a jax device (`device.platform`, `device.device_kind`): `cpu` for CPU
+    devices, the profile that names the GPU otherwise; None when none does."""
+    if platform == "cpu":
+        return load_hardware(CPU_PROFILE)
+    return profile_for_device_kind(kind)

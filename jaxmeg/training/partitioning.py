@@ -5,8 +5,9 @@ device takes which mesh coordinate and so which node group each pipeline stage r
 `parallel.stage_layers` may be a word instead of a list:
   auto      layers per stage that minimise the slowest stage's time (`jaxmeg.perf.partition`),
             stage costs from the performance model for each stage's group (GPU profile, data-
-            parallel reduction over the group's NIC); without a cluster file, every stage costs
-            the same per layer and the last one also pays for the LM head;
+            parallel reduction over the group's NIC); without a cluster file, the same model
+            with the profile of the devices the run has (configs/hardware/: `cpu` for CPU
+            devices, the one that names the GPU otherwise), all on one node group;
   measured  the same partitioner fed by a short probe on the devices (`stage_probe`), saved in
             the run directory and reused when the run resumes.
 """
@@ -14,11 +15,15 @@ device takes which mesh coordinate and so which node group each pipeline stage r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 
 from jaxmeg.config import Config, ConfigError, resolve_mesh_shape, validate
+from jaxmeg.parallel.cluster import Cluster, NodeGroup
 from jaxmeg.parallel.placement import Placement, place
+from jaxmeg.perf.cluster_model import stage_costs_for_config
+from jaxmeg.perf.hardware import profile_for_device
 from jaxmeg.perf.partition import StageCost, balance
 
 
@@ -40,17 +45,36 @@ def _with_stage_layers(cfg: Config, stage_layers) -> Config:
     )
 
 
+LOCAL_GROUP = "local"
+"""The node group of a run without a cluster file."""
+
+
+def local_cluster(devices: Sequence[jax.Device]) -> Cluster:
+    """The run's devices as one node group of their hardware profile (no cluster file): one
+    node per process. ConfigError when no profile in configs/hardware/ names the device."""
+    device = devices[0]
+    hw = profile_for_device(device.platform, device.device_kind)
+    if hw is None:
+        raise ConfigError(
+            f"parallel.stage_layers=auto: no hardware profile in configs/hardware/ names the "
+            f"device kind {device.device_kind!r}; add one (its `device_kinds`), pass a cluster "
+            f"file (--cluster), or use parallel.stage_layers=measured"
+        )
+    nodes = len({d.process_index for d in devices})
+    per_node = len(devices) // nodes
+    nic = "ethernet" if device.platform == "cpu" else "infiniband"
+    group = NodeGroup(LOCAL_GROUP, nodes, per_node, hw.name, nic,
+                      nic_gbps=hw.inter_node_gb_per_s * 8 * per_node)  # fmt: skip
+    return Cluster(f"{nodes} node(s) of {per_node} {hw.name}", (group,))
+
+
 def model_costs(cfg: Config, job, placement: Placement | None) -> list[StageCost]:
     """Per-stage costs from the performance model: by node group with a cluster file; without
-    one, equal per layer, and the last stage also runs the head (its forward is V / (4 h (1 +
-    s / 6h)) layers' worth of matmul FLOPs)."""
+    one, on the run's own devices (`local_cluster`)."""
     if job is not None:
-        from jaxmeg.perf.cluster_model import stage_costs_for_config
-
         return stage_costs_for_config(cfg, job.cluster, placement.stage_groups(), placement)
-    m, pipe = cfg.model, cfg.parallel.pipe
-    head = m.vocab_size / (4 * m.hidden * (1 + m.seq_len / (6 * m.hidden)))
-    return [StageCost(1.0, head if s == pipe - 1 else 0.0) for s in range(pipe)]
+    cluster = local_cluster(jax.devices())
+    return stage_costs_for_config(cfg, cluster, [LOCAL_GROUP] * cfg.parallel.pipe)
 
 
 def resolve(
