@@ -270,7 +270,7 @@ def test_a_deadlocking_order_is_refused():
 
 
 def test_an_order_missing_an_action_is_refused():
-    with pytest.raises(ValueError, match="stage 1 order must run F and B"):
+    with pytest.raises(ValueError, match="stage 1 order must run F then B"):
         Schedule("custom", 2, 1, 1, "min_memory", ((("F", 0, 0), ("B", 0, 0)), (("F", 0, 0),)))
     with pytest.raises(ValueError, match="runs B"):
         Schedule("custom", 1, 1, 1, "min_memory", ((("B", 0, 0), ("F", 0, 0)),))
@@ -316,7 +316,7 @@ def test_benchmarks_doc_holds_the_current_efficiency_tables():
 
 
 def test_the_pipeline_package_imports_in_one_direction():
-    """schedules <- tick_table <- analysis; layout stands alone. Read from the sources, so a lazy
+    """zero_bubble <- schedules <- tick_table <- analysis; layout stands alone. Read from the sources, so a lazy
     import inside a function counts too."""
     import ast
     from pathlib import Path
@@ -324,7 +324,8 @@ def test_the_pipeline_package_imports_in_one_direction():
     package = Path(__file__).resolve().parents[1] / "jaxmeg" / "pipeline"
     allowed = {
         "layout": set(),
-        "schedules": set(),
+        "zero_bubble": set(),
+        "schedules": {"zero_bubble"},
         "tick_table": {"schedules"},
         "analysis": {"schedules", "tick_table"},
     }

@@ -100,12 +100,27 @@ def kv_cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, ...]
     return (cfg.layers, 2, batch, length, cfg.num_kv_heads, cfg.head_dim)
 
 
+MATMUL_INPUTS = "matmul_inputs"
+TAPS = "perturbations"
+"""Collections of the split backward (`jaxmeg.models.split_backward`): every weight matmul adds
+a zero tap to its output (`nn.Module.perturb`, named like its weight), whose cotangent is the
+output's, and sows its input; both are no-ops unless a caller asks for them."""
+
+
+def _weight_matmul(module: nn.Module, name: str, spec: str, x: Array, w: Array) -> Array:
+    """einsum(spec, x, w) for the weight `name` of `module`, tapped and its input sown."""
+    module.sow(MATMUL_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    return module.perturb(name, jnp.einsum(spec, x, w), collection=TAPS)
+
+
 def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, Array, Array]:
     """Multi-head attention's q, k, v [B, S, N, H] from one `w_qkv` [D, 3, N, H]."""
     cfg = module.cfg
     n, h = cfg.heads, cfg.head_dim
     compute = _dtype(cfg.compute_dtype)
-    qkv_BxSx3xNxH = jnp.einsum("bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute))
+    qkv_BxSx3xNxH = _weight_matmul(
+        module, "w_qkv", "bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute)
+    )
     if cfg.block == "gpt":
         b_qkv = _param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
         qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
@@ -123,8 +138,10 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
     q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "qkv", "kv_heads", "head_dim")
     w_q = _param(module, "w_q", (d, n, h), q_axes, _normal(cfg.init_std))
     w_kv = _param(module, "w_kv", (d, 2, kv, h), kv_axes, _normal(cfg.init_std))
-    q_BxSxNxH = jnp.einsum("bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute))
-    kv_BxSx2xKxH = jnp.einsum("bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute))
+    q_BxSxNxH = _weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute))
+    kv_BxSx2xKxH = _weight_matmul(
+        module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute)
+    )
     if cfg.block == "gpt":
         b_q = _param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
         b_kv = _param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
@@ -173,7 +190,7 @@ class Attention(nn.Module):
         else:
             o_BxSxNxH, cache_2xBxTxKxH = _attend_cached(self, q, k, v, cache_2xBxTxKxH, start)
         o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", None, "act_heads", None))
-        y_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute))
+        y_BxSxD = _weight_matmul(self, "w_out", "bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute))
         if cfg.block == "gpt":
             b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
             y_BxSxD = y_BxSxD + b_out.astype(compute)
@@ -221,16 +238,18 @@ class Mlp(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
         w_out = _param(self, "w_out", (f, d), ("mlp", "embed"), _normal(out_std))
-        u_BxSxF = jnp.einsum("bsd,df->bsf", x_BxSxD, w_in.astype(compute))
+        u_BxSxF = _weight_matmul(self, "w_in", "bsd,df->bsf", x_BxSxD, w_in.astype(compute))
         if cfg.block == "gpt":
             b_in = _param(self, "b_in", (f,), ("mlp",), nn.initializers.zeros)
             u_BxSxF = jax.nn.gelu(u_BxSxF + b_in.astype(compute), approximate=True)
         else:
             w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
-            gate_BxSxF = jnp.einsum("bsd,df->bsf", x_BxSxD, w_gate.astype(compute))
+            gate_BxSxF = _weight_matmul(
+                self, "w_gate", "bsd,df->bsf", x_BxSxD, w_gate.astype(compute)
+            )
             u_BxSxF = jax.nn.silu(gate_BxSxF) * u_BxSxF
         u_BxSxF = self.constrain(u_BxSxF, ("act_batch", None, "act_mlp"))
-        y_BxSxD = jnp.einsum("bsf,fd->bsd", u_BxSxF, w_out.astype(compute))
+        y_BxSxD = _weight_matmul(self, "w_out", "bsf,fd->bsd", u_BxSxF, w_out.astype(compute))
         if cfg.block == "gpt":
             b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
             y_BxSxD = y_BxSxD + b_out.astype(compute)

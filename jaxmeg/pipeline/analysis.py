@@ -20,11 +20,11 @@ import numpy as np
 
 from jaxmeg.pipeline.schedules import (
     Schedule,
+    action_cost,
     async_efficiency,
     bubble_fraction,
     build,
-    next_stage,
-    prev_stage,
+    stage_and_chunk,
 )
 from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
 
@@ -39,6 +39,9 @@ class Report:
     """Stage inputs held at once, per stage (what the executor's ring must hold)."""
     cot_slots: tuple[int, ...]
     """Received cotangents held at once, per stage."""
+    w_slots: tuple[int, ...]
+    """Split backwards: microbatches between I and W at once, per stage (matmul inputs and
+    output cotangents kept for W)."""
     num_ticks: int
     bubble: float
     """Megatron's asynchronous bubble fraction (p - 1) / (v m)."""
@@ -59,14 +62,41 @@ def _replay_slot(held: dict, slot: int, item, what: str) -> None:
         _fail(f"{what}: slot {slot} holds {held.get(slot)}, expected {item}")
 
 
+def _arrive(table: TickTable, t: int, what: str, sends: dict, deliver, placement: str) -> None:
+    """Delivers tick t's sends {sender: (receiver, chunk, mb)} of `what` (act | cot) into the
+    slots the table's receive columns name: local, against the usual direction (a V's chunk
+    1), or the usual one; fails on a slot set where nothing arrives."""
+    arrived: dict[tuple[str, int], tuple[int, int]] = {}
+    for sender, (receiver, chunk, mb) in sends.items():
+        if sender == receiver:
+            column = f"recv_{what}_local_slot"
+        elif placement == "v" and chunk == 1:
+            column = f"recv_{what}_back_slot"
+        else:
+            column = f"recv_{what}_slot"
+        arrived[column, receiver] = (chunk, mb)
+    for column in (f"recv_{what}_slot", f"recv_{what}_back_slot", f"recv_{what}_local_slot"):
+        for s in range(table.num_stages):
+            slot = int(getattr(table, column)[t, s])
+            if (column, s) in arrived:
+                deliver(s, slot, arrived[column, s], f"tick {t} {column}")
+            elif slot >= 0:
+                _fail(f"tick {t} stage {s}: {column} {slot} set but nothing arrives")
+
+
 def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
     """Replays `table` (default: the schedule's own) and returns buffer sizes and efficiency."""
     table = table if table is not None else build_tick_table(schedule)
     p, v = schedule.num_stages, schedule.num_chunks
     inputs = [dict() for _ in range(p)]
     cots = [dict() for _ in range(p)]
+    wstore = [dict() for _ in range(p)]
     ran = [[] for _ in range(p)]
-    peak_in, peak_cot = [0] * p, [0] * p
+    peak_in, peak_cot, peak_w = [0] * p, [0] * p, [0] * p
+    last = p * v - 1
+
+    def neighbour(s: int, c: int, step: int) -> tuple[int, int]:
+        return stage_and_chunk(schedule.virtual_stage(s, c) + step, p, schedule.placement)
 
     def deliver(held, s, slot, item, peak, what):
         if slot < 0:
@@ -84,58 +114,72 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
                 continue
             ran[s].append(("F", mb, c))
             where = f"tick {t} stage {s} F{mb}.{c}"
-            if s == 0 and c == 0:
+            u = schedule.virtual_stage(s, c)
+            if u == 0:
                 deliver(inputs[s], s, slot, (c, mb), peak_in, where)
             else:
                 _replay_slot(inputs[s], slot, (c, mb), where)
             cot_slot = int(table.f_cot_slot[t, s])
-            if not (s == p - 1 and c == v - 1):
-                ns, nc = next_stage(s, c, p)
-                sends[ns] = (nc, mb)
+            if u != last:
+                ns, nc = neighbour(s, c, 1)
+                sends[s] = (ns, nc, mb)
                 if cot_slot >= 0:
                     _fail(f"{where}: a cotangent slot ({cot_slot}) off the last virtual stage")
             elif p * v > 1:
                 deliver(cots[s], s, cot_slot, (c, mb), peak_cot, where + " head cotangent")
-        for s in range(p):
-            slot = int(table.recv_act_slot[t, s])
-            if s in sends:
-                deliver(inputs[s], s, slot, sends[s], peak_in, f"tick {t} activation")
-            elif slot >= 0:
-                _fail(f"tick {t} stage {s}: receive slot {slot} set but nothing is sent")
+        _arrive(table, t, "act", sends, lambda s, slot, item, where: deliver(
+            inputs[s], s, slot, item, peak_in, where), schedule.placement)  # fmt: skip
         sends = {}
         for s in range(p):
             mb, c = int(table.b_mb[t, s]), int(table.b_chunk[t, s])
             if mb < 0:
                 continue
-            ran[s].append(("B", mb, c))
-            where = f"tick {t} stage {s} B{mb}.{c}"
+            split = bool(table.b_split[t, s])
+            kind = "I" if split else "B"
+            ran[s].append((kind, mb, c))
+            where = f"tick {t} stage {s} {kind}{mb}.{c}"
             slot = int(table.b_slot[t, s])
             _replay_slot(inputs[s], slot, (c, mb), where)
             del inputs[s][slot]
-            if s == p - 1 and c == v - 1 and p * v == 1:
+            u = schedule.virtual_stage(s, c)
+            if u == last and p * v == 1:
                 if ("F", mb, c) not in ran[s]:
                     _fail(f"{where}: backward before its forward")
             else:
                 cot_slot = int(table.b_cot_slot[t, s])
                 _replay_slot(cots[s], cot_slot, (c, mb), where + " cotangent")
                 del cots[s][cot_slot]
-            if not (s == 0 and c == 0):
-                ps, pc = prev_stage(s, c, p)
-                sends[ps] = (pc, mb)
+            if split:
+                deliver(wstore[s], s, int(table.b_w_slot[t, s]), (c, mb), peak_w, where + " W")
+            if u != 0:
+                ps, pc = neighbour(s, c, -1)
+                sends[s] = (ps, pc, mb)
+        _arrive(table, t, "cot", sends, lambda s, slot, item, where: deliver(
+            cots[s], s, slot, item, peak_cot, where), schedule.placement)  # fmt: skip
         for s in range(p):
-            slot = int(table.recv_cot_slot[t, s])
-            if s in sends:
-                deliver(cots[s], s, slot, sends[s], peak_cot, f"tick {t} cotangent")
-            elif slot >= 0:
-                _fail(f"tick {t} stage {s}: cotangent slot {slot} set but nothing is sent")
+            mb, c = int(table.w_mb[t, s]), int(table.w_chunk[t, s])
+            if mb < 0:
+                continue
+            ran[s].append(("W", mb, c))
+            slot = int(table.w_slot[t, s])
+            _replay_slot(wstore[s], slot, (c, mb), f"tick {t} stage {s} W{mb}.{c}")
+            del wstore[s][slot]
+        if table.unit:
+            for s in range(p):
+                count = sum(int(col[t, s] >= 0) for col in (table.f_mb, table.b_mb, table.w_mb))
+                if count > 1:
+                    _fail(f"tick {t} stage {s}: {count} actions in one unit tick")
 
     for s in range(p):
         if ran[s] != schedule.order(s):
             _fail(
                 f"stage {s} ran {ran[s][:6]}... which is not its order {schedule.order(s)[:6]}..."
             )
-        if inputs[s] or cots[s]:
-            _fail(f"stage {s} ends with buffers still holding {inputs[s]} / {cots[s]}")
+        if inputs[s] or cots[s] or wstore[s]:
+            _fail(f"stage {s} ends with buffers still holding {inputs[s]} / {cots[s]} / "
+                  f"{wstore[s]}")  # fmt: skip
+    if max(peak_w) > table.num_w_slots:
+        _fail(f"W needs {max(peak_w)} wstore slots, the table has {table.num_w_slots}")
     if max(peak_in) > table.num_input_slots or max(peak_cot) > table.num_cot_slots:
         _fail(
             f"buffers need {max(peak_in)}/{max(peak_cot)} slots, the table has "
@@ -145,6 +189,7 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
     return Report(
         input_slots=tuple(peak_in),
         cot_slots=tuple(peak_cot),
+        w_slots=tuple(peak_w),
         num_ticks=table.num_ticks,
         bubble=bubble,
         lockstep_efficiency=lockstep_efficiency(schedule, table=table),
@@ -153,13 +198,43 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
     )
 
 
+def held_microbatches(
+    schedule: Schedule, table: TickTable | None = None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per stage, the peak over ticks of (whole, split) microbatches held, in stage-microbatch
+    units (a chunk's counts 1/v): whole = forward ran, B or I not yet (what the forward keeps
+    for the backward); split = I ran, W not yet (the matmul inputs and output cotangents).
+    Counted at the end of each tick, after its slots."""
+    table = table if table is not None else build_tick_table(schedule)
+    p, v = schedule.num_stages, schedule.num_chunks
+    whole, split = np.zeros(p), np.zeros(p)
+    peak_whole, peak_split = np.zeros(p), np.zeros(p)
+    for t in range(table.num_ticks):
+        whole += (table.f_mb[t] >= 0).astype(int) - (table.b_mb[t] >= 0)
+        split += ((table.b_mb[t] >= 0) & (table.b_split[t] > 0)).astype(int) - (table.w_mb[t] >= 0)
+        peak_whole, peak_split = np.maximum(peak_whole, whole), np.maximum(peak_split, split)
+    return tuple((peak_whole / v).tolist()), tuple((peak_split / v).tolist())
+
+
 def lockstep_time(schedule: Schedule, backward_cost: float = 2.0, table: TickTable | None = None):
-    """Sum over ticks of (max F-slot cost + max B-slot cost), one forward of a stage = 1."""
+    """Sum over ticks of (max F-slot cost + max B-slot cost), one forward of a stage = 1; in
+    unit ticks (one action per stage), of the max over stages of the action's cost
+    (`schedules.action_cost`: I and W half a backward each)."""
     table = table if table is not None else build_tick_table(schedule)
     v = schedule.num_chunks
-    forward = np.where(table.f_mb >= 0, 1.0 / v, 0.0).max(axis=1)
-    backward = np.where(table.b_mb >= 0, backward_cost / v, 0.0).max(axis=1)
-    return float((forward + backward).sum())
+
+    def cost(mb: np.ndarray, kind) -> np.ndarray:
+        if isinstance(kind, str):
+            return np.where(mb >= 0, action_cost(kind, v, backward_cost), 0.0)
+        return np.where(mb >= 0, kind, 0.0)
+
+    forward = cost(table.f_mb, "F")
+    split = action_cost("I", v, backward_cost)
+    backward = cost(table.b_mb, np.where(table.b_split > 0, split, action_cost("B", v, backward_cost)))
+    weight = cost(table.w_mb, "W")
+    if table.unit:
+        return float((forward + backward + weight).max(axis=1).sum())
+    return float(forward.max(axis=1).sum() + backward.max(axis=1).sum())
 
 
 def lockstep_efficiency(

@@ -1,9 +1,12 @@
 """Pipeline schedules as plain data: for every stage, the ordered actions it runs.
 
-An action is a tuple `("F" | "B", microbatch, chunk)`. Words: p = stages, v = chunks (virtual
-stages) per stage, m = microbatches. Virtual stage c*p + s is chunk c on stage s (Megatron's
-interleaved placement), so a microbatch visits stage 0..p-1 with chunk 0, then again with
-chunk 1, and so on; its backward runs the same path in reverse.
+An action is a tuple `(kind, microbatch, chunk)`, kind "F" (forward), "B" (whole backward), or
+"I" and "W" (the backward split into the input cotangent and the weight gradients; zero-bubble
+schedules, `zero_bubble.py`). Words: p = stages, v = chunks (virtual stages) per stage, m =
+microbatches. Virtual stage c*p + s is chunk c on stage s (Megatron's interleaved placement), so
+a microbatch visits stage 0..p-1 with chunk 0, then again with chunk 1, and so on; its backward
+runs the same path in reverse. `zbv` places its two chunks in a V instead: chunk 0 of stage s
+is virtual stage s, chunk 1 is 2p - 1 - s (`Schedule.virtual_stage`).
 
 Schedules (Narayanan et al., 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", section 2.2):
@@ -29,6 +32,12 @@ Clusters Using Megatron-LM", section 2.2):
                     m < p a stage waits p - m ticks before each chunk after the first); stores
                     m v stage inputs; each chunk's gradient is final after its last backward.
 
+Zero bubble (Qi et al., 2024; the orders of PyTorch's `torch.distributed.pipelining`):
+  zb_h1             1F1B whose backward is I then W: p - s - 1 warm-up forwards, F and I
+                    alternate, W fills the cool-down's bubbles. v = 1.
+  interleaved_zb    the same over v >= 2 chunks (`ScheduleInterleavedZeroBubble`).
+  zbv               ZB-V: v = 2 in a V placement, loss on stage 0 (`ScheduleZBVZeroBubble`).
+
 `async_time` runs the orders event-driven (no ticks, zero latency). The package imports in one
 direction: this module (orders, pure data) <- `tick_table.py` (the lockstep table the executor
 runs) <- `analysis.py` (replays and times a table) <- `executor.py`.
@@ -41,11 +50,19 @@ import operator
 import warnings
 from typing import Any
 
+import jaxmeg.pipeline.zero_bubble as zero_bubble
+
 Action = tuple[str, int, int]
-NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first")
-"""The schedules `build` knows (and `parallel.schedule` accepts)."""
-CHUNKED = ("interleaved_1f1b", "breadth_first")
+LOCKSTEP = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first")
+"""The schedules of whole backwards, which the F-then-B tick executor runs."""
+ZERO_BUBBLE = ("zb_h1", "interleaved_zb", "zbv")
+"""The schedules of split backwards (I, W)."""
+NAMES = LOCKSTEP + ZERO_BUBBLE
+"""The schedules `build` knows."""
+CHUNKED = ("interleaved_1f1b", "breadth_first", "interleaved_zb", "zbv")
 """The schedules that run v > 1 chunks per stage."""
+CHUNKS_REQUIRED = {"zb_h1": 1, "zbv": 2}
+"""Schedules defined for one number of chunks only."""
 WARMUPS = ("min_memory", "min_bubble")
 """The 1F1B warm-ups (`parallel.pipeline_warmup`)."""
 
@@ -54,7 +71,8 @@ WARMUPS = ("min_memory", "min_bubble")
 class Schedule:
     """The per-stage action orders of one schedule; `.order(stage)` is what a stage runs.
 
-    Every stage's order holds F and B of each (microbatch, chunk) exactly once, F before B.
+    Every stage's order holds, for each (microbatch, chunk) once, F and then B, or F, I, W in
+    that order.
     """
 
     name: str
@@ -72,6 +90,29 @@ class Schedule:
             raise ValueError(f"stage must be in [0, {self.num_stages}), got {stage}")
         return list(self.orders[stage])
 
+    @property
+    def placement(self) -> str:
+        """`v` for zbv, else `interleaved` (virtual stage c p + s)."""
+        return "v" if self.name == "zbv" else "interleaved"
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        return virtual_stage(stage, chunk, self.num_stages, self.placement)
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int, placement: str = "interleaved") -> int:
+    """Position of chunk `chunk` of `stage` along the model: c p + s, or in a V (`zbv`) s for
+    chunk 0 and 2p - 1 - s for chunk 1."""
+    if placement == "v":
+        return stage if chunk == 0 else 2 * num_stages - 1 - stage
+    return chunk * num_stages + stage
+
+
+def stage_and_chunk(u: int, num_stages: int, placement: str = "interleaved") -> tuple[int, int]:
+    """(stage, chunk) of virtual stage u (inverse of `virtual_stage`)."""
+    if placement == "v":
+        return (u, 0) if u < num_stages else (2 * num_stages - 1 - u, 1)
+    return u % num_stages, u // num_stages
+
 
 def next_stage(stage: int, chunk: int, num_stages: int) -> tuple[int, int]:
     """(stage, chunk) of virtual stage chunk p + stage + 1: stage p - 1 feeds chunk + 1 on 0."""
@@ -87,19 +128,18 @@ def _check_orders(schedule: Schedule) -> None:
     p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
     if len(schedule.orders) != p:
         raise ValueError(f"orders has {len(schedule.orders)} stages, num_stages is {p}")
-    expected = {(kind, mb, c) for kind in "FB" for mb in range(m) for c in range(v)}
     for s, order in enumerate(schedule.orders):
-        if len(order) != len(expected) or set(order) != expected:
-            raise ValueError(
-                f"stage {s} order must run F and B of each of the {m} microbatches x {v} chunks "
-                f"once ({len(expected)} actions), got {len(order)} actions"
-            )
-        forward_done = set()
+        kinds = {key: [] for key in ((mb, c) for mb in range(m) for c in range(v))}
         for kind, mb, c in order:
-            if kind == "F":
-                forward_done.add((mb, c))
-            elif (mb, c) not in forward_done:
-                raise ValueError(f"stage {s} order runs B(mb={mb}, chunk={c}) before its F")
+            if (mb, c) not in kinds or kind not in "FBIW":
+                raise ValueError(f"stage {s} order runs {(kind, mb, c)}: no such action")
+            kinds[mb, c].append(kind)
+        for (mb, c), done in kinds.items():
+            if "".join(done) not in ("FB", "FIW"):
+                raise ValueError(
+                    f"stage {s} order must run F then B, or F, I, W, for each of the {m} "
+                    f"microbatches x {v} chunks; (mb={mb}, chunk={c}) runs {''.join(done) or 'nothing'}"
+                )
 
 
 def _as_int(field: str, value: Any) -> int:
@@ -119,8 +159,15 @@ def _check(name: str, p: int, m: int, v: int, warmup: str) -> None:
             raise ValueError(f"{field} must be >= 1, got {value}")
     if v > 1 and p == 1:
         raise ValueError(f"num_chunks = {v} needs num_stages > 1, got 1")
+    if name in CHUNKS_REQUIRED and v != CHUNKS_REQUIRED[name]:
+        raise ValueError(f"{name} runs {CHUNKS_REQUIRED[name]} chunk(s) per stage, got "
+                         f"num_chunks = {v}")  # fmt: skip
+    if name == "interleaved_zb" and v < 2:
+        raise ValueError(f"interleaved_zb needs num_chunks >= 2, got {v} (zb_h1 is v = 1)")
     if v > 1 and name not in CHUNKED:
         raise ValueError(f"{name} runs one chunk per stage, got num_chunks = {v}")
+    if name in ("zb_h1", "interleaved_zb"):
+        zero_bubble.rounds(p, m)
     if name == "interleaved_1f1b" and m % p:
         raise ValueError(
             f"interleaved_1f1b needs num_microbatches ({m}) to be a multiple of num_stages ({p})"
@@ -168,6 +215,10 @@ def breadth_first_stall(num_stages: int, num_microbatches: int) -> int:
 
 
 def _stage_order(name: str, p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    if name in ("zb_h1", "interleaved_zb"):
+        return zero_bubble.interleaved_order(p, s, m, v)
+    if name == "zbv":
+        return zero_bubble.v_order(p, s, m)
     if name == "gpipe":
         return tuple([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
     if name == "breadth_first":
@@ -227,21 +278,39 @@ def ideal_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
     return schedule.num_microbatches * (1.0 + backward_cost)
 
 
-def _dependency(action: Action, stage: int, p: int, v: int) -> tuple[str, int, int] | None:
+def action_cost(kind: str, num_chunks: int, backward_cost: float = 2.0) -> float:
+    """A chunk's action in forwards of a whole stage: F 1/v, B backward_cost/v, and I and W
+    half of B each (each is one pass of the chunk's matmuls, as is F)."""
+    unit = {"F": 1.0, "B": backward_cost, "I": backward_cost / 2, "W": backward_cost / 2}
+    return unit[kind] / num_chunks
+
+
+def _dependency(
+    action: Action, stage: int, p: int, v: int, placement: str = "interleaved"
+) -> tuple[str, int, int] | None:
     """(kind, virtual stage, microbatch) that `action` on `stage` waits for, None if none.
-    F on virtual stage u needs F on u - 1; B on u needs B on u + 1, or F on u if u is last."""
+    F on virtual stage u needs F on u - 1; B or I on u needs B or I on u + 1 (both named "B":
+    the input cotangent it sends), or F on u if u is last; W on u needs I on u."""
     kind, mb, c = action
-    u = c * p + stage
+    u = virtual_stage(stage, c, p, placement)
     if kind == "F":
         return None if u == 0 else ("F", u - 1, mb)
+    if kind == "W":
+        return ("B", u, mb)
     return ("F", u, mb) if u == p * v - 1 else ("B", u + 1, mb)
+
+
+def _done_key(action: Action, stage: int, p: int, placement: str) -> tuple[str, int, int]:
+    """The key `_dependency` names for a finished action (I is filed under "B")."""
+    kind, mb, c = action
+    return ("B" if kind == "I" else kind, virtual_stage(stage, c, p, placement), mb)
 
 
 def async_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
     """Makespan when every stage runs its order as soon as its input is there (no ticks, no
-    communication time): start = max(stage free, dependency finished); a chunk's forward costs
-    1/v, its backward backward_cost/v. Raises ValueError if the orders deadlock."""
-    p, v = schedule.num_stages, schedule.num_chunks
+    communication time): start = max(stage free, dependency finished); costs `action_cost`.
+    Raises ValueError if the orders deadlock."""
+    p, v, placement = schedule.num_stages, schedule.num_chunks, schedule.placement
     orders = [schedule.order(s) for s in range(p)]
     finished: dict[tuple[str, int, int], float] = {}
     free, position = [0.0] * p, [0] * p
@@ -250,12 +319,12 @@ def async_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
         for s in range(p):
             while position[s] < len(orders[s]):
                 action = orders[s][position[s]]
-                dependency = _dependency(action, s, p, v)
+                dependency = _dependency(action, s, p, v, placement)
                 if dependency is not None and dependency not in finished:
                     break
-                cost = (1.0 if action[0] == "F" else backward_cost) / v
+                cost = action_cost(action[0], v, backward_cost)
                 free[s] = max(free[s], finished.get(dependency, 0.0)) + cost
-                finished[(action[0], action[2] * p + s, action[1])] = free[s]
+                finished[_done_key(action, s, p, placement)] = free[s]
                 position[s] += 1
                 progressed = True
         if not progressed:

@@ -27,8 +27,14 @@ if its inputs have arrived, a forward in the F slot and then, if the next action
 whose cotangent is there, that backward in the B slot. A tick in which no stage can move means
 the orders deadlock (nothing changes by waiting): ValueError.
 
-The table is columns of int32 [num_ticks, p]; a later action kind (a W slot for zero-bubble
-weight gradients) or payload (compressed ppermute) adds columns, not a new format.
+Split backwards (zero-bubble schedules: I and W instead of B) run in unit ticks: a stage runs
+at most one action per tick, F in the F slot, I in the B slot (it sends the input cotangent as
+B does, and keeps the matmul inputs and output cotangents for W in the `wstore` ring), W in a
+third slot that sends nothing. With F, I and W of one cost each, every tick lasts one action
+and a hop one tick in both directions, so the lockstep grid is the asynchronous schedule.
+
+The table is columns of int32 [num_ticks, p]; a later action kind or payload (compressed
+ppermute) adds columns, not a new format.
 """
 
 from __future__ import annotations
@@ -38,13 +44,15 @@ import functools
 
 import numpy as np
 
-from jaxmeg.pipeline.schedules import Schedule, build, next_stage, prev_stage
+from jaxmeg.pipeline.schedules import Schedule, build, stage_and_chunk
 
 FIELDS = (
     "f_mb", "f_chunk", "f_slot",
     "f_cot_slot",
-    "b_mb", "b_chunk", "b_slot", "b_cot_slot",
+    "b_mb", "b_chunk", "b_slot", "b_cot_slot", "b_split", "b_w_slot",
+    "w_mb", "w_chunk", "w_slot",
     "recv_act_slot", "recv_cot_slot",
+    "recv_act_back_slot", "recv_cot_back_slot", "recv_act_local_slot", "recv_cot_local_slot",
 )  # fmt: skip
 STEADY_STATE_MICROBATCHES_PER_STAGE = 2
 
@@ -59,9 +67,17 @@ class TickTable:
         output cotangent that the head and loss backward gives.
     b_mb, b_chunk: the backward in the B slot; b_slot: the `inputs` slot of its stage input
         (freed after); b_cot_slot: the `cots` slot of its output cotangent (-1 when p v = 1).
+    b_split: 1 where the B slot runs I (a split backward), which keeps what W needs in the
+        `wstore` slot b_w_slot.
+    w_mb, w_chunk: the W in the W slot; w_slot: the `wstore` slot it reads (freed after).
     recv_act_slot: after the F slot's ppermute, the `inputs` slot the arriving activation goes to.
     recv_cot_slot: after the B slot's ppermute, the `cots` slot the arriving cotangent goes to.
-    num_input_slots (K), num_cot_slots (J): ring sizes, max over stages.
+    recv_act_back_slot, recv_cot_back_slot: the same for what travels against the usual
+        direction (ZB-V's chunk 1: activations from stage s + 1, cotangents from s - 1);
+        recv_act_local_slot, recv_cot_local_slot: what a stage hands itself (the V's turn on
+        stage p - 1). -1 for every other placement.
+    num_input_slots (K), num_cot_slots (J), num_w_slots: ring sizes, max over stages.
+    unit: one action per stage and tick (split backwards), else F then B in a tick.
     """
 
     f_mb: np.ndarray
@@ -74,8 +90,19 @@ class TickTable:
     b_cot_slot: np.ndarray
     recv_act_slot: np.ndarray
     recv_cot_slot: np.ndarray
+    recv_act_back_slot: np.ndarray
+    recv_cot_back_slot: np.ndarray
+    recv_act_local_slot: np.ndarray
+    recv_cot_local_slot: np.ndarray
+    b_split: np.ndarray
+    b_w_slot: np.ndarray
+    w_mb: np.ndarray
+    w_chunk: np.ndarray
+    w_slot: np.ndarray
     num_input_slots: int
     num_cot_slots: int
+    num_w_slots: int = 0
+    unit: bool = False
 
     @property
     def num_ticks(self) -> int:
@@ -120,24 +147,45 @@ class _Packer:
         self.ran_at: dict[tuple[str, int, int], int] = {}
         self.inputs = [_Slots() for _ in range(self.p)]
         self.cots = [_Slots() for _ in range(self.p)]
+        self.wstore = [_Slots() for _ in range(self.p)]
+        self.unit = split_backward(schedule)
+        self.busy: set[int] = set()  # stages that ran an action in this tick (unit ticks)
         self.rows: list[dict[str, list[int]]] = []
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        return self.schedule.virtual_stage(stage, chunk)
+
+    def stage_and_chunk(self, u: int) -> tuple[int, int]:
+        return stage_and_chunk(u, self.p, self.schedule.placement)
+
+    def arrival_column(self, what: str, sender: int, receiver: int, chunk: int) -> str:
+        """The receive column of an activation or cotangent (`what`) that `sender` sends to
+        `chunk` on `receiver`: local (the V's turn), against the usual direction (the V's
+        chunk 1 gets activations from s + 1 and cotangents from s - 1), or the usual one."""
+        if sender == receiver:
+            return f"recv_{what}_local_slot"
+        if self.schedule.placement == "v" and chunk == 1:
+            return f"recv_{what}_back_slot"
+        return f"recv_{what}_slot"
 
     def done(self) -> bool:
         return all(pos == len(order) for pos, order in zip(self.position, self.orders, strict=True))
 
     def next_action(self, s: int, kind: str) -> tuple[int, int] | None:
         """(microbatch, chunk) of stage s's next action if it is of `kind`."""
-        if self.position[s] == len(self.orders[s]):
+        if self.position[s] == len(self.orders[s]) or s in self.busy:
             return None
         action_kind, mb, c = self.orders[s][self.position[s]]
-        return (mb, c) if action_kind == kind else None
+        return (mb, c) if action_kind in kind else None
 
     def ran_before(self, kind: str, virtual_stage: int, mb: int, t: int) -> bool:
         return self.ran_at.get((kind, virtual_stage, mb), t) < t
 
     def run(self, kind: str, s: int, mb: int, c: int, t: int) -> None:
-        self.ran_at[(kind, c * self.p + s, mb)] = t
+        self.ran_at[(kind, self.virtual(s, c), mb)] = t
         self.position[s] += 1
+        if self.unit:
+            self.busy.add(s)
 
     def forward_slot(self, t: int, row: dict[str, list[int]]) -> None:
         """F(mb, virtual stage u) runs if F(mb, u - 1) ran before tick t; then sends."""
@@ -148,7 +196,7 @@ class _Packer:
             if action is None:
                 continue
             mb, c = action
-            u = c * p + s
+            u = self.virtual(s, c)
             if u == 0:
                 slot = self.inputs[s].put((c, mb))
             elif self.ran_before("F", u - 1, mb, t):
@@ -158,22 +206,24 @@ class _Packer:
             row["f_mb"][s], row["f_chunk"][s], row["f_slot"][s] = mb, c, slot
             self.run("F", s, mb, c, t)
             if u != p * v - 1:
-                sent.append((*next_stage(s, c, p), mb))
+                sent.append((s, *self.stage_and_chunk(u + 1), mb))
             elif p * v > 1:
                 row["f_cot_slot"][s] = self.cots[s].put((c, mb))
-        for ns, nc, mb in sent:
-            row["recv_act_slot"][ns] = self.inputs[ns].put((nc, mb))
+        for s, ns, nc, mb in sent:
+            column = self.arrival_column("act", s, ns, nc)
+            row[column][ns] = self.inputs[ns].put((nc, mb))
 
     def backward_slot(self, t: int, row: dict[str, list[int]]) -> None:
-        """B(mb, u) runs if B(mb, u + 1) ran before tick t (u last: if F(mb, u) ran by t)."""
+        """B or I (mb, u) runs if B or I (mb, u + 1) ran before tick t (u last: if F(mb, u)
+        ran by t; in unit ticks, before it)."""
         p, v = self.p, self.v
         sent = []
         for s in range(p):
-            action = self.next_action(s, "B")
+            action = self.next_action(s, "BI")
             if action is None:
                 continue
             mb, c = action
-            u = c * p + s
+            u = self.virtual(s, c)
             if u == p * v - 1:
                 if not self.ran_before("F", u, mb, t + 1):
                     continue
@@ -184,18 +234,38 @@ class _Packer:
                 continue
             row["b_mb"][s], row["b_chunk"][s] = mb, c
             row["b_slot"][s], row["b_cot_slot"][s] = self.inputs[s].pop((c, mb)), cot_slot
+            if self.orders[s][self.position[s]][0] == "I":
+                row["b_split"][s] = 1
+                row["b_w_slot"][s] = self.wstore[s].put((c, mb))
             self.run("B", s, mb, c, t)
             if u != 0:
-                sent.append((*prev_stage(s, c, p), mb))
-        for ps, pc, mb in sent:
-            row["recv_cot_slot"][ps] = self.cots[ps].put((pc, mb))
+                sent.append((s, *self.stage_and_chunk(u - 1), mb))
+        for s, ps, pc, mb in sent:
+            column = self.arrival_column("cot", s, ps, pc)
+            row[column][ps] = self.cots[ps].put((pc, mb))
+
+    def weight_slot(self, t: int, row: dict[str, list[int]]) -> None:
+        """W(mb, u) runs if I(mb, u) ran before tick t; it sends nothing."""
+        for s in range(self.p):
+            action = self.next_action(s, "W")
+            if action is None:
+                continue
+            mb, c = action
+            if not self.ran_before("B", self.virtual(s, c), mb, t):
+                continue
+            row["w_mb"][s], row["w_chunk"][s] = mb, c
+            row["w_slot"][s] = self.wstore[s].pop((c, mb))
+            self.run("W", s, mb, c, t)
 
     def tick(self) -> None:
         t = len(self.rows)
         row = {field: [-1] * self.p for field in FIELDS}
+        row["b_split"] = [0] * self.p
         before = list(self.position)
+        self.busy = set()
         self.forward_slot(t, row)
         self.backward_slot(t, row)
+        self.weight_slot(t, row)
         if self.position == before:
             raise self.deadlock(t)
         self.rows.append(row)
@@ -214,6 +284,11 @@ class _Packer:
         )
 
 
+def split_backward(schedule: Schedule) -> bool:
+    """Whether the schedule splits its backwards into I and W (then it runs in unit ticks)."""
+    return any(kind == "I" for kind, _, _ in schedule.order(0))
+
+
 def _pack(schedule: Schedule) -> _Packer:
     packer = _Packer(schedule)
     while not packer.done():
@@ -221,12 +296,20 @@ def _pack(schedule: Schedule) -> _Packer:
     return packer
 
 
-def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int]:
-    """(K, J) of the same schedule at m = 2p, where 1F1B-type rings reach their steady state."""
+def _ring_sizes(packer: _Packer) -> tuple[int, int, int]:
+    return tuple(max(b.peak for b in rings) for rings in (packer.inputs, packer.cots, packer.wstore))
+
+
+def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int, int]:
+    """(K, J, W) of the same schedule at m = 2p, where 1F1B-type rings reach their steady
+    state."""
     m = STEADY_STATE_MICROBATCHES_PER_STAGE * schedule.num_stages
     steady = build(schedule.name, schedule.num_stages, m, schedule.num_chunks, schedule.warmup)
-    packer = _pack(steady)
-    return max(b.peak for b in packer.inputs), max(b.peak for b in packer.cots)
+    return _ring_sizes(_pack(steady))
+
+
+STEADY_RINGS = ("1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv")
+"""Schedules whose rings stop growing with m (sized at m = 2p when m is smaller)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,10 +325,12 @@ def build_tick_table(schedule: Schedule) -> TickTable:
     arrays = {f: np.array([r[f] for r in rows], np.int32).reshape(len(rows), p) for f in FIELDS}
     for column in arrays.values():
         column.flags.writeable = False
-    input_slots = max(b.peak for b in packer.inputs)
-    cot_slots = max(b.peak for b in packer.cots)
+    sizes = _ring_sizes(packer)
     steady_m = STEADY_STATE_MICROBATCHES_PER_STAGE * p
-    if schedule.name in ("1f1b", "interleaved_1f1b") and schedule.num_microbatches < steady_m:
-        steady_k, steady_j = _steady_state_ring_sizes(schedule)
-        input_slots, cot_slots = max(input_slots, steady_k), max(cot_slots, steady_j)
-    return TickTable(**arrays, num_input_slots=max(input_slots, 1), num_cot_slots=max(cot_slots, 1))
+    if schedule.name in STEADY_RINGS and schedule.num_microbatches < steady_m:
+        sizes = tuple(map(max, sizes, _steady_state_ring_sizes(schedule)))
+    input_slots, cot_slots, w_slots = sizes
+    return TickTable(
+        **arrays, num_input_slots=max(input_slots, 1), num_cot_slots=max(cot_slots, 1),
+        num_w_slots=w_slots, unit=packer.unit,
+    )  # fmt: skip

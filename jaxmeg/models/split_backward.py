@@ -1,0 +1,77 @@
+"""A layer's backward split in two (zero-bubble pipelines, Qi et al. 2024): I, the cotangent of
+the layer's input, and W, its weight gradients, which nothing downstream waits for.
+
+Every weight matmul of the model adds a zero tap to its output and sows its input
+(`gpt._weight_matmul`). One `jax.vjp` of the layer with respect to (the other parameters, the
+input, the taps), the matmul weights held constant, gives I: the input cotangent, the gradients
+of the norms and biases, and every matmul's output cotangent dY (the tap's), without one
+weight-gradient matmul. W is then dW = X^T dY per weight from the sown inputs X. I + W run the
+same matmuls as the whole backward (FLOPs 0.994x on gpt_tiny's layer: W's dW in place of the
+transpose inside the backward), and the gradients are equal (tests/test_zero_bubble.py). A
+split that differentiates twice (for the input, then for the parameters) would run the
+backward's input chain twice: about 1.5x.
+
+Between I and W a stage keeps X and dY of every weight matmul: 16 s b h elements per GPT layer
+(QKV 1 + 3, attention out 1 + 1, fc1 1 + 4, fc2 4 + 1), h the hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import flax.traverse_util as traverse
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.models.gpt import MATMUL_INPUTS, TAPS
+
+
+def tapped(block: nn.Module) -> Callable:
+    """layer(params, x, taps) -> (y, matmul inputs): the block with zero taps on its matmul
+    outputs; `taps` and the inputs are nested like the params of the weights they belong to."""
+
+    def layer(params, x, taps):
+        (y, _), state = block.apply({"params": params, TAPS: taps}, x, mutable=[MATMUL_INPUTS])
+        return y, state[MATMUL_INPUTS]
+
+    return layer
+
+
+def zero_taps(block: nn.Module, params, x) -> dict:
+    """Zero taps of one layer (a matmul output's shape each), for params and input x."""
+
+    def created(p, x_):
+        return block.apply({"params": p}, x_, mutable=[TAPS])[1][TAPS]
+
+    shapes = jax.eval_shape(created, params, x)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def split_weights(params, taps) -> tuple[dict, dict]:
+    """(the matmul weights, the rest) of a params tree: a leaf is a weight when a tap sits at
+    its path (leading stacking dims of either do not matter)."""
+    tapped_paths = set(traverse.flatten_dict(taps))
+    flat = traverse.flatten_dict(params)
+    weights = {k: v for k, v in flat.items() if k in tapped_paths}
+    rest = {k: v for k, v in flat.items() if k not in tapped_paths}
+    return traverse.unflatten_dict(weights), traverse.unflatten_dict(rest)
+
+
+def merge_weights(weights, rest) -> dict:
+    """The params tree again from `split_weights`' two halves."""
+    return traverse.unflatten_dict({**traverse.flatten_dict(weights), **traverse.flatten_dict(rest)})
+
+
+def weight_gradients(inputs, cotangents, batch_dims: int = 2, lead: int = 0):
+    """dW = X^T dY for every weight: the sown input X [*lead, b, s, ...in] and the tap's
+    cotangent dY [*lead, b, s, ...out] contracted over their `batch_dims` leading dims after the
+    `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape."""
+
+    def one(x, dy):
+        contract = list(range(batch_dims))
+        return jnp.tensordot(x, dy, axes=(contract, contract))
+
+    for _ in range(lead):
+        one = jax.vmap(one)
+    return jax.tree.map(one, inputs, cotangents)
