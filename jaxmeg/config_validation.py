@@ -175,6 +175,31 @@ def _validate_compression(comp: CompressionConfig, pipe: int, data: int, zero_st
         )
 
 
+def _validate_zero_bubble(par: ParallelConfig, pipe: int) -> None:
+    """The split-backward schedules' own constraints (their orders: `schedules.build`)."""
+    name = par.schedule
+    if not schedules.splits_backward(name):
+        return
+    required = schedules.CHUNKS_REQUIRED.get(name)
+    if required is not None and par.chunks != required:
+        raise ConfigError(
+            f"parallel.schedule={name} runs {required} chunk(s) per stage, got "
+            f"parallel.chunks = {par.chunks}"
+        )
+    if name == "interleaved_zb" and par.chunks < 2:
+        raise ConfigError(
+            f"parallel.schedule=interleaved_zb needs parallel.chunks >= 2, got {par.chunks} "
+            f"(zb_h1 is its one-chunk form)"
+        )
+    if pipe < 2:
+        raise ConfigError(f"parallel.schedule={name} needs parallel.pipe >= 2, got {pipe}")
+    if par.stage_layers and name != "zb_h1":
+        raise ConfigError(
+            f"parallel.stage_layers {list(par.stage_layers)} needs one chunk per stage; "
+            f"{name} runs {par.chunks}"
+        )
+
+
 def validate(cfg: Config, num_devices: int) -> Config:
     """Checks every field and returns the config with all `-1` sentinels resolved.
 
@@ -246,10 +271,10 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     if par.chunks > 1 and par.schedule not in schedules.CHUNKED:
         raise ConfigError(
-            f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b or "
-            f"breadth_first, "
-            f"got {par.schedule}"
+            f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b, "
+            f"breadth_first, interleaved_zb or zbv, got {par.schedule}"
         )
+    _validate_zero_bubble(par, pipe)
     if par.chunks > 1 and pipe == 1:
         raise ConfigError(f"parallel.chunks = {par.chunks} needs parallel.pipe > 1, got 1")
     if par.stage_layers and par.schedule == "interleaved_1f1b":
@@ -259,7 +284,8 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"parallel.schedule=interleaved_1f1b"
         )
     try:
-        StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers)
+        StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers,
+                           placement=schedules.placement_of(par.schedule))  # fmt: skip
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     b, micro = resolve_batching(tr, data, pipe)
@@ -268,6 +294,11 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "
             f"parallel.pipe ({pipe})"
         )
+    if schedules.splits_backward(par.schedule):
+        try:
+            schedules.zero_bubble.rounds(pipe, micro)
+        except ValueError as err:
+            raise ConfigError(f"train.microbatches: {err}") from None
     _validate_compression(cfg.compression, pipe, data, cfg.parallel.zero_stage)
     _check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
     _check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)

@@ -316,8 +316,8 @@ def test_benchmarks_doc_holds_the_current_efficiency_tables():
 
 
 def test_the_pipeline_package_imports_in_one_direction():
-    """zero_bubble <- schedules <- tick_table <- analysis; layout stands alone. Read from the sources, so a lazy
-    import inside a function counts too."""
+    """zero_bubble <- schedules <- tick_table <- analysis; layout stands alone. Read from the
+    sources, so a lazy import inside a function counts too."""
     import ast
     from pathlib import Path
 

@@ -92,6 +92,28 @@ def test_uneven_stages_match_one_device_and_resume_on_any_layout(
         )
 
 
+ZBV = [
+    "--cpu-devices", "4", "--set", "parallel.pipe=4", "--set", "parallel.schedule=zbv",
+    "--set", "parallel.chunks=2", "--set", "train.microbatches=8",
+]  # fmt: skip
+
+
+def test_zbv_matches_one_device_and_its_checkpoints_move_to_1f1b_and_back(
+    tmp_path, small_corpus, single_device_losses
+):
+    """ZB-V's V placement is a stage layout: checkpoints stay canonical, so steps 1-2 on zbv,
+    3-4 on 1f1b and 5 on zbv again give one device's losses."""
+    run = ["--out", str(tmp_path / "run"), *small_corpus]
+    one_f_one_b = ["--cpu-devices", "2", "--set", "parallel.pipe=2"]
+    records = [
+        *train([*ZBV, "--steps", "2", *run], tmp_path, "zbv"),
+        *train([*one_f_one_b, "--steps", "4", *run], tmp_path, "1f1b"),
+        *train([*ZBV, "--steps", "5", *run], tmp_path, "zbv_again"),
+    ]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in records], single_device_losses, rtol=1e-4)
+
+
 LAYERED = [
     "--cpu-devices", "8", "--set", "parallel.schedule=breadth_first", "--set", "parallel.chunks=2",
     "--set", "train.microbatches=4",

@@ -139,9 +139,7 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
     w_q = _param(module, "w_q", (d, n, h), q_axes, _normal(cfg.init_std))
     w_kv = _param(module, "w_kv", (d, 2, kv, h), kv_axes, _normal(cfg.init_std))
     q_BxSxNxH = _weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute))
-    kv_BxSx2xKxH = _weight_matmul(
-        module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute)
-    )
+    kv_BxSx2xKxH = _weight_matmul(module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute))
     if cfg.block == "gpt":
         b_q = _param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
         b_kv = _param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)

@@ -60,7 +60,9 @@ def split_weights(params, taps) -> tuple[dict, dict]:
 
 def merge_weights(weights, rest) -> dict:
     """The params tree again from `split_weights`' two halves."""
-    return traverse.unflatten_dict({**traverse.flatten_dict(weights), **traverse.flatten_dict(rest)})
+    return traverse.unflatten_dict(
+        {**traverse.flatten_dict(weights), **traverse.flatten_dict(rest)}
+    )
 
 
 def weight_gradients(inputs, cotangents, batch_dims: int = 2, lead: int = 0):

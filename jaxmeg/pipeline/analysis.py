@@ -230,7 +230,9 @@ def lockstep_time(schedule: Schedule, backward_cost: float = 2.0, table: TickTab
 
     forward = cost(table.f_mb, "F")
     split = action_cost("I", v, backward_cost)
-    backward = cost(table.b_mb, np.where(table.b_split > 0, split, action_cost("B", v, backward_cost)))
+    backward = cost(
+        table.b_mb, np.where(table.b_split > 0, split, action_cost("B", v, backward_cost))
+    )
     weight = cost(table.w_mb, "W")
     if table.unit:
         return float((forward + backward + weight).max(axis=1).sum())

@@ -55,9 +55,32 @@ from jaxmeg.pipeline.tick_columns import (
     F_FIRST,
     F_LAST,
     F_MIDDLE,
+    I_CHUNK,
+    I_FIRST,
     slot_columns,
 )
 from jaxmeg.pipeline.tick_table import TickTable
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFunctions:
+    """A chunk whose backward splits into I and W (zero-bubble schedules;
+    `jaxmeg.models.split_backward`).
+
+    chunk(chunk_params, x, real_layers, taps) -> (x, matmul inputs [Lc, ...]): the chunk with
+        zero taps on its weight matmuls' outputs; chunk_recompute likewise for `model.remat`
+        full (the I slot reruns it), or None
+    taps(chunk_params, x) -> zero taps [Lc, ...]
+    split_weights(tree, taps) -> (matmul weights, rest); merge_weights(weights, rest) -> tree
+    weight_grads(matmul inputs, tap cotangents) -> the weights' gradients (W)
+    """
+
+    chunk: Callable
+    chunk_recompute: Callable | None
+    taps: Callable
+    split_weights: Callable
+    merge_weights: Callable
+    weight_grads: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +92,14 @@ class StageFunctions:
         (int32 scalar) of the chunk's layer slots are real, the rest are padding (identity)
     head_loss(shared, x_BxSxD, targets_BxS) -> scalar     last virtual stage (microbatch mean)
     chunk_recompute: same signature as `chunk`, or None (see the module docstring)
+    split: how to split the chunk's backward into I and W, for tables that do (else None)
     """
 
     embed: Callable
     chunk: Callable
     head_loss: Callable
     chunk_recompute: Callable | None = None
+    split: SplitFunctions | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +190,15 @@ def make_pipeline_loss_and_grads(
             f"{table.num_stages}"
         )
     whole_model = p * v == 1
+    sf = fns.split
+    if table.unit and (
+        sf is None or whole_model or ((table.b_mb >= 0) & (table.b_split == 0)).any()
+    ):
+        raise ValueError(
+            f"the tick table splits backwards into I and W: the stage functions need `split`, "
+            f"the pipeline more than one virtual stage (p v = {p * v}) and every backward "
+            f"split (no B among I and W)"
+        )
     # Reducing each chunk inside the loop leaves the stage gradients typed as varying over
     # `data` though their values agree, which shard_map's type check cannot know: it is off then
     # (the equivalence tests check the values).
@@ -220,6 +254,9 @@ def make_pipeline_loss_and_grads(
         )
 
     dc, fused = data_compression, fused_embedding_sync and p > 1
+    v_shape = table.placement == "v"
+    if v_shape and layout.placement != "v":
+        raise ValueError("the tick table runs a V placement (zbv); the stage layout is not one")
     split_sends = scatter_gather and mesh.shape.get("tensor", 1) > 1
 
     stateful = pc is not None or dc is not None
@@ -256,6 +293,16 @@ def make_pipeline_loss_and_grads(
         def zeros_x(*lead):
             return jnp.zeros((*lead, *x_abstract.shape), x_abstract.dtype)
 
+        def zero_taps(cp, x):
+            """The chunk's zero taps, varying like everything else in the slot: an invariant
+            tap's pullback would sum its cotangent over `pipe` (a collective in a branch)."""
+            return slots.varying_everywhere(sf.taps(cp, x), manual)
+
+        def tapped(real, recompute=False):
+            """fn(weights, rest, x, taps) -> (y, matmul inputs): the split chunk."""
+            chunk = sf.chunk_recompute if recompute else sf.chunk
+            return lambda w, r, x, t: chunk(sf.merge_weights(w, r), x, real, t)
+
         if gathering:  # the slots' gathered chunks, filled by their first gather
             whole_chunk = slots.varying_everywhere(
                 jax.tree.map(
@@ -272,11 +319,22 @@ def make_pipeline_loss_and_grads(
             whole_chunk, g_like = chunk_params(0), params
 
         split = None
-        if store:
-            x_probe = _varying(zeros_x(), manual)
+        x_probe = _varying(zeros_x(), manual)
+        if store and table.unit:
+            taps = zero_taps(whole_chunk, x_probe)
+            split = residuals.forward_split(
+                tapped(real_layers(0)), *sf.split_weights(whole_chunk, taps), x_probe, taps
+            )[1]
+        elif store:
             split = residuals.trace_split(
                 lambda cp, x: fns.chunk(cp, x, real_layers(0)), whole_chunk, x_probe
             )
+        if table.unit:  # what I keeps for W: the matmul inputs and their output cotangents
+            taps = zero_taps(whole_chunk, x_probe)
+            inputs_aval = jax.eval_shape(
+                lambda cp, x, t: sf.chunk(cp, x, real_layers(0), t)[1], whole_chunk, x_probe, taps
+            )
+            w_avals = {"inputs": inputs_aval, "dys": taps}
 
         stored_avals = [x_abstract, *(split.stored if store else ())]
         trace_info["slot_bytes"] = sum(a.size * a.dtype.itemsize for a in stored_avals)
@@ -291,6 +349,13 @@ def make_pipeline_loss_and_grads(
             "y": zeros_x(),  # the activation the F slot sends
             "d_x": zeros_x(),  # the input cotangent the B slot sends
         }
+        if table.unit:
+            ring = lambda n, tree: jax.tree.map(  # noqa: E731
+                lambda a: jnp.zeros((n, *a.shape), a.dtype), tree
+            )
+            carry["wstore"] = ring(table.num_w_slots, w_avals)
+            if store:  # the matmul inputs from the forward until I moves them to `wstore`
+                carry["matmul_inputs"] = ring(table.num_input_slots, w_avals["inputs"])
         if gathering:  # each slot's chunk, and the one gathered for its next
             for slot in gathering_slots:
                 carry[f"{slot}_params"] = whole_chunk
@@ -333,15 +398,31 @@ def make_pipeline_loss_and_grads(
             def run_chunk(x):
                 if not store:
                     return fns.chunk(cp, x, real), []
+                if table.unit:
+                    taps = zero_taps(cp, x)
+                    y, traced, stored, inputs = residuals.forward_split(
+                        tapped(real), *sf.split_weights(cp, taps), x, taps
+                    )
+                    split.check(traced)
+                    return y, (stored, inputs)
                 y, traced, stored = residuals.forward(lambda p_, x_: fns.chunk(p_, x_, real), cp, x)
                 split.check(traced)
                 return y, stored
 
             def keep(r, stored):
-                return [
-                    buf.at[slot].set(leaf.astype(buf.dtype))
-                    for buf, leaf in zip(r["stored"], stored, strict=True)
-                ]
+                """The ring writes of what the forward keeps (the stored residuals, and for a
+                split backward the matmul inputs)."""
+
+                def write(bufs, leaves):
+                    return jax.tree.map(
+                        lambda buf, leaf: buf.at[slot].set(leaf.astype(buf.dtype)), bufs, leaves
+                    )
+
+                if table.unit and store:
+                    stored, inputs = stored
+                    return {"stored": write(r["stored"], stored),
+                            "matmul_inputs": write(r["matmul_inputs"], inputs)}  # fmt: skip
+                return {"stored": write(r["stored"], stored)}
 
             def embed_only(r, tokens_BxS, targets_BxS):
                 x = fns.embed(shared, tokens_BxS).astype(dtype)
@@ -351,11 +432,11 @@ def make_pipeline_loss_and_grads(
                 x = fns.embed(shared, tokens_BxS).astype(dtype)
                 y, stored = run_chunk(x)
                 inputs = r["inputs"].at[slot].set(x)
-                return {**r, "inputs": inputs, "stored": keep(r, stored), "y": y.astype(dtype)}
+                return {**r, "inputs": inputs, **keep(r, stored), "y": y.astype(dtype)}
 
             def middle(r, tokens_BxS, targets_BxS):
                 y, stored = run_chunk(r["inputs"][slot])
-                return {**r, "stored": keep(r, stored), "y": y.astype(dtype)}
+                return {**r, **keep(r, stored), "y": y.astype(dtype)}
 
             def last(r, tokens_BxS, targets_BxS):
                 y, stored = run_chunk(r["inputs"][slot])
@@ -367,7 +448,7 @@ def make_pipeline_loss_and_grads(
                 cot_slot = jnp.maximum(row["f_cot_slot"], 0)
                 return {
                     **r,
-                    "stored": keep(r, stored),
+                    **keep(r, stored),
                     "cots": r["cots"].at[cot_slot].set((d_y * scale).astype(dtype)),
                     "g_shared": gradients.accumulate(r["g_shared"], d_shared),
                     "loss": r["loss"] + (loss * scale).astype(jnp.float32),
@@ -378,7 +459,8 @@ def make_pipeline_loss_and_grads(
             else:
                 kinds = {"f_first": (F_FIRST, first), "f_middle": (F_MIDDLE, middle),
                          "f_last": (F_LAST, last)}  # fmt: skip
-            ring = {k: c[k] for k in ("inputs", "stored", "cots", "y", "g_shared", "loss")}
+            ring = {k: c[k] for k in ("inputs", "stored", "matmul_inputs", "cots", "y",
+                                      "g_shared", "loss") if k in c}  # fmt: skip
             for scope, (kind, fn) in kinds.items():
                 ring = slots.run_if(
                     row["f_kind"] == kind, fn, ring, scope, (tokens_BxS, targets_BxS)
@@ -437,23 +519,89 @@ def make_pipeline_loss_and_grads(
                     "loss": a["loss"] + (loss / m).astype(jnp.float32),
                 }
 
+            def input_backward(a):
+                """I: (d_x, the gradients of the chunk's other params, what W needs) from the
+                stored residuals, or by rerunning the chunk (`model.remat` full)."""
+                x = a["inputs"][slot]
+                cot = a["cots"][jnp.maximum(row["b_cot_slot"], 0)]
+                taps = zero_taps(cp, x)
+                weights, rest = sf.split_weights(cp, taps)
+                if store:
+                    kept = [buf[slot] for buf in a["stored"]]
+                    d_rest, d_x, d_taps = residuals.backward_split(
+                        split, weights, rest, x, kept, cot
+                    )
+                    inputs = jax.tree.map(lambda buf: buf[slot], a["matmul_inputs"])
+                else:
+                    _, pullback, inputs = jax.vjp(
+                        lambda r_, x_, t_: tapped(real, recompute=True)(weights, r_, x_, t_),
+                        rest, x, taps, has_aux=True,
+                    )  # fmt: skip
+                    d_rest, d_x, d_taps = pullback(cot)
+                w_slot = jnp.maximum(row["b_w_slot"], 0)
+                wstore = jax.tree.map(
+                    lambda buf, leaf: buf.at[w_slot].set(leaf.astype(buf.dtype)),
+                    a["wstore"], {"inputs": inputs, "dys": d_taps},
+                )  # fmt: skip
+                g_weights, g_rest = sf.split_weights(a["g_stage"], taps)
+                g_rest = gradients.accumulate_at(g_rest, at, d_rest)
+                return d_x, {"g_stage": sf.merge_weights(g_weights, g_rest), "wstore": wstore}
+
+            def i_middle(a, tokens_BxS, targets_BxS):
+                d_x, written = input_backward(a)
+                return {**a, **written, "d_x": d_x.astype(a["d_x"].dtype)}
+
+            def i_first(a, tokens_BxS, targets_BxS):
+                d_x, written = input_backward(a)
+                d_shared = embed_backward(d_x, tokens_BxS)
+                return {**a, **written, "g_shared": gradients.accumulate(a["g_shared"], d_shared)}
+
             if whole_model:
                 kinds = {"b_whole": (B_WHOLE, whole)}
+            elif table.unit:
+                kinds = {"i_middle": (I_CHUNK, i_middle), "i_first": (I_FIRST, i_first)}
             else:
                 kinds = {"b_middle": (B_CHUNK, middle), "b_first": (B_FIRST, first)}
             # the rings it reads go through the loop too: read-only operands would be copied
             acc = {
-                k: c[k] for k in ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored")
-            }
+                k: c[k]
+                for k in ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored",
+                          "matmul_inputs", "wstore")
+                if k in c
+            }  # fmt: skip
             for scope, (kind, fn) in kinds.items():
                 acc = slots.run_if(row["b_kind"] == kind, fn, acc, scope, (tokens_BxS, targets_BxS))
             return {**c, **acc}
+
+        def weight_slot(c, row):
+            """The W slot: the weight gradients of a split backward, dW = X^T dY from what its
+            I kept in `wstore`; it sends nothing."""
+
+            def weights(a):
+                w_slot = jnp.maximum(row["w_slot"], 0)
+                kept = jax.tree.map(lambda buf: buf[w_slot], a["wstore"])
+                d_weights = sf.weight_grads(kept["inputs"], kept["dys"])
+                g_weights, g_rest = sf.split_weights(a["g_stage"], kept["dys"])
+                at = 0 if v == 1 else jnp.maximum(row["w_chunk"], 0)
+                g_weights = gradients.accumulate_at(g_weights, at, d_weights)
+                return {**a, "g_stage": sf.merge_weights(g_weights, g_rest)}
+
+            acc = {k: c[k] for k in ("g_stage", "wstore")}
+            return {**c, **slots.run_if(row["w_mb"] >= 0, weights, acc, "w_chunk")}
 
         def send(x, index, patterns, scope, split=True):
             return slots.send(x, index, patterns, scope, split=split and split_sends)
 
         def receive(buffer, slot, value, scope):
             return slots.receive(buffer, slot, value, scope, gather=split_sends)
+
+        def arrive(buffer, row, what, scope, arrived):
+            """What arrived in this tick ({"": usual, "_back": from the other side, "_local":
+            this stage's own}) written into `buffer` at the slots the table names."""
+            for way, value in arrived.items():
+                slot = row[f"recv_{what}{way}_slot" if way else f"recv_{what}_slot"]
+                buffer = receive(buffer, slot, value, f"recv_{scope}{way}")
+            return buffer
 
         def send_cotangent(c, row, d_x):
             """The B slot's send, where `pipe_compression` says compressed: the link's error is
@@ -462,7 +610,8 @@ def make_pipeline_loss_and_grads(
             if pc is None:
                 return c, send(d_x, row["send_cot"], patterns["send_cot"], "send_cot")
             chunk = jnp.maximum(row["b_chunk"], 0)
-            here, sending = row["pipe_compress"] > 0, row["b_kind"] == B_CHUNK
+            here = row["pipe_compress"] > 0
+            sending = (row["b_kind"] == B_CHUNK) | (row["b_kind"] == I_CHUNK)
             g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
             with jax.named_scope("compress_link"):
                 factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
@@ -566,12 +715,24 @@ def make_pipeline_loss_and_grads(
             if reduce_in_loop and not zero.stage:
                 c = start_reduction(c, row)
             c = forward_slot(c, row)
-            received_x = send(c["y"], row["send_x"], patterns["send_x"], "send_x")
+            y = c["y"]
+            arrived_x = {"": send(y, row["send_x"], patterns["send_x"], "send_x")}
+            if v_shape:  # a V's chunk 1 sends the other way; its turn stays on the stage
+                arrived_x["_back"] = send(y, row["send_x_back"], patterns["send_x_back"],
+                                          "send_x_back")  # fmt: skip
+                arrived_x["_local"] = y
             c = backward_slot(c, row)
+            if table.unit:
+                c = weight_slot(c, row)
             d_x = c["d_x"]
-            c = {**c, "inputs": receive(c["inputs"], row["recv_act_slot"], received_x, "recv_x")}
+            c = {**c, "inputs": arrive(c["inputs"], row, "act", "x", arrived_x)}
             c, received_cot = send_cotangent(c, row, d_x)
-            c = {**c, "cots": receive(c["cots"], row["recv_cot_slot"], received_cot, "recv_cot")}
+            arrived_cot = {"": received_cot}
+            if v_shape:
+                arrived_cot["_back"] = send(d_x, row["send_cot_back"], patterns["send_cot_back"],
+                                            "send_cot_back")  # fmt: skip
+                arrived_cot["_local"] = d_x
+            c = {**c, "cots": arrive(c["cots"], row, "cot", "cot", arrived_cot)}
             if reduce_in_loop and zero.stage:
                 c = scatter_final(c, row)
             elif reduce_in_loop:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 PADDING = -1
+PLACEMENTS = ("interleaved", "v")
 
 
 class LayoutError(ValueError):
@@ -52,6 +53,8 @@ class StageLayout:
     stage_layers: tuple[int, ...]
     """Real layers per stage (all chunks together)."""
     uneven: bool
+    placement: str = "interleaved"
+    """`interleaved` (virtual stage c p + s) or `v` (see the module docstring)."""
 
     @classmethod
     def create(
@@ -60,22 +63,31 @@ class StageLayout:
         num_stages: int = 1,
         num_chunks: int = 1,
         stage_layers: tuple[int, ...] | list[int] = (),
+        placement: str = "interleaved",
     ) -> StageLayout:
         """The even split of `num_layers` over p stages and v chunks, or the uneven split
-        `stage_layers` (one count per stage, v = 1). Raises LayoutError naming the numbers."""
+        `stage_layers` (one count per stage, v = 1); `placement` `v` puts two chunks in a V.
+        Raises LayoutError naming the numbers."""
         L = _as_int("model.layers", num_layers)
         p = _as_int("parallel.pipe", num_stages)
         v = _as_int("parallel.chunks", num_chunks)
         for field, value in (("model.layers", L), ("parallel.pipe", p), ("parallel.chunks", v)):
             if value < 1:
                 raise LayoutError(f"{field} must be >= 1, got {value}")
+        if placement not in PLACEMENTS:
+            raise LayoutError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+        if placement == "v" and (v != 2 or stage_layers):
+            raise LayoutError(
+                f"the V placement (zbv) needs parallel.chunks = 2 and an even split, got "
+                f"parallel.chunks = {v}, parallel.stage_layers = {list(stage_layers)}"
+            )
         if not stage_layers:
             if L % (p * v):
                 raise LayoutError(
                     f"model.layers ({L}) must be divisible by parallel.pipe * parallel.chunks = "
                     f"{p} * {v} = {p * v} (or give parallel.stage_layers, one count per stage)"
                 )
-            return cls(L, p, v, (L // p,) * p, uneven=False)
+            return cls(L, p, v, (L // p,) * p, uneven=False, placement=placement)
         counts = tuple(_as_int("parallel.stage_layers entry", n) for n in stage_layers)
         if len(counts) != p:
             raise LayoutError(
@@ -105,6 +117,11 @@ class StageLayout:
         return not self.uneven and self.layers_per_chunk <= UNROLLED_LAYERS
 
     @property
+    def reshaped(self) -> bool:
+        """Whether [L, ...] <-> [v, p, Lc, ...] is a reshape (even and interleaved)."""
+        return not self.uneven and self.placement == "interleaved"
+
+    @property
     def layers_per_chunk(self) -> int:
         """Lc: layer slots per chunk, padding included."""
         return max(self.stage_layers) // self.num_chunks
@@ -118,6 +135,9 @@ class StageLayout:
     def layer_index(self) -> np.ndarray:
         """int [v, p, Lc]: the canonical layer in each slot, PADDING (-1) where none."""
         v, p, lc = self.shape
+        if self.placement == "v":
+            virtual = np.array([[s, 2 * p - 1 - s] for s in range(p)]).T  # [v, p]
+            return virtual[..., None] * lc + np.arange(lc)
         if not self.uneven:
             return np.arange(self.num_layers).reshape(v, p, lc)
         index = np.full((v, p, lc), PADDING)
@@ -149,7 +169,7 @@ class StageLayout:
 
     def to_stages(self, stack):
         """[L, ...] -> [v, p, Lc, ...]; padding slots are zeros. numpy or jax arrays."""
-        if not self.uneven:
+        if self.reshaped:
             return stack.reshape(*self.shape, *stack.shape[1:])
         index = self.layer_index.reshape(-1)
         gathered = stack[np.maximum(index, 0)]
@@ -159,12 +179,14 @@ class StageLayout:
     def to_canonical(self, stack):
         """[v, p, Lc, ...] -> [L, ...] (padding dropped). numpy or jax arrays."""
         flat = stack.reshape(-1, *stack.shape[3:])
-        if not self.uneven:
+        if self.reshaped:
             return flat
         return flat[self._canonical_slots]
 
     def describe(self) -> str:
         """e.g. 'stages hold [5, 3] layers (padded to 5)' for progress output."""
+        if self.placement == "v":
+            return f"{self.num_stages} stages x 2 chunks in a V x {self.layers_per_chunk}"
         if not self.uneven:
             return f"{self.num_stages} stages x {self.num_chunks} chunks x {self.layers_per_chunk}"
         return f"stages hold {list(self.stage_layers)} layers (padded to {self.layers_per_chunk})"

@@ -80,3 +80,20 @@ def backward(split: ResidualSplit, params, x, stored, cot) -> tuple:
     leaves = [pick[kind][i] for kind, i in split.sources]
     pullback = jax.tree.unflatten(split.treedef, leaves)
     return pullback(cot)
+
+
+def forward_split(fn: Callable, weights, rest, x, taps) -> tuple:
+    """A split backward's forward (`jaxmeg.models.split_backward`): fn(weights, rest, x, taps)
+    -> (y, matmul inputs) differentiated w.r.t. (rest, x, taps), the matmul weights held. Returns
+    y, the pullback's split (weights and rest count as params), the leaves to store, and the
+    matmul inputs."""
+    y, pullback, inputs = jax.vjp(
+        lambda r, x_, t: fn(weights, r, x_, t), rest, x, taps, has_aux=True
+    )
+    split, stored = _split(pullback, (weights, rest), x)
+    return y, split, stored, inputs
+
+
+def backward_split(split: ResidualSplit, weights, rest, x, stored, cot) -> tuple:
+    """(d_rest, d_x, d_taps) from `forward_split`'s stored leaves: I of a split backward."""
+    return backward(split, (weights, rest), x, stored, cot)

@@ -61,6 +61,19 @@ NAMES = LOCKSTEP + ZERO_BUBBLE
 """The schedules `build` knows."""
 CHUNKED = ("interleaved_1f1b", "breadth_first", "interleaved_zb", "zbv")
 """The schedules that run v > 1 chunks per stage."""
+
+
+def placement_of(name: str) -> str:
+    """Where schedule `name` puts its chunks: `v` for zbv, else `interleaved` (virtual stage
+    c p + s); `jaxmeg.pipeline.layout.StageLayout` lays the layers out the same way."""
+    return "v" if name == "zbv" else "interleaved"
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` splits a backward into I and W."""
+    return name in ZERO_BUBBLE
+
+
 CHUNKS_REQUIRED = {"zb_h1": 1, "zbv": 2}
 """Schedules defined for one number of chunks only."""
 WARMUPS = ("min_memory", "min_bubble")
@@ -92,8 +105,7 @@ class Schedule:
 
     @property
     def placement(self) -> str:
-        """`v` for zbv, else `interleaved` (virtual stage c p + s)."""
-        return "v" if self.name == "zbv" else "interleaved"
+        return placement_of(self.name)
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
         return virtual_stage(stage, chunk, self.num_stages, self.placement)
@@ -135,10 +147,11 @@ def _check_orders(schedule: Schedule) -> None:
                 raise ValueError(f"stage {s} order runs {(kind, mb, c)}: no such action")
             kinds[mb, c].append(kind)
         for (mb, c), done in kinds.items():
-            if "".join(done) not in ("FB", "FIW"):
+            ran = "".join(done) or "nothing"
+            if ran not in ("FB", "FIW"):
                 raise ValueError(
                     f"stage {s} order must run F then B, or F, I, W, for each of the {m} "
-                    f"microbatches x {v} chunks; (mb={mb}, chunk={c}) runs {''.join(done) or 'nothing'}"
+                    f"microbatches x {v} chunks; (mb={mb}, chunk={c}) runs {ran}"
                 )
 
 

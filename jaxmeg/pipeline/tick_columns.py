@@ -14,35 +14,37 @@ from jaxmeg.pipeline.tick_table import FIELDS, TickTable
 
 IDLE = 0
 F_FIRST, F_MIDDLE, F_LAST, F_EMBED = 1, 2, 3, 4
-B_CHUNK, B_FIRST, B_WHOLE = 1, 2, 3
+B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST = 1, 2, 3, 4, 5
+"""B slot kinds: a whole backward, or I (split backward) of a chunk / of the first virtual stage."""
 
 
 def kind_columns(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static)."""
     p, v = table.num_stages, num_chunks
-    stage = np.arange(p)[None, :]
     if p * v == 1:
         f_kind = np.where(table.f_mb >= 0, F_EMBED, IDLE)
         b_kind = np.where(table.b_mb >= 0, B_WHOLE, IDLE)
         return f_kind.astype(np.int32), b_kind.astype(np.int32)
-    f_first = (stage == 0) & (table.f_chunk == 0)
-    f_last = (stage == p - 1) & (table.f_chunk == v - 1)
-    f_kind = np.where(f_first, F_FIRST, np.where(f_last, F_LAST, F_MIDDLE))
-    b_kind = np.where((stage == 0) & (table.b_chunk == 0), B_FIRST, B_CHUNK)
+    f_virtual, b_virtual = table.virtual_stages(table.f_chunk), table.virtual_stages(table.b_chunk)
+    f_kind = np.where(f_virtual == 0, F_FIRST, np.where(f_virtual == p * v - 1, F_LAST, F_MIDDLE))
+    first = b_virtual == 0
+    b_kind = np.where(first, B_FIRST, B_CHUNK)
+    b_kind = np.where(table.b_split > 0, np.where(first, I_FIRST, I_CHUNK), b_kind)
     f_kind = np.where(table.f_mb >= 0, f_kind, IDLE)
     b_kind = np.where(table.b_mb >= 0, b_kind, IDLE)
     return f_kind.astype(np.int32), b_kind.astype(np.int32)
 
 
 def final_backward_chunks(table: TickTable) -> np.ndarray:
-    """int32 [num_ticks, p]: the chunk whose last backward on that stage runs in that tick (its
-    gradients are final from then on), -1 elsewhere."""
+    """int32 [num_ticks, p]: the chunk whose last backward (split backwards: last W) on that
+    stage runs in that tick (its gradients are final from then on), -1 elsewhere."""
+    mbs, chunks = (table.w_mb, table.w_chunk) if table.unit else (table.b_mb, table.b_chunk)
     final = np.full(table.b_mb.shape, -1, np.int32)
     for s in range(table.num_stages):
         seen: set[int] = set()
         for t in reversed(range(table.num_ticks)):
-            chunk = int(table.b_chunk[t, s])
-            if table.b_mb[t, s] >= 0 and chunk not in seen:
+            chunk = int(chunks[t, s])
+            if mbs[t, s] >= 0 and chunk not in seen:
                 seen.add(chunk)
                 final[t, s] = chunk
     return final
@@ -70,19 +72,37 @@ def gather_columns(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
     return gathers[0], gathers[1]
 
 
+def senders(table: TickTable, num_chunks: int, forward: bool) -> dict[str, np.ndarray]:
+    """bool [num_ticks, p] per direction: the stages whose F slot sends an activation (all but
+    the last virtual stage's forwards; `forward`) or whose B slot sends a cotangent (all but the
+    first virtual stage's backwards), split by where it goes: "usual" (to s + 1 for activations,
+    s - 1 for cotangents, around the ring), "back" (the other way: a V's chunk 1) and "local"
+    (to the stage itself: the V's turn on stage p - 1)."""
+    p, v = table.num_stages, num_chunks
+    mb, chunk = (table.f_mb, table.f_chunk) if forward else (table.b_mb, table.b_chunk)
+    virtual = table.virtual_stages(chunk)
+    sending = (mb >= 0) & (virtual != (p * v - 1 if forward else 0))
+    target = virtual + (1 if forward else -1)
+    if table.placement != "v":
+        return {"usual": sending, "back": np.zeros_like(sending), "local": np.zeros_like(sending)}
+    target_chunk = (target >= p).astype(int)  # in a V, virtual stages >= p are chunk 1
+    stage = np.arange(p)[None, :]
+    target_stage = np.where(target_chunk == 1, 2 * p - 1 - target, target)
+    local = sending & (target_stage == stage)
+    back = sending & ~local & (target_chunk == 1)
+    return {"usual": sending & ~local & ~back, "back": back, "local": local}
+
+
 def forward_senders(table: TickTable, num_chunks: int) -> np.ndarray:
     """bool [num_ticks, p]: the stages whose F slot sends an activation on (all but the last
-    virtual stage's forwards)."""
-    p, v = table.num_stages, num_chunks
-    virtual = table.f_chunk * p + np.arange(p)[None, :]
-    return (table.f_mb >= 0) & (virtual != p * v - 1)
+    virtual stage's forwards), any direction."""
+    return np.logical_or.reduce(list(senders(table, num_chunks, True).values()))
 
 
 def backward_senders(table: TickTable, num_chunks: int) -> np.ndarray:
     """bool [num_ticks, p]: the stages whose B slot sends a cotangent on (all but the first
-    virtual stage's backwards)."""
-    virtual = table.b_chunk * table.num_stages + np.arange(table.num_stages)[None, :]
-    return (table.b_mb >= 0) & (virtual != 0)
+    virtual stage's backwards), any direction."""
+    return np.logical_or.reduce(list(senders(table, num_chunks, False).values()))
 
 
 def send_patterns(
@@ -134,7 +154,8 @@ class SlotColumns:
 
 def _pad(columns: dict[str, np.ndarray], before: int, after: int) -> dict[str, np.ndarray]:
     """Idle ticks around the table: nothing runs, sends or arrives in them."""
-    idle = {name: -1 if name in (*FIELDS, "reduce_chunk") else 0 for name in columns}
+    idle = {name: -1 if name in (*FIELDS, "reduce_chunk") and name != "b_split" else 0
+            for name in columns}  # fmt: skip
     pad = ((before, after), (0, 0))
     return {
         name: np.pad(np.asarray(col, np.int32), pad, constant_values=idle[name])
@@ -192,8 +213,14 @@ def slot_columns(
     if gathering:
         columns["f_gather"], columns["b_gather"] = gather_columns(table)
     patterns = {}
-    b_senders = backward_senders(table, v)
-    columns["send_x"], patterns["send_x"] = send_patterns(forward_senders(table, v), 1)
+    f_senders, b_by_way = senders(table, v, True), senders(table, v, False)
+    b_senders = b_by_way["usual"]
+    columns["send_x"], patterns["send_x"] = send_patterns(f_senders["usual"], 1)
+    if table.placement == "v":
+        if compress is not None:
+            raise ValueError("compressed cotangents need the interleaved placement, not a V")
+        columns["send_x_back"], patterns["send_x_back"] = send_patterns(f_senders["back"], -1)
+        columns["send_cot_back"], patterns["send_cot_back"] = send_patterns(b_by_way["back"], 1)
     if compress is None:
         columns["send_cot"], patterns["send_cot"] = send_patterns(b_senders, -1)
     else:
@@ -204,14 +231,21 @@ def slot_columns(
         columns["send_factors"], patterns["send_factors"] = send_patterns(compress, -1)
     columns["recv_x"] = table.recv_act_slot >= 0
     columns["recv_cot"] = table.recv_cot_slot >= 0
+    if table.placement == "v":
+        for way in ("back", "local"):
+            columns[f"recv_x_{way}"] = getattr(table, f"recv_act_{way}_slot") >= 0
+            columns[f"recv_cot_{way}"] = getattr(table, f"recv_cot_{way}_slot") >= 0
 
     kinds = {"f_first": ("f_kind", F_FIRST), "f_middle": ("f_kind", F_MIDDLE),
              "f_last": ("f_kind", F_LAST), "f_embed": ("f_kind", F_EMBED),
              "b_middle": ("b_kind", B_CHUNK), "b_first": ("b_kind", B_FIRST),
-             "b_whole": ("b_kind", B_WHOLE)}  # fmt: skip
+             "b_whole": ("b_kind", B_WHOLE), "i_middle": ("b_kind", I_CHUNK),
+             "i_first": ("b_kind", I_FIRST)}  # fmt: skip
     branches = {scope: columns[col] == kind for scope, (col, kind) in kinds.items()}
+    branches["w_chunk"] = table.w_mb >= 0
     named = ("send_x", "send_cot", "send_whole", "send_factors", "recv_x", "recv_cot",
-             "f_gather", "b_gather")  # fmt: skip
+             "f_gather", "b_gather", "send_x_back", "send_cot_back", "recv_x_back",
+             "recv_cot_back", "recv_x_local", "recv_cot_local")  # fmt: skip
     branches.update({name: columns[name] for name in named if name in columns})
     if compress is not None:
         branches["compress_link"] = columns["pipe_compress"]

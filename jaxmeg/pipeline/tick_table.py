@@ -103,6 +103,16 @@ class TickTable:
     num_cot_slots: int
     num_w_slots: int = 0
     unit: bool = False
+    placement: str = "interleaved"
+    """The schedule's chunk placement (`schedules.placement_of`)."""
+
+    def virtual_stages(self, chunks: np.ndarray) -> np.ndarray:
+        """int [num_ticks, p]: the virtual stage of each (tick, stage) running chunk `chunks`."""
+        p = self.num_stages
+        stage = np.arange(p)[None, :]
+        if self.placement == "v":
+            return np.where(chunks == 1, 2 * p - 1 - stage, stage)
+        return chunks * p + stage
 
     @property
     def num_ticks(self) -> int:
@@ -297,7 +307,9 @@ def _pack(schedule: Schedule) -> _Packer:
 
 
 def _ring_sizes(packer: _Packer) -> tuple[int, int, int]:
-    return tuple(max(b.peak for b in rings) for rings in (packer.inputs, packer.cots, packer.wstore))
+    return tuple(
+        max(b.peak for b in rings) for rings in (packer.inputs, packer.cots, packer.wstore)
+    )
 
 
 def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int, int]:
@@ -332,5 +344,5 @@ def build_tick_table(schedule: Schedule) -> TickTable:
     input_slots, cot_slots, w_slots = sizes
     return TickTable(
         **arrays, num_input_slots=max(input_slots, 1), num_cot_slots=max(cot_slots, 1),
-        num_w_slots=w_slots, unit=packer.unit,
+        num_w_slots=w_slots, unit=packer.unit, placement=schedule.placement,
     )  # fmt: skip

@@ -23,59 +23,102 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.models import GPT, Block, cross_entropy
+from jaxmeg.models import GPT, Block, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY
 from jaxmeg.parallel import activation_rules, make_constrain, zero
 from jaxmeg.pipeline import schedules
-from jaxmeg.pipeline.executor import StageFunctions, ZeroSharding
+from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
 from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training import links
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 
-def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
-    """chunk(layer_params [Lc, ...], x, real_layers) -> x: the chunk's layers one after another
-    (`StageLayout.unrolled`) or a scan over its layer slots; with uneven stages a padding
-    slot (index >= real_layers) is skipped by `lax.cond`. REMAT_POLICY[remat] around each."""
-    block = Block(trainable.cfg.model, constrain)
+def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
+    """chunk(layer_params [Lc, ...], x, real_layers, extra [Lc, ...] | None) -> (x, aux
+    [Lc, ...] | None): `layer(params_i, x, extra_i) -> (x, aux_i)` for each of the chunk's
+    layers, one after another (`StageLayout.unrolled`) or as a scan over its layer slots; with
+    uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond` (aux zeros).
+    REMAT_POLICY[remat] around each layer."""
 
-    def apply(layer_params, x):
-        return block.apply({"params": layer_params}, x)[0]
-
-    def stacked_layer(layer_params, x, i):
+    def stacked_layer(layer_params, x, extra, i):
         # the layer's slice is taken inside the checkpoint, so what the pullback keeps of the
         # weights is the stacked params themselves, not a per-microbatch copy of a slice
-        return apply(jax.tree.map(lambda a: a[i], layer_params), x)
+        pick = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+        return layer(pick(layer_params), x, pick(extra))
 
     policy = REMAT_POLICY[remat]
-    layer = jax.checkpoint(apply, policy=policy, prevent_cse=False)
+    each = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     stacked_layer = jax.checkpoint(
-        stacked_layer, policy=policy, prevent_cse=False, static_argnums=(2,)
+        stacked_layer, policy=policy, prevent_cse=False, static_argnums=(3,)
     )
     padded, unrolled = trainable.layout.uneven, trainable.layout.unrolled
 
-    def chunk(layer_params, x_BxSxD, real_layers):
+    def chunk(layer_params, x_BxSxD, real_layers, extra=None):
+        def skip(params_i, x, extra_i):
+            aux = jax.eval_shape(layer, params_i, x, extra_i)[1]
+            # zeros that vary over the manual axes the layer's own aux would vary over
+            axes = set()
+            for leaf in jax.tree.leaves((params_i, x, extra_i)):
+                axes |= set(jax.typeof(leaf).manual_axis_type.varying)
+            zeros = lambda a: jax.lax.pcast(  # noqa: E731
+                jnp.zeros(a.shape, a.dtype), tuple(sorted(axes)), to="varying"
+            )
+            return x, jax.tree.map(zeros, aux)
+
         def body(x, scanned):
-            params_i, i = scanned
+            params_i, extra_i, i = scanned
             if padded:
-                x = jax.lax.cond(i < real_layers, layer, lambda _, x_: x_, params_i, x)
-            else:
-                x = layer(params_i, x)
-            return x, None
+                return jax.lax.cond(i < real_layers, each, skip, params_i, x, extra_i)
+            return each(params_i, x, extra_i)
 
         count = jax.tree.leaves(layer_params)[0].shape[0]
         if unrolled:
             # Unrolled, each layer's residuals are arrays of their own that the executor
             # writes straight into its rings; a scan would first stack them in its outputs.
+            auxes = []
             for i in range(count):
-                x_BxSxD = stacked_layer(layer_params, x_BxSxD, i)
-            return x_BxSxD
+                x_BxSxD, aux = stacked_layer(layer_params, x_BxSxD, extra, i)
+                auxes.append(aux)
+            return x_BxSxD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
         slots = jnp.arange(count)
-        x, _ = jax.lax.scan(body, x_BxSxD, (layer_params, slots))
-        return x
+        return jax.lax.scan(body, x_BxSxD, (layer_params, extra, slots))
 
     return chunk
+
+
+def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
+    """chunk(layer_params [Lc, ...], x, real_layers) -> x: the chunk's layers (`_over_layers`)."""
+    block = Block(trainable.cfg.model, constrain)
+
+    def layer(layer_params, x, _):
+        return block.apply({"params": layer_params}, x)[0], None
+
+    chunk = _over_layers(trainable, layer, remat)
+    return lambda layer_params, x, real_layers: chunk(layer_params, x, real_layers)[0]
+
+
+def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFunctions:
+    """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`)."""
+    block = Block(trainable.cfg.model, constrain)
+    tapped = split_backward.tapped(block)
+
+    def recompute_under(policy):
+        return _over_layers(trainable, lambda lp, x, taps: tapped(lp, x, taps), policy)
+
+    def taps(layer_params, x):
+        one = split_backward.zero_taps(block, jax.tree.map(lambda a: a[0], layer_params), x)
+        count = jax.tree.leaves(layer_params)[0].shape[0]
+        return jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), one)
+
+    return SplitFunctions(
+        chunk=recompute_under(remat),
+        chunk_recompute=recompute_under("none") if remat == "full" else None,
+        taps=taps,
+        split_weights=split_backward.split_weights,
+        merge_weights=split_backward.merge_weights,
+        weight_grads=lambda inputs, cots: split_backward.weight_gradients(inputs, cots, lead=1),
+    )
 
 
 def stage_functions(trainable: Trainable) -> StageFunctions:
@@ -95,11 +138,15 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
 
     remat = cfg.model.remat
     recompute = _chunk_function(trainable, constrain, "none") if remat == "full" else None
+    split = None
+    if schedules.splits_backward(cfg.parallel.schedule):
+        split = _split_functions(trainable, constrain, remat)
     return StageFunctions(
         embed=embed,
         chunk=_chunk_function(trainable, constrain, remat),
         head_loss=head_loss,
         chunk_recompute=recompute,
+        split=split,
     )
 
 

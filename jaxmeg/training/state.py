@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmeg.config import Config, padded_vocab_size
 from jaxmeg.models import GPT
 from jaxmeg.parallel import named, param_rules, param_specs, zero
+from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.training import links
 from jaxmeg.training.optimizer import make_optimizer
@@ -66,7 +67,10 @@ class Trainable:
     @functools.cached_property
     def layout(self) -> StageLayout:
         par = self.cfg.parallel
-        return StageLayout.create(self.cfg.model.layers, self.pipe, par.chunks, par.stage_layers)
+        return StageLayout.create(
+            self.cfg.model.layers, self.pipe, par.chunks, par.stage_layers,
+            placement=schedules.placement_of(par.schedule),
+        )  # fmt: skip
 
 
 def _in_blocks(path) -> bool:

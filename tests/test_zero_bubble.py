@@ -1,0 +1,216 @@
+"""Zero-bubble pipelines: the split backward (I and W) in the model, the orders of zb_h1,
+interleaved_zb and zbv (PyTorch's), their unit-tick tables, and the executor running them
+(loss and every gradient against one device)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+import test_pipeline as tp
+
+import jaxmeg.config as C
+from jaxmeg.models import Block, split_backward
+from jaxmeg.pipeline import analysis, schedules
+from jaxmeg.pipeline.tick_table import build_tick_table
+
+
+def _text(order) -> str:
+    return " ".join(f"{kind}{mb}.{chunk}" for kind, mb, chunk in order)
+
+
+# PyTorch's per-rank orders (ScheduleInterleavedZeroBubble with one and two stages per rank,
+# ScheduleZBVZeroBubble), idle steps dropped, action "kind microbatch . chunk".
+TORCH_ORDERS = {
+    ("zb_h1", 4, 8, 1): [
+        "F0.0 F1.0 F2.0 F3.0 I0.0 W0.0 F4.0 I1.0 W1.0 F5.0 I2.0 W2.0 F6.0 I3.0 W3.0 F7.0 I4.0 "
+        "W4.0 I5.0 W5.0 I6.0 W6.0 I7.0 W7.0",
+        "F0.0 F1.0 F2.0 I0.0 F3.0 I1.0 W0.0 F4.0 I2.0 W1.0 F5.0 I3.0 W2.0 F6.0 I4.0 W3.0 F7.0 "
+        "I5.0 W4.0 I6.0 W5.0 I7.0 W6.0 W7.0",
+        "F0.0 F1.0 I0.0 F2.0 I1.0 F3.0 I2.0 W0.0 F4.0 I3.0 W1.0 F5.0 I4.0 W2.0 F6.0 I5.0 W3.0 "
+        "F7.0 I6.0 W4.0 I7.0 W5.0 W6.0 W7.0",
+        "F0.0 I0.0 F1.0 I1.0 F2.0 I2.0 F3.0 I3.0 W0.0 F4.0 I4.0 W1.0 F5.0 I5.0 W2.0 F6.0 I6.0 "
+        "W3.0 F7.0 I7.0 W4.0 W5.0 W6.0 W7.0",
+    ],
+    ("interleaved_zb", 2, 4, 2): [
+        "F0.0 F1.0 F0.1 F1.1 I0.1 W0.1 F2.0 I1.1 W1.1 F3.0 I0.0 W0.0 F2.1 I1.0 W1.0 F3.1 I2.1 "
+        "W2.1 I3.1 W3.1 I2.0 W2.0 I3.0 W3.0",
+        "F0.0 F1.0 F0.1 I0.1 F1.1 I1.1 W0.1 F2.0 I0.0 W1.1 F3.0 I1.0 W0.0 F2.1 I2.1 W1.0 F3.1 "
+        "I3.1 W2.1 I2.0 W3.1 I3.0 W2.0 W3.0",
+    ],
+    ("zbv", 2, 4, 2): [
+        "F0.0 F1.0 F2.0 F0.1 I0.1 W0.1 F1.1 I1.1 W1.1 F3.0 I0.0 W0.0 F2.1 I2.1 W2.1 I1.0 W1.0 "
+        "F3.1 I3.1 W3.1 I2.0 W2.0 I3.0 W3.0",
+        "F0.0 F0.1 F1.0 F1.1 I0.1 W0.1 F2.0 I0.0 W0.0 F2.1 I1.1 W1.1 F3.0 I1.0 W1.0 F3.1 I2.1 "
+        "W2.1 I2.0 I3.1 I3.0 W2.0 W3.1 W3.0",
+    ],
+}
+
+
+@pytest.mark.parametrize("key", TORCH_ORDERS, ids=lambda k: "{}-p{}-m{}-v{}".format(*k))
+def test_orders_are_pytorchs(key):
+    name, p, m, v = key
+    schedule = schedules.build(name, p, m, num_chunks=v)
+    assert [_text(schedule.order(s)) for s in range(p)] == TORCH_ORDERS[key]
+
+
+ZB = [("zb_h1", 1), ("interleaved_zb", 2), ("interleaved_zb", 3), ("zbv", 2)]
+GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("name,v", ZB)
+def test_unit_ticks_run_the_orders_in_the_asynchronous_time(name, v):
+    """Every order packs into unit ticks that replay cleanly (dependencies, one tick per hop,
+    slots), and with F = I = W the lockstep grid takes exactly the asynchronous time."""
+    for p, m in GRID:
+        schedule = schedules.build(name, p, m, num_chunks=v)
+        report = analysis.validate(schedule)
+        assert build_tick_table(schedule).unit
+        assert report.lockstep_efficiency == pytest.approx(
+            schedules.async_efficiency(schedule), rel=1e-12
+        ), (p, m)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_zb_h1_keeps_p_minus_s_microbatches_and_a_third_of_1f1b_bubble(p, m):
+    schedule = schedules.build("zb_h1", p, m)
+    whole, split = analysis.held_microbatches(schedule)
+    assert whole == tuple(float(p - s) for s in range(p))
+    assert split == tuple(float(s + 1) for s in range(p))
+    # ZB-H1's bubble with F = I = W is (p - 1) units against 1F1B's 3 (p - 1)
+    ideal = 3 * m
+    assert analysis.lockstep_time(schedule) == pytest.approx(ideal + (p - 1))
+
+
+def test_zbv_halves_interleaved_bubble_with_no_more_stored_than_1f1b():
+    p, m = 4, 8
+    zbv = schedules.build("zbv", p, m, num_chunks=2)
+    interleaved = schedules.build("interleaved_1f1b", p, m, num_chunks=2)
+    one_f_one_b = schedules.build("1f1b", p, m)
+    bubble = 1 / analysis.lockstep_efficiency(zbv) - 1
+    assert bubble <= 0.5 * (1 / analysis.lockstep_efficiency(interleaved) - 1)
+    assert max(analysis.held_microbatches(zbv)[0]) <= max(
+        analysis.held_microbatches(one_f_one_b)[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "name,p,m,v,match",
+    [
+        ("zbv", 4, 8, 1, "zbv runs 2 chunk"),
+        ("zb_h1", 4, 8, 2, "zb_h1 runs 1 chunk"),
+        ("interleaved_zb", 4, 8, 1, "interleaved_zb needs num_chunks >= 2"),
+        ("zb_h1", 4, 9, 1, r"multiple of its rounds, max\(1, m // num_stages\) = 2"),
+    ],
+)
+def test_bad_zero_bubble_schedules_are_named(name, p, m, v, match):
+    with pytest.raises(ValueError, match=match):
+        schedules.build(name, p, m, num_chunks=v)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["parallel.schedule=zbv", "parallel.chunks=1"], "zbv runs 2 chunk"),
+        (["parallel.schedule=zb_h1", "parallel.chunks=2"], "chunks = 2 needs .* got zb_h1"),
+        (
+            ["parallel.schedule=zbv", "parallel.chunks=2", "parallel.stage_layers=[2,2,2,2]"],
+            "V placement .* needs parallel.chunks = 2 and an even split",
+        ),
+        (
+            ["parallel.schedule=zb_h1", "train.global_batch=18", "train.microbatches=9"],
+            r"train.microbatches: .*\(9\).*= 2",
+        ),
+        (
+            ["parallel.schedule=zb_h1", "parallel.pipe=1", "parallel.data=4"],
+            "needs parallel.pipe >= 2",
+        ),
+    ],
+)
+def test_bad_zero_bubble_configs_are_named_before_compile(overrides, match):
+    base = ["model.vocab_size=512", "parallel.pipe=4", "train.global_batch=8"]
+    cfg = C.apply_overrides(C.Config(), [*base, *overrides])
+    with pytest.raises(C.ConfigError, match=match):
+        C.validate(cfg, 4)
+
+
+@pytest.mark.parametrize("block", ["gpt", "llama"])
+def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
+    """I (one vjp w.r.t. the other params, the input and the taps) and W (X^T dY) give the
+    gradients of one vjp of the layer, with the same matmul FLOPs."""
+    model = dataclasses.replace(tp.MODEL, block=block, vocab_size=512)
+    layer = Block(model)
+    x = jax.random.normal(jax.random.key(1), (2, model.seq_len, model.hidden))
+    params = nn.meta.unbox(layer.init(jax.random.key(0), x)["params"])
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+
+    def whole(params, x, cot):
+        return jax.vjp(lambda p_, x_: layer.apply({"params": p_}, x_)[0], params, x)[1](cot)
+
+    taps = split_backward.zero_taps(layer, params, x)
+    weights, rest = split_backward.split_weights(params, taps)
+    tapped = split_backward.tapped(layer)
+
+    def input_backward(rest, x, taps, cot):
+        fn = lambda r, x_, t: tapped(split_backward.merge_weights(weights, r), x_, t)  # noqa: E731
+        _, pullback, inputs = jax.vjp(fn, rest, x, taps, has_aux=True)
+        return (*pullback(cot), inputs)
+
+    d_params, d_x = whole(params, x, cot)
+    d_rest, d_x_split, d_taps, inputs = input_backward(rest, x, taps, cot)
+    d_weights = split_backward.weight_gradients(inputs, d_taps)
+    np.testing.assert_allclose(d_x_split, d_x, rtol=1e-6, atol=1e-6)
+    got = split_backward.merge_weights(d_weights, d_rest)
+    for (path, want), have in zip(
+        jax.tree_util.tree_leaves_with_path(d_params), jax.tree.leaves(got), strict=True
+    ):
+        np.testing.assert_allclose(have, want, rtol=2e-5, atol=2e-5, err_msg=str(path))
+
+    def flops(fn, *args) -> float:
+        return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+    forward = flops(lambda p_, x_: layer.apply({"params": p_}, x_)[0], params, x)
+    i_flops = flops(input_backward, rest, x, taps, cot) - forward
+    w_flops = flops(split_backward.weight_gradients, inputs, d_taps)
+    assert i_flops + w_flops <= 1.0 * (flops(whole, params, x, cot) - forward)
+
+
+# Loss and every gradient against one device (tests/test_pipeline.check_against_single_device,
+# which also reads the compiled step's HLO for deadlock hazards).
+EQUIVALENCE = [
+    pytest.param(mesh, name, v, factor, {}, id="d{}p{}t{}-{}-m{}p".format(*mesh, name, factor))
+    for mesh in [(1, 2, 1), (1, 4, 1), (2, 2, 2)]
+    for name, v in [("zb_h1", 1), ("interleaved_zb", 2), ("zbv", 2)]
+    for factor in (1, 2)
+] + [
+    pytest.param((1, 2, 2), "interleaved_zb", 2, 2,
+                 {"model": dataclasses.replace(tp.MODEL, remat="selective")}, id="selective"),
+    pytest.param((1, 4, 1), "zb_h1", 1, 1,
+                 {"model": dataclasses.replace(tp.MODEL, remat="full")}, id="full"),
+    pytest.param((2, 2, 2), "zb_h1", 1, 2, {"model": tp.BF16, "tol": tp.BF16_TOL}, id="bf16"),
+    pytest.param((2, 2, 2), "interleaved_zb", 2, 2, {"zero_stage": 1}, id="zero1"),
+    pytest.param((2, 2, 2), "zb_h1", 1, 2, {"zero_stage": 3}, id="zero3"),
+    pytest.param((2, 2, 2), "zb_h1", 1, 1, {"stage_layers": (5, 3), "zero_stage": 1},
+                 id="uneven-zero1"),
+    pytest.param((1, 4, 1), "zb_h1", 1, 1, {"stage_layers": (1, 3, 2, 2)}, id="uneven-p4"),
+    pytest.param((1, 2, 2), "zb_h1", 1, 2, {"model": tp.LLAMA}, id="llama-untied"),
+    pytest.param((2, 2, 2), "zbv", 2, 1, {"zero_stage": 3,
+                 "model": dataclasses.replace(tp.MODEL, remat="full")}, id="zbv-zero3-full"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh,name,v,factor,extra", EQUIVALENCE)
+def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra):
+    tp.check_against_single_device(mesh, name, v, factor, **extra)
+
+
+def test_zb_h1_temp_memory_at_or_below_1f1b_and_flat_in_microbatches():
+    """(1, 4, 1), `model.remat` none: ZB-H1 keeps p - s microbatches whole and s + 1 as the
+    matmul inputs and output cotangents W needs, against 1F1B's (min_bubble) 2 (p - s) - 1."""
+    p = 4
+    zb = [tp.temp_bytes("zb_h1", 1, m) for m in (p, 4 * p)]
+    assert zb[1] <= 1.05 * zb[0], zb
+    assert zb[0] <= tp.temp_bytes("1f1b", 1, p), zb
