@@ -43,6 +43,7 @@ def positive_float(text: str) -> float:
 def parse_args(argv):
     from jaxmeg.config import OUTER_AXES, PIPE_GRAD_PHASES, REMAT_POLICIES, ZERO_STAGES
     from jaxmeg.perf.compression import DEFAULT_RANK, MODES
+    from jaxmeg.pipeline.schedules import NAMES as SCHEDULES
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -83,6 +84,11 @@ def parse_args(argv):
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
     parser.add_argument("--recompute", choices=REMAT_POLICIES)
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES,
+        help="pipeline schedule of every layout where its chunks allow (default Megatron's: "
+        "1f1b, interleaved_1f1b with chunks); a zero-bubble one: zb_h1, interleaved_zb, zbv",
+    )  # fmt: skip
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument(
         "--outer-axis", choices=OUTER_AXES, default="pipe", help="slowest mesh axis (crosses nodes)"
@@ -164,6 +170,8 @@ def main(argv=None) -> int:
         return shortest_time_report(args, shape, hw, pins)
     if args.zero_stage is not None:
         pins["zero_stage"] = args.zero_stage
+    if args.schedule:
+        pins["schedule"] = args.schedule
     try:
         plans = plan(
             shape, args.gpus, args.batch, hw, args.tokens,

@@ -2,11 +2,14 @@
 
   python scripts/plot_schedule.py --schedule interleaved_1f1b --stages 4 --microbatches 8 \
       --chunks 2 --out schedule.png
-  python scripts/plot_schedule.py --table      # efficiency vs bound, as in docs/benchmarks.md
+  python scripts/plot_schedule.py --schedule zbv --stages 4 --microbatches 8 --chunks 2
+  python scripts/plot_schedule.py --table      # efficiency tables of docs/benchmarks.md and
+                                               # docs/schedules.md (zero bubble)
 
 Rows are stages, columns ticks; each tick is split into its F slot (light) and B slot (dark,
-hatched), coloured by microbatch and labelled microbatch.chunk; idle slots stay blank. The title
-gives Megatron's bubble, the lockstep efficiency and the asynchronous bound 1 / (1 + bubble).
+hatched), or for a split backward (zb_h1, interleaved_zb, zbv) holds one action, F, I (hatched)
+or W (dotted); cells are coloured by microbatch and labelled microbatch.chunk; idle slots stay
+blank. The title gives the bubble, the lockstep efficiency and the asynchronous bound.
 Needs matplotlib (imported only when drawing).
 """
 
@@ -52,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.table:
-        from jaxmeg.pipeline.analysis import efficiency_tables
+        from jaxmeg.pipeline.analysis import efficiency_tables, zero_bubble_table
 
         print(efficiency_tables())
+        print("\nZero bubble (docs/schedules.md): lockstep efficiency, F = I = W = 1 (held "
+              "microbatches whole + split)\n")  # fmt: skip
+        print(zero_bubble_table())
         return 0
     if args.stages is None or args.microbatches is None:
         parser.error("--stages and --microbatches are required (or --table)")

@@ -107,10 +107,20 @@ a zero tap to its output (`nn.Module.perturb`, named like its weight), whose cot
 output's, and sows its input; both are no-ops unless a caller asks for them."""
 
 
-def _weight_matmul(module: nn.Module, name: str, spec: str, x: Array, w: Array) -> Array:
-    """einsum(spec, x, w) for the weight `name` of `module`, tapped and its input sown."""
-    module.sow(MATMUL_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    return module.perturb(name, jnp.einsum(spec, x, w), collection=TAPS)
+def _weight_matmul(
+    module: nn.Module, name: str, spec: str, x: Array, w: Array, residual: str = ""
+) -> Array:
+    """einsum(spec, x, w) for the weight `name` of `module`, tapped and its input sown. What is
+    kept for W is split like the residual stream (over `tensor` on the sequence with sequence
+    parallelism): the input where `residual` is "input" (a column-parallel matmul's, gathered
+    for the matmul), the output's cotangent where it is "output" (a row-parallel matmul's,
+    reduce-scattered right after it, and only when tapped)."""
+    kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
+    module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    y = jnp.einsum(spec, x, w)
+    if residual == "output" and module.has_variable(TAPS, name):
+        y = module.constrain(y, RESIDUAL_AXES)
+    return module.perturb(name, y, collection=TAPS)
 
 
 def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, Array, Array]:
@@ -119,7 +129,7 @@ def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, 
     n, h = cfg.heads, cfg.head_dim
     compute = _dtype(cfg.compute_dtype)
     qkv_BxSx3xNxH = _weight_matmul(
-        module, "w_qkv", "bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute)
+        module, "w_qkv", "bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute), "input"
     )
     if cfg.block == "gpt":
         b_qkv = _param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
@@ -188,7 +198,9 @@ class Attention(nn.Module):
         else:
             o_BxSxNxH, cache_2xBxTxKxH = _attend_cached(self, q, k, v, cache_2xBxTxKxH, start)
         o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", None, "act_heads", None))
-        y_BxSxD = _weight_matmul(self, "w_out", "bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute))
+        y_BxSxD = _weight_matmul(
+            self, "w_out", "bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute), "output"
+        )
         if cfg.block == "gpt":
             b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
             y_BxSxD = y_BxSxD + b_out.astype(compute)
@@ -236,18 +248,22 @@ class Mlp(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
         w_out = _param(self, "w_out", (f, d), ("mlp", "embed"), _normal(out_std))
-        u_BxSxF = _weight_matmul(self, "w_in", "bsd,df->bsf", x_BxSxD, w_in.astype(compute))
+        u_BxSxF = _weight_matmul(
+            self, "w_in", "bsd,df->bsf", x_BxSxD, w_in.astype(compute), "input"
+        )
         if cfg.block == "gpt":
             b_in = _param(self, "b_in", (f,), ("mlp",), nn.initializers.zeros)
             u_BxSxF = jax.nn.gelu(u_BxSxF + b_in.astype(compute), approximate=True)
         else:
             w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
             gate_BxSxF = _weight_matmul(
-                self, "w_gate", "bsd,df->bsf", x_BxSxD, w_gate.astype(compute)
+                self, "w_gate", "bsd,df->bsf", x_BxSxD, w_gate.astype(compute), "input"
             )
             u_BxSxF = jax.nn.silu(gate_BxSxF) * u_BxSxF
         u_BxSxF = self.constrain(u_BxSxF, ("act_batch", None, "act_mlp"))
-        y_BxSxD = _weight_matmul(self, "w_out", "bsf,fd->bsd", u_BxSxF, w_out.astype(compute))
+        y_BxSxD = _weight_matmul(
+            self, "w_out", "bsf,fd->bsd", u_BxSxF, w_out.astype(compute), "output"
+        )
         if cfg.block == "gpt":
             b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
             y_BxSxD = y_BxSxD + b_out.astype(compute)

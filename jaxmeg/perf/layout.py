@@ -62,14 +62,15 @@ class Layout:
                 f"schedule must be one of {list(schedules.NAMES)} and warmup one of "
                 f"{list(schedules.WARMUPS)}, got {self.schedule!r} / {self.warmup!r}"
             )
-        interleaved = self.schedule == "interleaved_1f1b"
+        interleaved = self.schedule in ("interleaved_1f1b", "interleaved_zb", "zbv")
         if self.pipe > 1 and (
             (self.chunks > 1 and self.schedule not in schedules.CHUNKED)
             or (interleaved and self.chunks == 1)
         ):
             raise ValueError(
-                f"chunks = {self.chunks} goes with schedule interleaved_1f1b or breadth_first "
-                f"(chunks > 1), or gpipe, 1f1b or breadth_first (chunks = 1), got "
+                f"chunks = {self.chunks} goes with schedule interleaved_1f1b, interleaved_zb, zbv "
+                f"or breadth_first (chunks > 1), or gpipe, 1f1b, zb_h1 or breadth_first "
+                f"(chunks = 1), got "
                 f"{self.schedule!r}"
             )
 

@@ -39,6 +39,7 @@ from jaxmeg.perf.collectives import (
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.layout import Layout
 from jaxmeg.pipeline import schedules
+from jaxmeg.pipeline.analysis import held_microbatches
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_table import STEADY_STATE_MICROBATCHES_PER_STAGE, build_tick_table
 
@@ -103,7 +104,10 @@ class Memory:
 def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
     """Which layers each stage holds (`jaxmeg.pipeline.layout`); raises LayoutError naming the
     numbers when l does not split over p v (or `stage_layers` does not fit)."""
-    return StageLayout.create(shape.layers, layout.pipe, layout.chunks, layout.stage_layers)
+    return StageLayout.create(
+        shape.layers, layout.pipe, layout.chunks, layout.stage_layers,
+        placement=schedules.placement_of(layout.schedule),
+    )  # fmt: skip
 
 
 def busiest_stage_layers(shape: Shape, layout: Layout) -> int:
@@ -179,6 +183,48 @@ def stored_microbatches(layout: Layout) -> int:
     return _ring_slots(layout.schedule, layout.pipe, layout.chunks, layout.warmup)
 
 
+def split_store_bytes_per_layer(shape: Shape, layout: Layout) -> float:
+    """What a split backward keeps per layer between I and W (`jaxmeg.models.split_backward`):
+    each weight matmul's input X and output cotangent dY, 16-bit. The column-parallel matmuls'
+    inputs and the row-parallel ones' output cotangents are whole over the tensor group, split
+    on the sequence with sequence parallelism: s b (4 h + (4 h + 2 f) / t), with it s b (8 h +
+    2 f) / t, f the MLP width (16 s b h / t)."""
+    s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
+    f = shape.mlp_ratio * h
+    residual = h / t if layout.sequence_parallel else h  # a residual-stream-shaped tensor
+    return 2 * s * b * (4 * residual + (4 * h + 2 * f) / t)
+
+
+def matmul_input_bytes_per_layer(shape: Shape, layout: Layout) -> float:
+    """The matmul inputs X a split backward's forward keeps for W until I moves them (with
+    stored residuals), 16-bit: s b (2 h + (h + f) / t), the first term / t with sequence
+    parallelism."""
+    s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
+    f = shape.mlp_ratio * h
+    residual = h / t if layout.sequence_parallel else h
+    return 2 * s * b * (2 * residual + (h + f) / t)
+
+
+@functools.cache
+def _held_microbatches(schedule: str, p: int, v: int) -> tuple[tuple[float, ...], ...]:
+    m = STEADY_STATE_MICROBATCHES_PER_STAGE * p
+    return held_microbatches(schedules.build(schedule, p, m, v))
+
+
+def split_backward_stored_bytes(shape: Shape, layout: Layout) -> float:
+    """A split-backward schedule's stored activations on its busiest stage: per stage, the
+    microbatches held whole (forward ran, I not yet) times what the forward keeps, plus those
+    between I and W times `split_store_bytes_per_layer`, from the tick table
+    (`analysis.held_microbatches`, flat in m)."""
+    whole, split = _held_microbatches(layout.schedule, layout.pipe, layout.chunks)
+    v, lc = layout.chunks, busiest_stage_layers(shape, layout) // layout.chunks
+    kept = kept_bytes_per_microbatch(shape, layout)
+    if layout.recompute != "full":
+        kept += lc * matmul_input_bytes_per_layer(shape, layout)
+    per_split = lc * split_store_bytes_per_layer(shape, layout)
+    return max(v * (w * kept + x * per_split) for w, x in zip(whole, split, strict=True))
+
+
 def kept_bytes_per_microbatch(shape: Shape, layout: Layout) -> float:
     """Bytes one ring slot holds for the backward: the chunk's input (2 s b h, /t with sequence
     parallelism) and, unless `full`, the residuals of its Lc layers at the remat choice's
@@ -209,7 +255,10 @@ def memory_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> Memory:
     stage's."""
     params = params_per_gpu(shape, layout)
     states = model_state_bytes(params, chunk_params_per_gpu(shape, layout), layout)
-    stored = stored_microbatches(layout) * kept_bytes_per_microbatch(shape, layout)
+    if schedules.splits_backward(layout.schedule) and layout.pipe > 1:
+        stored = split_backward_stored_bytes(shape, layout)
+    else:
+        stored = stored_microbatches(layout) * kept_bytes_per_microbatch(shape, layout)
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
     logits = 3 * 4 * s * b * shape.vocab / t  # fp32 logits, softmax and gradient
     activations = stored + recompute_working_bytes(shape, layout) + logits + 2 * s * b * h

@@ -27,6 +27,7 @@ from jaxmeg.perf.model import (
     tflops_per_gpu,
 )
 from jaxmeg.perf.scaling import Target
+from jaxmeg.pipeline import schedules
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
 MAX_CHUNKS = 8
@@ -95,8 +96,11 @@ def candidate_layouts(
     sequence_parallel: bool = False,
     outer_axis: str = "pipe",
     zero_stage: int = 0,
+    schedule: str | None = None,
 ) -> Iterator[Layout]:
-    """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only."""
+    """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only.
+    The schedule is Megatron's (1f1b, interleaved_1f1b with chunks), or `schedule` where its
+    chunks allow (a zero-bubble schedule: zb_h1 at v = 1, interleaved_zb at v >= 2, zbv at 2)."""
     # A tensor group stays inside a node and splits it evenly (t divides the GPUs per node).
     tensors = (
         [tensor] if tensor else [t for t in _divisors(shape.heads) if hw.gpus_per_node % t == 0]
@@ -115,15 +119,34 @@ def candidate_layouts(
                 for v in chunk_options:
                     if v > MAX_CHUNKS and not chunks:
                         continue
-                    if (shape.layers % (p * v)) or (v > 1 and (p == 1 or m % p)):
+                    if (shape.layers % (p * v)) or (v > 1 and p == 1):
+                        continue
+                    name = _schedule_for(schedule, p, m, v)
+                    if name is None:
                         continue
                     for r in recompute:
                         yield Layout(
                             tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
                             recompute=r, sequence_parallel=sequence_parallel,
-                            outer_axis=outer_axis, zero_stage=zero_stage,
-                            schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                            outer_axis=outer_axis, zero_stage=zero_stage, schedule=name,
                         )  # fmt: skip
+
+
+def _schedule_for(schedule: str | None, p: int, m: int, v: int) -> str | None:
+    """The schedule a layout of p stages, m microbatches and v chunks runs: Megatron's by
+    default, `schedule` if given; None where it cannot run (Megatron's interleaving needs m a
+    multiple of p)."""
+    if schedule is None or p == 1:
+        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+    if schedule == "interleaved_1f1b" and m % p:
+        return None
+    try:
+        schedules.build(schedule, p, min(m, 2 * p), v)  # the checks only: chunks, rounds
+        if schedules.splits_backward(schedule):
+            schedules.zero_bubble.rounds(p, m)
+    except ValueError:
+        return None
+    return schedule
 
 
 def evaluate(

@@ -308,3 +308,28 @@ def efficiency_tables(stage_counts: tuple[int, ...] = (2, 4, 8), chunks=(2, 3, 4
         breadth_against_interleaved,
     )
     return "\n".join(lines)
+
+
+ZERO_BUBBLE_COLUMNS = (
+    ("1f1b", 1, "min_bubble"), ("interleaved_1f1b", 2, "min_bubble"), ("zb_h1", 1, "min_memory"),
+    ("interleaved_zb", 2, "min_memory"), ("zbv", 2, "min_memory"),
+)  # fmt: skip
+
+
+def zero_bubble_table(stage_counts: tuple[int, ...] = (2, 4, 8)) -> str:
+    """Markdown: for p in `stage_counts` and m in {p, 2p, 4p}, per schedule, the lockstep
+    efficiency with F = I = W = 1 (B = 2) and, largest over stages each, the held microbatches
+    whole (forward ran, backward or I not yet) + split (I ran, W not yet), in stage-microbatch
+    units (`held_microbatches`). 1F1B with the trainer's min_bubble warm-up."""
+    header = [f"{name}{f' v={v}' if v > 1 else ''}" for name, v, _ in ZERO_BUBBLE_COLUMNS]
+    lines = [_row("p", "m", *header), _row(*["---"] * (2 + len(header)))]
+    for p in stage_counts:
+        for m in (p, 2 * p, 4 * p):
+            cells = []
+            for name, v, warmup in ZERO_BUBBLE_COLUMNS:
+                schedule = build(name, p, m, num_chunks=v, warmup=warmup)
+                whole, split = held_microbatches(schedule)
+                held = f"{max(whole):g}" + (f" + {max(split):g}" if max(split) else "")
+                cells.append(f"{lockstep_efficiency(schedule):.3f} ({held})")
+            lines.append(_row(p, m, *cells))
+    return "\n".join(lines)

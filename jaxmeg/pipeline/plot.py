@@ -8,25 +8,29 @@ from jaxmeg.pipeline.schedules import Schedule
 from jaxmeg.pipeline.tick_table import build_tick_table
 
 
-def _draw_slot(ax, corner, colour, alpha: float, hatch: str | None, label: str) -> None:
-    """One half-tick cell at (x, y): a coloured box (hatched for backwards) and its label."""
+def _draw_slot(
+    ax, corner, colour, alpha: float, hatch: str | None, label: str, width: float = 0.5
+) -> None:
+    """One cell at (x, y), half a tick wide (a whole one in unit ticks): a coloured box
+    (hatched for backwards) and its label."""
     from matplotlib.patches import Rectangle
 
     x, y = corner
-    ax.add_patch(Rectangle((x, y + 0.05), 0.5, 0.9, facecolor=colour, alpha=alpha))
+    ax.add_patch(Rectangle((x, y + 0.05), width, 0.9, facecolor=colour, alpha=alpha))
     if hatch:
-        box = Rectangle((x, y + 0.05), 0.5, 0.9, fill=False, hatch=hatch, edgecolor="white")
+        box = Rectangle((x, y + 0.05), width, 0.9, fill=False, hatch=hatch, edgecolor="white")
         box.set_linewidth(0)
         ax.add_patch(box)
     white = {"facecolor": "white", "alpha": 0.7, "pad": 0.4, "linewidth": 0}
-    ax.text(x + 0.25, y + 0.5, label, ha="center", va="center", fontsize=6, bbox=white)
+    ax.text(x + width / 2, y + 0.5, label, ha="center", va="center", fontsize=6, bbox=white)
 
 
 def draw(schedule: Schedule):
     """The schedule's tick table (validated first) as a matplotlib Figure: rows are stages,
-    columns ticks, each tick split into its F slot (light) and B slot (dark, hatched), cells
-    coloured by microbatch and labelled microbatch(.chunk); the title gives Megatron's bubble,
-    the lockstep efficiency and the asynchronous bound."""
+    columns ticks, each tick split into its F slot (light) and B slot (dark, hatched), or in
+    unit ticks (split backwards) one cell of F (light), I (dark, hatched) or W (medium,
+    dotted), cells coloured by microbatch and labelled microbatch(.chunk); the title gives the
+    asynchronous bubble, the lockstep efficiency and the asynchronous bound."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -34,23 +38,31 @@ def draw(schedule: Schedule):
     p, ticks = schedule.num_stages, table.num_ticks
     colours = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * ticks + 1.5), 0.6 * p + 1.6))
-    halves = [(table.f_mb, table.f_chunk, 0.45, None), (table.b_mb, table.b_chunk, 1.0, "///")]
+    cells = [("F", table.f_mb, table.f_chunk, 0.45, None),
+             ("I", table.b_mb, table.b_chunk, 1.0, "///"),
+             ("W", table.w_mb, table.w_chunk, 0.7, "..")]  # fmt: skip
+    width = 1.0 if table.unit else 0.5
     for t in range(ticks):
         for s in range(p):
-            for half, (mbs, chunks, alpha, hatch) in enumerate(halves):
+            for half, (kind, mbs, chunks, alpha, hatch) in enumerate(cells):
                 mb = int(mbs[t, s])
                 if mb < 0:
                     continue
-                x, y = t + 0.5 * half, p - 1 - s
+                x, y = t + (0 if table.unit else 0.5 * half), p - 1 - s
                 label = f"{mb}" if schedule.num_chunks == 1 else f"{mb}.{int(chunks[t, s])}"
-                _draw_slot(ax, (x, y), colours(mb % 10), alpha, hatch, label)
+                label = f"{kind}{label}" if table.unit else label
+                _draw_slot(ax, (x, y), colours(mb % 10), alpha, hatch, label, width)
     ax.set_xlim(0, ticks)
     ax.set_ylim(0, p)
     ax.set_yticks([p - 0.5 - s for s in range(p)], [f"stage {s}" for s in range(p)])
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     label = "microbatch" if schedule.num_chunks == 1 else "microbatch.chunk"
-    ax.set_xlabel(f"tick: F slot (light) | B slot (dark, hatched); cells: {label}")
-    variant = schedule.warmup if schedule.name == "1f1b" else "Megatron order"
+    slots = ("one action: F (light), I (dark, hatched), W (dotted)" if table.unit
+             else "F slot (light) | B slot (dark, hatched)")  # fmt: skip
+    ax.set_xlabel(f"tick: {slots}; cells: {label}")
+    variant = {"1f1b": schedule.warmup, "interleaved_1f1b": "Megatron order"}.get(
+        schedule.name, "PyTorch's order" if table.unit else "order"
+    )
     ax.set_title(
         f"{schedule.name} ({variant}) p={p} v={schedule.num_chunks} "
         f"m={schedule.num_microbatches}\nbubble {report.bubble:.3f}, lockstep efficiency "

@@ -46,6 +46,7 @@ runs) <- `analysis.py` (replays and times a table) <- `executor.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import warnings
 from typing import Any
@@ -276,14 +277,25 @@ def bubble_fraction(
     num_microbatches: int | None = None,
     num_chunks: int = 1,
 ) -> float:
-    """Megatron's asynchronous bubble, idle over compute time: (p - 1) / (v m), v = 1 for gpipe
-    and 1f1b. Takes a Schedule, or (name, p, m, v)."""
+    """Idle over compute time of the asynchronous schedule: Megatron's (p - 1) / (v m), v = 1
+    for gpipe and 1f1b; for the split-backward schedules, read from their orders with F = I = W
+    (`async_time`; ZB-H1's is a third of 1F1B's). Takes a Schedule, or (name, p, m, v)."""
     if isinstance(schedule_or_name, Schedule):
         sch = schedule_or_name
-        return (sch.num_stages - 1) / (sch.num_chunks * sch.num_microbatches)
-    if num_stages is None or num_microbatches is None:
+        name, p, m, v = sch.name, sch.num_stages, sch.num_microbatches, sch.num_chunks
+    elif num_stages is None or num_microbatches is None:
         raise ValueError("bubble_fraction needs a Schedule or name, num_stages, num_microbatches")
-    return (num_stages - 1) / (num_chunks * num_microbatches)
+    else:
+        name, p, m, v = schedule_or_name, num_stages, num_microbatches, num_chunks
+    if splits_backward(name) and p > 1:
+        return _split_bubble(name, p, m, v)
+    return (p - 1) / (v * m)
+
+
+@functools.lru_cache(maxsize=256)
+def _split_bubble(name: str, p: int, m: int, v: int) -> float:
+    schedule = build(name, p, m, v)
+    return async_time(schedule) / ideal_time(schedule) - 1.0
 
 
 def ideal_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
