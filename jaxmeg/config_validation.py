@@ -300,6 +300,12 @@ def validate(cfg: Config, num_devices: int) -> Config:
         except ValueError as err:
             raise ConfigError(f"train.microbatches: {err}") from None
     _validate_compression(cfg.compression, pipe, data, cfg.parallel.zero_stage)
+    if par.schedule == "zbv" and cfg.compression.pipe_grad_rank:
+        raise ConfigError(
+            f"compression.pipe_grad_rank = {cfg.compression.pipe_grad_rank} compresses the "
+            f"cotangents of one send direction; parallel.schedule=zbv sends both ways (its V): "
+            f"use zb_h1 or interleaved_zb, or pipe_grad_rank 0"
+        )
     _check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
     _check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:

@@ -142,19 +142,23 @@ def loss_grads_links(cfg, tokens):
     return jax.tree.map(np.asarray, out)
 
 
-@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 4, 1)])
+@pytest.mark.parametrize(
+    "mesh,schedule", [((2, 2, 2), "1f1b"), ((1, 4, 1), "1f1b"), ((1, 4, 1), "zb_h1")]
+)
 @pytest.mark.parametrize(
     "comp",
     [dict(pipe_error_feedback="lazy_flush", pipe_grad_phase="all"), dict()],
     ids=["lazy_flush-all", "defaults-lazy-epilogue"],
 )  # fmt: skip
-def test_compressed_links_at_full_rank_equal_uncompressed(mesh, comp, monkeypatch):
+def test_compressed_links_at_full_rank_equal_uncompressed(mesh, schedule, comp, monkeypatch):
+    """(zb_h1: the split backward's I sends the compressed cotangent.)"""
     tokens = random_batch(config(mesh), seed=3)
     loss, grads = loss_grads_links(config(mesh), tokens)
     # Run the factor path at rank = the matrix's smaller side, where it is exact in exact
     # arithmetic (a rank that high normally sends the matrix whole).
     monkeypatch.setattr(compression, "worth_compressing", lambda rank, rows, cols: rank > 0)
-    got_loss, got_grads, state = loss_grads_links(config(mesh, rank=ROWS, **comp), tokens)
+    compressed = config(mesh, rank=ROWS, schedule=schedule, **comp)
+    got_loss, got_grads, state = loss_grads_links(compressed, tokens)
     np.testing.assert_allclose(got_loss, loss, rtol=1e-5)
     for path, ref in jax.tree_util.tree_leaves_with_path(grads):
         got = dict(jax.tree_util.tree_leaves_with_path(got_grads))[path]

@@ -118,6 +118,10 @@ def test_bad_zero_bubble_schedules_are_named(name, p, m, v, match):
         (["parallel.schedule=zbv", "parallel.chunks=1"], "zbv runs 2 chunk"),
         (["parallel.schedule=zb_h1", "parallel.chunks=2"], "chunks = 2 needs .* got zb_h1"),
         (
+            ["parallel.schedule=zbv", "parallel.chunks=2", "compression.pipe_grad_rank=4"],
+            "pipe_grad_rank = 4 .* zbv sends both ways",
+        ),
+        (
             ["parallel.schedule=zbv", "parallel.chunks=2", "parallel.stage_layers=[2,2,2,2]"],
             "stage_layers .* needs one chunk per stage; zbv runs 2",
         ),
