@@ -24,6 +24,7 @@ from jaxmeg.pipeline.schedules import (
     async_efficiency,
     bubble_fraction,
     build,
+    ideal_time,
     stage_and_chunk,
 )
 from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
@@ -216,34 +217,39 @@ def held_microbatches(
     return tuple((peak_whole / v).tolist()), tuple((peak_split / v).tolist())
 
 
-def lockstep_time(schedule: Schedule, backward_cost: float = 2.0, table: TickTable | None = None):
+def lockstep_time(
+    schedule: Schedule,
+    backward_cost: float = 2.0,
+    table: TickTable | None = None,
+    split: tuple[float, float] | None = None,
+):
     """Sum over ticks of (max F-slot cost + max B-slot cost), one forward of a stage = 1; in
     unit ticks (one action per stage), of the max over stages of the action's cost
-    (`schedules.action_cost`: I and W half a backward each)."""
+    (`schedules.action_cost`: I and W half a backward each, or `split` = their measured costs)."""
     table = table if table is not None else build_tick_table(schedule)
     v = schedule.num_chunks
 
-    def cost(mb: np.ndarray, kind) -> np.ndarray:
-        if isinstance(kind, str):
-            return np.where(mb >= 0, action_cost(kind, v, backward_cost), 0.0)
-        return np.where(mb >= 0, kind, 0.0)
+    def cost(kind: str) -> float:
+        return action_cost(kind, v, backward_cost, split)
 
-    forward = cost(table.f_mb, "F")
-    split = action_cost("I", v, backward_cost)
-    backward = cost(
-        table.b_mb, np.where(table.b_split > 0, split, action_cost("B", v, backward_cost))
-    )
-    weight = cost(table.w_mb, "W")
+    forward = np.where(table.f_mb >= 0, cost("F"), 0.0)
+    backward_kind = np.where(table.b_split > 0, cost("I"), cost("B"))
+    backward = np.where(table.b_mb >= 0, backward_kind, 0.0)
+    weight = np.where(table.w_mb >= 0, cost("W"), 0.0)
     if table.unit:
         return float((forward + backward + weight).max(axis=1).sum())
     return float(forward.max(axis=1).sum() + backward.max(axis=1).sum())
 
 
 def lockstep_efficiency(
-    schedule: Schedule, backward_cost: float = 2.0, table: TickTable | None = None
+    schedule: Schedule,
+    backward_cost: float = 2.0,
+    table: TickTable | None = None,
+    split: tuple[float, float] | None = None,
 ) -> float:
-    ideal = schedule.num_microbatches * (1.0 + backward_cost)
-    return ideal / lockstep_time(schedule, backward_cost, table)
+    """ideal_time / lockstep_time."""
+    ideal = ideal_time(schedule, backward_cost, split)
+    return ideal / lockstep_time(schedule, backward_cost, table, split)
 
 
 def _row(*cells) -> str:

@@ -298,15 +298,23 @@ def _split_bubble(name: str, p: int, m: int, v: int) -> float:
     return async_time(schedule) / ideal_time(schedule) - 1.0
 
 
-def ideal_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
-    """One stage's compute with no bubble: m (1 + backward_cost), a stage's forward = 1."""
-    return schedule.num_microbatches * (1.0 + backward_cost)
+def ideal_time(
+    schedule: Schedule, backward_cost: float = 2.0, split: tuple[float, float] | None = None
+) -> float:
+    """One stage's compute with no bubble: m (1 + backward), a stage's forward = 1 (backward
+    = I + W with `split`)."""
+    backward = sum(split) if split else backward_cost
+    return schedule.num_microbatches * (1.0 + backward)
 
 
-def action_cost(kind: str, num_chunks: int, backward_cost: float = 2.0) -> float:
-    """A chunk's action in forwards of a whole stage: F 1/v, B backward_cost/v, and I and W
-    half of B each (each is one pass of the chunk's matmuls, as is F)."""
-    unit = {"F": 1.0, "B": backward_cost, "I": backward_cost / 2, "W": backward_cost / 2}
+def action_cost(
+    kind: str, num_chunks: int, backward_cost: float = 2.0, split: tuple[float, float] | None = None
+) -> float:
+    """A chunk's action in forwards of a whole stage: F 1/v, B backward_cost/v, and I and W half
+    of B each (each is one pass of the chunk's matmuls, as is F), or (I, W) = `split` (measured
+    ratios; B is then their sum)."""
+    i_cost, w_cost = split or (backward_cost / 2, backward_cost / 2)
+    unit = {"F": 1.0, "B": i_cost + w_cost, "I": i_cost, "W": w_cost}
     return unit[kind] / num_chunks
 
 
@@ -331,7 +339,9 @@ def _done_key(action: Action, stage: int, p: int, placement: str) -> tuple[str, 
     return ("B" if kind == "I" else kind, virtual_stage(stage, c, p, placement), mb)
 
 
-def async_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
+def async_time(
+    schedule: Schedule, backward_cost: float = 2.0, split: tuple[float, float] | None = None
+) -> float:
     """Makespan when every stage runs its order as soon as its input is there (no ticks, no
     communication time): start = max(stage free, dependency finished); costs `action_cost`.
     Raises ValueError if the orders deadlock."""
@@ -347,7 +357,7 @@ def async_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
                 dependency = _dependency(action, s, p, v, placement)
                 if dependency is not None and dependency not in finished:
                     break
-                cost = action_cost(action[0], v, backward_cost)
+                cost = action_cost(action[0], v, backward_cost, split)
                 free[s] = max(free[s], finished.get(dependency, 0.0)) + cost
                 finished[_done_key(action, s, p, placement)] = free[s]
                 position[s] += 1
@@ -358,6 +368,8 @@ def async_time(schedule: Schedule, backward_cost: float = 2.0) -> float:
     return max(free)
 
 
-def async_efficiency(schedule: Schedule, backward_cost: float = 2.0) -> float:
+def async_efficiency(
+    schedule: Schedule, backward_cost: float = 2.0, split: tuple[float, float] | None = None
+) -> float:
     """ideal_time / async_time; Megatron's analysis says 1 / (1 + bubble_fraction)."""
-    return ideal_time(schedule, backward_cost) / async_time(schedule, backward_cost)
+    return ideal_time(schedule, backward_cost, split) / async_time(schedule, backward_cost, split)
