@@ -210,6 +210,11 @@ class DataConfig:
     vocabulary: its largest token id + 1 is the least model.vocab_size, and the one used when
     model.vocab_size is unset. Empty = the default corpus (this Python installation's
     standard-library sources), tokenized and cached on first use."""
+    tokenizer: str = ""
+    """The model's tokenizer.json, for text in and out (scripts/generate.py --prompt, the text it
+    prints): empty = the dataset's (the one its token file records, the default corpus's
+    BPE); `none` = the model has none (ids only). scripts/convert_hf.py import sets it to the
+    copy it makes in the run directory, or to `none`."""
     cache_dir: str = "~/.cache/jaxmeg"
     """Where the default corpus and its tokenizer are cached."""
     tokenizer_vocab: int = 4096

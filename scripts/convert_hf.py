@@ -1,18 +1,24 @@
 """Hugging Face checkpoints (GPT2LMHeadModel, LlamaForCausalLM) to and from jaxmeg run directories.
 
-python scripts/convert_hf.py import --hf DIR --out RUN_DIR [--set section.key=value ...]
+python scripts/convert_hf.py import --from DIR --run RUN_DIR [--set section.key=value ...]
 python scripts/train.py --out RUN_DIR [--set parallel.tensor=2 ...]   # continues, any mesh
-python scripts/convert_hf.py export --out RUN_DIR --hf DIR
+python scripts/convert_hf.py export --run RUN_DIR --to DIR
+(--hf and --out are the older names of --from / --to and --run.)
 
 import writes RUN_DIR/config.yaml (the model from DIR/config.json in float32, the rest defaults
 and --set) and a step-0 checkpoint (the weights, fresh AdamW state) in RUN_DIR/checkpoints, which
-train.py resumes from on any mesh. The checkpoint records the data loader (dataset, seq_len,
-global batch, seed), so set data.* and train.* here, not later: e.g. --set
+train.py resumes from on any mesh. Import reads no dataset (any vocabulary imports): the first
+train.py run draws the first batch, so data.* may be set here or there, e.g. --set
 data.dataset=PREFIX for a token file made with the model's tokenizer
-(scripts/preprocess_data.py --tokenizer DIR/tokenizer.json) and --set model.seq_len=N to train
-on shorter sequences. export writes DIR/config.json and DIR/model.safetensors (float32) of
+(scripts/preprocess_data.py --tokenizer DIR/tokenizer.json); --set model.seq_len=N trains on
+shorter sequences. DIR's tokenizer files (tokenizer.json and its config) are copied into
+RUN_DIR and `data.tokenizer` names the copy (`none` when DIR has no tokenizer.json), so
+generate.py --prompt encodes with the model's own tokenizer.
+
+export writes DIR/config.json and DIR/model.safetensors (float32) of
 RUN_DIR's newest checkpoint, with the config it was saved with (any jaxmeg run, imported or
-not), for transformers.AutoModelForCausalLM.from_pretrained(DIR).
+not), and the run's tokenizer (tokenizer.json and a tokenizer config), for transformers'
+AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR).
 """
 
 from __future__ import annotations
@@ -112,9 +118,7 @@ def import_checkpoint(
     import yaml
 
     from jaxmeg import config as C
-    from jaxmeg.data import BatchLoader
     from jaxmeg.models import hf
-    from jaxmeg.training.batches import open_dataset, with_vocab
     from jaxmeg.training.checkpoint import Checkpointer, schedule_of
     from jaxmeg.training.state import state_shardings, to_stage_layout
 
@@ -124,6 +128,10 @@ def import_checkpoint(
         raise ValueError(f"{run_dir} already holds a run; pass a new --out (nothing is changed)")
     hf_config, tensors = hf.read_checkpoint(hf_dir)
     cfg = C.apply_overrides(C.Config(model=hf.model_config(hf_config)), list(overrides))
+    has_tokenizer = (Path(hf_dir) / "tokenizer.json").is_file()
+    if not cfg.data.tokenizer:  # the model's own tokenizer, copied below, or none
+        tokenizer = (run_dir / "tokenizer.json").absolute() if has_tokenizer else "none"
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tokenizer)))
     model = hf.model_config(hf_config, cfg.model.seq_len)
     changed = [n for n in hf.CONFIG_JSON_FIELDS if getattr(cfg.model, n) != getattr(model, n)]
     if changed:
@@ -131,8 +139,6 @@ def import_checkpoint(
             f"model.{changed[0]} comes from {hf_dir}/config.json "
             f"({getattr(model, changed[0])}); --set gives {getattr(cfg.model, changed[0])}"
         )
-    dataset = open_dataset(cfg)
-    with_vocab(cfg, dataset.vocab_size)
     single = _one_device_config(cfg)
     trainable = _trainable(single)
     params = _padded_to(hf.from_hf(tensors, single.model), trainable, pad=True)
@@ -145,12 +151,10 @@ def import_checkpoint(
                 "opt_state": trainable.tx.init(params)}  # fmt: skip
 
     state = jax.jit(fresh_state, out_shardings=state_shardings(trainable))(params)
-    train = single.train
-    loader = BatchLoader(dataset, single.model.seq_len, train.global_batch, train.seed)
     meta = {
         "step": 0,
-        "loader": loader.state(),
-        "seed": train.seed,
+        "loader": None,  # no batch drawn: train.py starts its loader at the first
+        "seed": single.train.seed,
         "schedule": schedule_of(single),
         "skipped_steps": 0,
         "skipped_in_row": 0,
@@ -163,6 +167,7 @@ def import_checkpoint(
         checkpointer.save(0, state, meta, wait=True)
     finally:
         checkpointer.close()
+    hf.copy_tokenizer(hf_dir, run_dir)
     config_path.write_text(yaml.safe_dump(C.to_dict(cfg), sort_keys=False))
     return config_path
 
@@ -203,7 +208,35 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path) -> int:
         checkpointer.close()
     params = to_canonical_layout(jax.device_get(state["params"]), trainable.layout)
     hf.write_checkpoint(hf_dir, cfg.model, _padded_to(params, trainable, pad=False))
+    _export_tokenizer(run_dir, cfg, Path(hf_dir))
     return step
+
+
+def _export_tokenizer(run_dir, saved_cfg, hf_dir: Path) -> None:
+    """The run's tokenizer next to the weights: the files an import copied (tokenizer.json and
+    its config), or the tokenizer.json of the run's data with a config naming its
+    end-of-text token, so that transformers' AutoTokenizer loads the directory."""
+    import json
+    import shutil
+
+    from jaxmeg import config as C
+    from jaxmeg.models import hf
+    from jaxmeg.training.generation import tokenizer_path
+
+    run_config = Path(run_dir) / RUN_CONFIG
+    cfg = C.load(run_config) if run_config.is_file() else saved_cfg
+    path = tokenizer_path(cfg)
+    if path is None:
+        return
+    if hf.copy_tokenizer(path.parent, hf_dir) and path.name == "tokenizer.json":
+        if (path.parent / "tokenizer_config.json").is_file():
+            return
+    shutil.copyfile(path, hf_dir / "tokenizer.json")
+    hf.with_umask(hf_dir / "tokenizer.json")
+    eos = "<|endoftext|>"
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
+              "unk_token": eos, "model_max_length": cfg.model.seq_len}  # fmt: skip
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -215,9 +248,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         name: sub.add_parser(name, help=what)
         for name, what in (("import", "Hugging Face -> run"), ("export", "run -> Hugging Face"))
     }
-    for command in commands.values():
-        command.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
-        command.add_argument("--out", required=True, help="jaxmeg run directory")
+    # import: --from DIR --run RUN; export: --run RUN --to DIR. --hf and --out (the run, for
+    # both) are the same flags' older names.
+    where = {"import": ("--from", "Hugging Face checkpoint directory to read"),
+             "export": ("--to", "Hugging Face directory to write")}  # fmt: skip
+    for name, command in commands.items():
+        flag, what = where[name]
+        command.add_argument(flag, "--hf", dest="hf", required=True, help=what)
+        command.add_argument("--run", "--out", dest="out", required=True,
+                             help="jaxmeg run directory")  # fmt: skip
     add_overrides(commands["import"], "a value of the run's config besides the model (repeatable)")
     return parser.parse_args(argv)
 

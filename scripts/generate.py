@@ -6,7 +6,8 @@ python scripts/generate.py --out runs/a --prompt-ids 1,2,3 --max-new-tokens 8 --
 python scripts/generate.py --out runs/a --prompt "import" --max-new-tokens 20 \\
     --cpu-devices 4 --set parallel.tensor=4      # tensor-parallel, the same ids as one device
 
-Prints the prompt and its continuation as text when the run's data names a tokenizer (always
+Prints the prompt and its continuation as text when the run has a tokenizer (`data.tokenizer`,
+else its data's; always
 for --prompt), then, last, one JSON line {"ids": [the new ids, prompt excluded]}. The config is
 RUN_DIR/config.yaml if present, else the one the newest checkpoint was saved with; --set changes
 it (the mesh: parallel.tensor; data and pipe stay 1). --temperature 0 (the default) is greedy.
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> list[int]:
     if prompt is None:
         if tokenizer is None:
             raise ValueError(
-                f"the data of the run in {args.out} ({cfg.data.dataset}) names no tokenizer to "
-                f"encode --prompt with; pass --prompt-ids"
+                f"the run in {args.out} has no tokenizer to encode --prompt with (data.tokenizer "
+                f"is {cfg.data.tokenizer or 'unset'} and its data names none); pass --prompt-ids"
             )
         prompt = tokenizer.encode(args.prompt).ids
     trainable = evaluation.inference_trainable(cfg)

@@ -3,7 +3,7 @@
   python scripts/preprocess_data.py --input a.txt b.jsonl --output-prefix data/corpus \
       --vocab-size 32000
   python scripts/preprocess_data.py --input c.jsonl --output-prefix data/c \
-      --tokenizer tokenizer.json
+      --tokenizer tokenizer.json     # or a directory: an HF model's, an imported run's
 
 A .txt file is one document; a .jsonl file has one document per line in the `--text-key` field.
 Writes PREFIX.bin, PREFIX.idx.npy, PREFIX.json (and PREFIX.tokenizer.json when it trains a BPE).
@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files")
     parser.add_argument("--output-prefix", required=True)
     tok = parser.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer", help="an existing tokenizer.json")
+    tok.add_argument(
+        "--tokenizer",
+        help="an existing tokenizer.json, or a directory holding one (a Hugging Face model, a run "
+        "that scripts/convert_hf.py imported); documents end with its end-of-text token",
+    )
     tok.add_argument("--vocab-size", type=int, default=32000, help="train a byte-level BPE")
     parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
     parser.add_argument("--no-progress", action="store_true")

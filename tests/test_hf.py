@@ -265,3 +265,97 @@ def test_unsupported_hf_configs_are_refused():
         hf.model_config({**llama, "architectures": ["MistralForCausalLM"]})
     with pytest.raises(hf.HFCheckpointError, match="GPT-2 has no grouped-query attention"):
         hf.hf_config(dataclasses.replace(GQA, block="gpt"))
+
+
+def tiny_tokenizer_dir(name: str, tmp_path: Path) -> Path:
+    """The fixture `name` with a tokenizer of its 256 ids (a byte-level BPE without merges) and
+    a tokenizer config naming id 0 (the models' eos_token_id) as the end of a document."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(["hello world"], trainer=trainer)
+    assert tokenizer.get_vocab_size() == 256
+    out = tmp_path / f"hf_{name}"
+    shutil.copytree(FIXTURES / name, out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.id_to_token(0)}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def run_script(name: str, *args: str) -> str:
+    import subprocess
+    import sys
+
+    from tests.test_train_cli import CLEAN_ENV
+
+    result = subprocess.run(
+        [sys.executable, f"scripts/{name}.py", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=600, env=CLEAN_ENV,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.timeout(900)
+def test_a_model_with_its_tokenizer_from_import_to_export(tmp_path):
+    """The story: a transformers GPT-2 with its tokenizer -> import (no dataset read) -> a text
+    file tokenized with the run's tokenizer and end-of-text -> train on (2, 2, 2) -> generate
+    from text -> evaluate -> export, whose tokenizer files are the input's."""
+    import json
+
+    from jaxmeg.data import TokenFile
+
+    hf_dir, run = tiny_tokenizer_dir("gpt2", tmp_path), tmp_path / "run"
+    run_script("convert_hf", "import", "--from", str(hf_dir), "--run", str(run),
+               "--set", "model.seq_len=16", "--set", "train.global_batch=4")  # fmt: skip
+    assert C.load(run / "config.yaml").data.tokenizer == str((run / "tokenizer.json").absolute())
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    prefix = tmp_path / "data" / "tokens"
+    run_script("preprocess_data", "--input", str(text), "--output-prefix", str(prefix),
+               "--tokenizer", str(run), "--no-progress")  # fmt: skip
+    tokens = TokenFile.open(prefix)
+    assert tokens.meta["eot"] == 0 and tokens.vocab_size == 256
+    mesh = ["--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2"]
+    run_script("train", "--out", str(run), "--cpu-devices", "8", *mesh, "--steps", "2",
+               "--set", f"data.dataset={prefix}", "--no-progress")  # fmt: skip
+    out = run_script("generate", "--out", str(run), "--prompt", "the quick", "--max-new-tokens",
+                     "4")  # fmt: skip
+    *text_lines, ids = out.strip().splitlines()
+    assert text_lines[-1].startswith("the quick") and len(json.loads(ids)["ids"]) == 4
+    loss = json.loads(run_script("evaluate", "--out", str(run), "--dataset", str(prefix),
+                                 "--batches", "1").strip().splitlines()[-1])  # fmt: skip
+    assert np.isfinite(loss["loss"])
+    exported = tmp_path / "exported"
+    run_script("convert_hf", "export", "--run", str(run), "--to", str(exported))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    _, tensors = hf.read_checkpoint(exported)
+    _, original = hf.read_checkpoint(hf_dir)
+    assert {k: v.shape for k, v in tensors.items()} == {
+        k: (16, *v.shape[1:]) if k == "transformer.wpe.weight" else v.shape
+        for k, v in original.items()
+    }
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_import_needs_no_dataset_and_keeps_a_model_without_tokenizer_ids_only(name, tmp_path):
+    """A vocabulary of 256 imports without any dataset; with no tokenizer.json the run says
+    `data.tokenizer: none`, --prompt-ids works and --prompt is refused by name."""
+    run = tmp_path / "run"
+    assert convert_hf.main(["import", "--hf", str(FIXTURES / name), "--out", str(run)]) == 0
+    cfg = C.load(run / "config.yaml")
+    assert cfg.data.tokenizer == "none" and cfg.model.vocab_size == 256
+    generate = load_script("generate")
+    args = generate.parse_args(["--out", str(run), "--prompt", "hi", "--max-new-tokens", "2"])
+    with pytest.raises(ValueError, match="has no tokenizer to encode --prompt"):
+        generate.run(args)

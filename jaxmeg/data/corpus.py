@@ -16,7 +16,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jaxmeg.data.token_file import write_token_file
-from jaxmeg.data.tokenizer import encode_batches, eot_id, load_tokenizer, train_bpe_tokenizer
+from jaxmeg.data.tokenizer import (
+    encode_batches,
+    eot_id,
+    load_tokenizer,
+    tokenizer_file,
+    train_bpe_tokenizer,
+)
 
 
 def default_corpus_files(max_bytes: int) -> list[Path]:
@@ -77,6 +83,7 @@ def prepare_dataset(
             _read_texts(paths, text_key), vocab_size, tokenizer_json, show_progress
         )
     else:
+        tokenizer_json = tokenizer_file(tokenizer_json)
         tokenizer = load_tokenizer(tokenizer_json)
     texts = _read_texts(paths, text_key)
     if show_progress:
@@ -86,7 +93,7 @@ def prepare_dataset(
         out_prefix,
         encode_batches(tokenizer, texts),
         vocab_size=tokenizer.get_vocab_size(),
-        eot=eot_id(tokenizer),
+        eot=eot_id(tokenizer, tokenizer_json),
         meta={"tokenizer": str(Path(tokenizer_json).resolve())},
     )
     info["seconds"] = time.perf_counter() - start

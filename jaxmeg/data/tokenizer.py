@@ -34,18 +34,48 @@ def train_bpe_tokenizer(
     return tokenizer
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    path = Path(path)
+END_OF_DOCUMENT = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+"""End-of-document tokens that tokenizers name (GPT-2, Llama 3, Llama 2 and others), in the
+order they are looked for when the tokenizer's config names none."""
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json that `path` names: the file itself, or the one in a directory (a Hugging
+    Face model, a run directory that `scripts/convert_hf.py import` made)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
-    return Tokenizer.from_file(str(path))
+    return path
 
 
-def eot_id(tokenizer: Tokenizer) -> int:
-    token_id = tokenizer.token_to_id(EOT)
-    if token_id is None:
-        raise ValueError(f"the tokenizer has no {EOT} token")
-    return token_id
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    path = tokenizer_file(path)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises plain Exceptions for bad files
+        raise ValueError(f"{path} is not a tokenizer.json the tokenizers library reads: "
+                         f"{str(err).splitlines()[0][:200]}") from None  # fmt: skip
+
+
+def eot_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
+    """The end-of-document token: the `eos_token` of the tokenizer_config.json beside `path`
+    (a tokenizer.json), else the first of END_OF_DOCUMENT the tokenizer has."""
+    names = list(END_OF_DOCUMENT)
+    config = Path(path).with_name("tokenizer_config.json") if path else None
+    if config is not None and config.is_file():
+        import json
+
+        eos = json.loads(config.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos:
+            names.insert(0, eos)
+    for name in names:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    raise ValueError(f"the tokenizer has none of the end-of-document tokens {names}")
 
 
 def encode_batches(

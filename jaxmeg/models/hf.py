@@ -18,6 +18,8 @@ permutation. GPT-2's `gelu_new` is the tanh GeLU of the `gpt` block.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -242,12 +244,37 @@ def read_checkpoint(directory: str | Path) -> tuple[dict, Tensors]:
 
 
 def write_checkpoint(directory: str | Path, model: ModelConfig, params: Params) -> None:
-    """Writes config.json and model.safetensors (float32) of canonical jaxmeg params."""
+    """Writes config.json and model.safetensors (float32) of canonical jaxmeg params, readable
+    as the user's umask allows (as any file they write)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in to_hf(params, model).items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    with_umask(directory / WEIGHTS_FILE)
+
+
+def with_umask(path: Path) -> None:
+    """Gives `path` the permissions a new file gets under the user's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")  # fmt: skip
+"""A Hugging Face model directory's tokenizer files (`tokenizer.json` is what jaxmeg reads)."""
+
+
+def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
+    """Copies the tokenizer files of directory `source` into `target`; returns their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(target) / name)
+            with_umask(Path(target) / name)
+            copied.append(name)
+    return copied
 
 
 # ---------------------------------------------------------------------------------------------

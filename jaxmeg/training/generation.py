@@ -162,13 +162,22 @@ def generate(
 
 
 def tokenizer_path(cfg) -> Path | None:
-    """The tokenizer.json of the run's data: the token file's `tokenizer`, or the default
-    corpus's (built and cached as training builds it); None for data that names none (a
-    Megatron-LM dataset, or a token file written without one)."""
+    """The run's tokenizer.json: `data.tokenizer` when it names one (None for `none`), else the
+    data's: the token file's `tokenizer`, or the default corpus's (built and cached as training
+    builds it); None for data that names none (a Megatron-LM dataset, or a token file written
+    without one)."""
     import json
 
     from jaxmeg.data import dataset_format
     from jaxmeg.training.batches import dataset_prefix
+
+    if cfg.data.tokenizer == "none":
+        return None
+    if cfg.data.tokenizer:
+        path = Path(cfg.data.tokenizer).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.tokenizer {str(path)!r} does not exist")
+        return path
 
     prefix = dataset_prefix(cfg)
     if dataset_format(prefix) != "jaxmeg":

@@ -138,7 +138,10 @@ def _resume(checkpointer, trainable: Trainable, loader, progress: _Progress):
     if restored is None:
         return None
     step, state, meta = restored
-    loader.restore(meta["loader"])
+    if meta.get("loader") is not None:
+        loader.restore(meta["loader"])
+    elif step:
+        raise ValueError(f"the checkpoint of step {step} records no data loader position")
     progress.first_step = progress.step = step
     progress.skipped_steps = int(meta.get("skipped_steps", 0))
     progress.skipped_in_row = int(meta.get("skipped_in_row", 0))
