@@ -434,7 +434,11 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             raise ConfigError(f"unknown config section {section!r}; known: {sorted(raw)}")
         if key not in raw[section]:
             raise ConfigError(f"unknown config key {path}; known: {sorted(raw[section])}")
-        raw[section][key] = yaml.safe_load(text) if text.strip() else ""
+        try:
+            raw[section][key] = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as err:
+            first = str(err).splitlines()[0]
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({first})") from None
     return from_dict(raw)
 
 

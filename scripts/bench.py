@@ -50,20 +50,23 @@ def main(argv: list[str] | None = None) -> int:
 
         simulate_cpu_devices(args.cpu_devices)
     from jaxmeg import config
+    from jaxmeg.cli import run_reporting_errors
     from jaxmeg.training.benchmark import benchmark, compare_with_plain
 
-    cfg = config.load(args.config, args.overrides)
-    if args.cost_report:
-        from jaxmeg.training.cost_report import cost_report, format_report
-        from jaxmeg.training.trainer import prepare
+    def run() -> None:
+        cfg = config.load(args.config, args.overrides)
+        if args.cost_report:
+            from jaxmeg.training.cost_report import cost_report, format_report
+            from jaxmeg.training.trainer import prepare
 
-        report = cost_report(prepare(cfg, dataset=None))
-        print(json.dumps(report) if args.json else format_report(report))
-    elif args.compare_plain:
-        print(json.dumps(compare_with_plain(cfg, steps=args.steps)))
-    else:
-        print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
-    return 0
+            report = cost_report(prepare(cfg, dataset=None))
+            print(json.dumps(report) if args.json else format_report(report))
+        elif args.compare_plain:
+            print(json.dumps(compare_with_plain(cfg, steps=args.steps)))
+        else:
+            print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
+
+    return run_reporting_errors(run)
 
 
 if __name__ == "__main__":

@@ -199,6 +199,10 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path) -> int:
     from jaxmeg.training.state import to_canonical_layout
 
     checkpoints = Path(run_dir) / "checkpoints"
+    if not checkpoints.is_dir():  # checked first: reading would create it
+        raise ValueError(f"{run_dir} holds no checkpoints to export ({checkpoints} is missing)")
+    if Path(hf_dir).exists() and not Path(hf_dir).is_dir():
+        raise ValueError(f"{hf_dir} exists and is not a directory; export writes a directory")
     cfg = _one_device_config(_saved_config(checkpoints))
     trainable = _trainable(cfg)
     checkpointer = Checkpointer(checkpoints, trainable, cfg.checkpoint.keep)

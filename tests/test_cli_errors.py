@@ -174,3 +174,91 @@ def test_cpu_examples_run_for_a_step(where, words, tmp_path, small_corpus):
         cwd=ROOT, capture_output=True, text=True, timeout=280, env=CLEAN_ENV,
     )  # fmt: skip
     assert result.returncode == 0, f"{where}: {' '.join(words)}\n{result.stderr[-3000:]}"
+
+
+def script_cli(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, env=CLEAN_ENV,
+    )  # fmt: skip
+
+
+def test_a_malformed_set_value_is_one_line():
+    assert_clean_error(
+        train_cli("--set", "model.hidden=[1,"),
+        "config error: override 'model.hidden=[1,': the value is not valid YAML",
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--config", "no-such.yaml"], "config error: config file 'no-such.yaml' does not exist"),
+        (["--config", "configs/gpt_tiny.yaml", "--set", "model.nope=1"],
+         "config error: unknown config key model.nope"),
+    ],
+)  # fmt: skip
+def test_bench_reports_config_errors_as_one_line(args, message):
+    assert_clean_error(script_cli("bench", *args), message)
+
+
+def test_export_to_a_file_or_from_a_typo_changes_nothing(tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    typo = tmp_path / "TYPO"
+    assert_clean_error(
+        script_cli("convert_hf", "export", "--run", str(typo), "--to", str(tmp_path / "x")),
+        f"error: {typo} holds no checkpoints to export",
+    )
+    assert not typo.exists() and not (tmp_path / "x").exists()
+    hf_run = tmp_path / "run"
+    fixtures = ROOT / "tests" / "fixtures" / "hf" / "gpt2"
+    assert (
+        script_cli("convert_hf", "import", "--from", str(fixtures), "--run", str(hf_run)).returncode
+        == 0
+    )
+    assert_clean_error(
+        script_cli("convert_hf", "export", "--run", str(hf_run), "--to", str(target)),
+        f"error: {target} exists and is not a directory",
+    )
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    "config_json,message",
+    [
+        ('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}', "has no 'n_embd'"),
+        ("{not json", "config.json is not JSON"),
+    ],
+)
+def test_import_of_a_broken_config_names_the_file_or_field(config_json, message, tmp_path):
+    import shutil
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / "gpt2", hf_dir)
+    (hf_dir / "config.json").write_text(config_json)
+    result = script_cli("convert_hf", "import", "--from", str(hf_dir), "--run", str(tmp_path / "r"))
+    assert_clean_error(result, message)
+    assert not (tmp_path / "r").exists()
+
+
+def test_import_of_a_truncated_safetensors_names_it(tmp_path):
+    import shutil
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / "gpt2", hf_dir)
+    weights = hf_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:2000])
+    result = script_cli("convert_hf", "import", "--from", str(hf_dir), "--run", str(tmp_path / "r"))
+    assert_clean_error(result, f"{weights} is not a readable safetensors file")
+
+
+def test_preprocess_with_a_garbage_tokenizer_is_one_line(tmp_path):
+    garbage = tmp_path / "tokenizer.json"
+    garbage.write_text("not a tokenizer")
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    out = str(tmp_path / "out")
+    result = script_cli("preprocess_data", "--input", str(text), "--output-prefix", out,
+                        "--tokenizer", str(garbage), "--no-progress")  # fmt: skip
+    assert_clean_error(result, f"error: {garbage} is not a tokenizer.json")

@@ -103,7 +103,18 @@ def _rope_theta(hf: dict) -> float:
 def model_config(hf: dict, seq_len: int | None = None, **fields: Any) -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json, in float32 so that logits match.
     `seq_len`: the training sequence length (default: the model's maximum positions; at most
-    that for GPT-2, whose position table is cut to it). `fields` set other ModelConfig fields."""
+    that for GPT-2, whose position table is cut to it). `fields` set other ModelConfig fields.
+    A config.json without a field the architecture needs is an HFCheckpointError naming it."""
+    try:
+        return _model_config(hf, seq_len, **fields)
+    except KeyError as err:
+        raise HFCheckpointError(
+            f"config.json ({hf.get('model_type', 'unknown model_type')}) has no {err.args[0]!r}, "
+            f"which the architecture needs"
+        ) from None
+
+
+def _model_config(hf: dict, seq_len: int | None = None, **fields: Any) -> ModelConfig:
     block = ARCHITECTURES[_architecture(hf)]
     if block == "gpt":
         _require(hf, "activation_function", GPT2_ACTIVATIONS, "gelu_new")
@@ -226,7 +237,12 @@ def read_checkpoint(directory: str | Path) -> tuple[dict, Tensors]:
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():
         raise HFCheckpointError(f"{directory} has no {CONFIG_FILE}")
-    hf = json.loads((directory / CONFIG_FILE).read_text())
+    try:
+        hf = json.loads((directory / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise HFCheckpointError(f"{directory / CONFIG_FILE} is not JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise HFCheckpointError(f"{directory / CONFIG_FILE} is not a JSON object")
     if (directory / INDEX_FILE).is_file():
         weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
@@ -239,7 +255,13 @@ def read_checkpoint(directory: str | Path) -> tuple[dict, Tensors]:
         )
     tensors: Tensors = {}
     for name in files:
-        tensors.update(_read_safetensors(directory / name))
+        try:
+            tensors.update(_read_safetensors(directory / name))
+        except (ValueError, KeyError, IndexError, UnicodeDecodeError) as err:
+            raise HFCheckpointError(
+                f"{directory / name} is not a readable safetensors file (truncated or corrupt: "
+                f"{type(err).__name__} {err})"
+            ) from None
     return hf, tensors
 
 
