@@ -130,6 +130,12 @@ def check_paths(args: argparse.Namespace) -> str | None:
         existing = next((p for p in [out, *out.parents] if p.exists()), None)
         if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
             return f"--out {args.out}: {existing} is not writable"
+    if args.metrics_file:
+        metrics = Path(args.metrics_file)
+        if metrics.is_dir():
+            return f"--metrics-file {args.metrics_file} is a directory; give a file path"
+        if not metrics.parent.is_dir() and metrics.parent != Path(""):
+            return f"--metrics-file {args.metrics_file}: directory {metrics.parent} does not exist"
     return None
 
 

@@ -262,3 +262,22 @@ def test_preprocess_with_a_garbage_tokenizer_is_one_line(tmp_path):
     result = script_cli("preprocess_data", "--input", str(text), "--output-prefix", out,
                         "--tokenizer", str(garbage), "--no-progress")  # fmt: skip
     assert_clean_error(result, f"error: {garbage} is not a tokenizer.json")
+
+
+def test_metrics_file_on_a_directory_is_refused_before_compiling(tmp_path):
+    result = train_cli("--metrics-file", str(tmp_path))
+    assert_clean_error(result, f"error: --metrics-file {tmp_path} is a directory")
+    assert "compiled" not in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_steps_at_the_checkpoint_say_so_and_compile_nothing(tmp_path, small_corpus):
+    run = tmp_path / "run"
+    tiny = ["--out", str(run), "--set", "train.global_batch=2", *small_corpus]
+    assert train_cli(*tiny, "--steps", "1").returncode == 0
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    result = train_cli(*tiny, "--steps", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the checkpoint is at step 1 and the run stops at step 1" in result.stderr
+    assert "compiled" not in result.stderr.replace("nothing compiled", "")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

@@ -222,6 +222,11 @@ class Trainer:
             self.checkpointer = _open_checkpointer(self.out_dir, self.trainable, self.resume)
             if self.resume:
                 self.state = _resume(self.checkpointer, self.trainable, self.loader, self.progress)
+        if self.state is not None and self.progress.step >= self.cfg.train.steps:
+            say(f"the checkpoint is at step {self.progress.step} and the run stops at step "
+                f"{self.cfg.train.steps} (--steps / train.steps): nothing to train, nothing "
+                f"compiled or written")  # fmt: skip
+            return False
         if self._stopped():
             return False
         if self.state is None:
