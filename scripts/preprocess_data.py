@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files")
-    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument(
+        "--output-prefix", required=True,
+        help="PREFIX of the files written; a directory (or a path ending in /) gets DIR/tokens.*",
+    )  # fmt: skip
     tok = parser.add_mutually_exclusive_group()
     tok.add_argument(
         "--tokenizer",
@@ -51,9 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rate = info["num_tokens"] / max(info["seconds"], 1e-9)
     print(
-        f"{args.output_prefix}: {info['num_docs']} documents, {info['num_tokens']:,} tokens, "
+        f"{info['prefix']}: {info['num_docs']} documents, {info['num_tokens']:,} tokens, "
         f"vocabulary {info['vocab_size']}, {rate:,.0f} tokens/s"
     )
+    if args.tokenizer is None and info["vocab_size"] < args.vocab_size:
+        print(
+            f"note: the BPE stopped at {info['vocab_size']} tokens of the --vocab-size "
+            f"{args.vocab_size} asked: the text has no more merges to learn",
+            file=sys.stderr,
+        )
     return 0
 
 

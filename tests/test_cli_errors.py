@@ -281,3 +281,21 @@ def test_steps_at_the_checkpoint_say_so_and_compile_nothing(tmp_path, small_corp
     assert "the checkpoint is at step 1 and the run stops at step 1" in result.stderr
     assert "compiled" not in result.stderr.replace("nothing compiled", "")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_preprocess_of_nothing_is_an_error_and_a_short_vocabulary_is_said(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = script_cli("preprocess_data", "--input", str(empty), "--output-prefix",
+                        str(tmp_path / "e"), "--no-progress")  # fmt: skip
+    assert_clean_error(result, "hold no text (no document)")
+    assert not list(tmp_path.glob("e.*"))
+    one = tmp_path / "one.txt"
+    one.write_text("hello world")
+    prefix = str(tmp_path / "out") + "/"
+    result = script_cli("preprocess_data", "--input", str(one), "--output-prefix", prefix,
+                        "--vocab-size", "32000", "--no-progress")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "tokens.bin").is_file()  # a directory prefix: files inside it
+    assert "the BPE stopped at" in result.stderr and "of the --vocab-size 32000" in result.stderr
+    assert result.stdout.count("\n") == 1, result.stdout

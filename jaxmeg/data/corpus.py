@@ -75,7 +75,11 @@ def prepare_dataset(
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    if str(out_prefix).endswith(("/", "\\")) or Path(out_prefix).is_dir():
+        out_prefix = Path(out_prefix) / "tokens"  # a directory: the files go inside it
     out_prefix = Path(out_prefix)
+    if not any(_read_texts(paths, text_key)):
+        raise ValueError(f"the inputs {[str(p) for p in paths]} hold no text (no document)")
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     if tokenizer_json is None:
         tokenizer_json = Path(str(out_prefix) + ".tokenizer.json")
@@ -97,6 +101,7 @@ def prepare_dataset(
         meta={"tokenizer": str(Path(tokenizer_json).resolve())},
     )
     info["seconds"] = time.perf_counter() - start
+    info["prefix"] = str(out_prefix)
     return info
 
 
