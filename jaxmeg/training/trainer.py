@@ -400,7 +400,8 @@ def _summary(cfg: Config, progress: _Progress, seconds: float, compile_seconds: 
     losses = progress.losses
     say(
         f"{steps} steps ({progress.first_step} -> {progress.step}), {tokens:,} tokens in "
-        f"{seconds:.1f} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}, mean MFU "
+        f"{seconds:.1f} s (of it {compile_seconds:.1f} s compiling the step), loss "
+        f"{losses[0]:.3f} -> {losses[-1]:.3f}, mean MFU "
         + ("n/a" if not progress.mfus else f"{100 * summary['mean_mfu']:.1f}%")
         + f", {progress.skipped_steps} skipped, checkpoints {progress.checkpoints or 'none'}"
         + stopped
