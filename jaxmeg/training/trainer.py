@@ -196,6 +196,8 @@ class Trainer:
             held_out = self.loader.held_out()
             self.evaluator = Evaluator(self.trainable, held_out, cfg.train.eval_batches)
         self.out_dir, self.resume, self.show_progress = out_dir, resume, show_progress
+        if out_dir is not None:
+            say(f"run directory {out_dir}: checkpoints/, metrics.jsonl, tensorboard/")
         default_metrics = str(Path(out_dir) / "metrics.jsonl") if out_dir else None
         self.metrics_file = metrics_file or default_metrics
         self.signals = signals or StopSignals()
@@ -358,7 +360,13 @@ class Trainer:
             raise
         finally:
             self.close()
-        return _summary(self.cfg, self.progress, time.perf_counter() - start, self.compile_seconds)
+        summary = _summary(self.cfg, self.progress, time.perf_counter() - start,
+                           self.compile_seconds)  # fmt: skip
+        if self.out_dir is not None and self.progress.checkpoints:
+            out = self.out_dir
+            say(f"saved in {out}; next: scripts/generate.py --out {out} --prompt TEXT "
+                f"--max-new-tokens N, scripts/evaluate.py --out {out}")  # fmt: skip
+        return summary
 
     def close(self) -> None:
         if self.log:
