@@ -202,6 +202,7 @@ EQUIVALENCE = [
                  id="uneven-zero1"),
     pytest.param((1, 4, 1), "zb_h1", 1, 1, {"stage_layers": (1, 3, 2, 2)}, id="uneven-p4"),
     pytest.param((1, 2, 2), "zb_h1", 1, 2, {"model": tp.LLAMA}, id="llama-untied"),
+    pytest.param((1, 2, 2), "zb_h1", 1, 2, {"sequence_parallel": True}, id="sequence-parallel"),
     pytest.param((2, 2, 2), "zbv", 2, 1, {"zero_stage": 3,
                  "model": dataclasses.replace(tp.MODEL, remat="full")}, id="zbv-zero3-full"),
 ]  # fmt: skip
