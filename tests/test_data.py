@@ -191,3 +191,15 @@ def test_default_corpus_built_once_then_cached(tmp_path):
     tok = load_tokenizer(tf.meta["tokenizer"])
     text = tok.decode(tf.tokens[: tf.doc_offsets[1] - 1].tolist())
     assert "import" in text or "def " in text or '"""' in text
+
+
+def test_a_corrupt_index_names_its_file(tmp_path):
+    from jaxmeg.data import prepare_dataset
+
+    (tmp_path / "a.txt").write_text("hello world")
+    prepare_dataset([tmp_path / "a.txt"], tmp_path / "t", vocab_size=300, show_progress=False)
+    (tmp_path / "t.idx.npy").write_bytes(b"garbage")
+    with pytest.raises(
+        ValueError, match=f"token file index '{tmp_path / 't.idx.npy'}' is unreadable"
+    ):
+        TokenFile.open(tmp_path / "t")

@@ -185,7 +185,10 @@ class TokenFile:
                 f"{meta['num_tokens']} tokens of {dtype.name} = {expected} bytes"
             )
         tokens = np.memmap(bin_path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
-        offsets = np.load(idx_path)
+        try:
+            offsets = np.load(idx_path)
+        except (ValueError, OSError, EOFError) as err:
+            raise ValueError(f"token file index {str(idx_path)!r} is unreadable: {err}") from None
         if offsets.shape != (int(meta["num_docs"]) + 1,) or int(offsets[-1]) != meta["num_tokens"]:
             raise ValueError(f"token file index {str(idx_path)!r} does not match its metadata")
         return cls(prefix=str(prefix), tokens=tokens, doc_offsets=offsets, meta=meta)
