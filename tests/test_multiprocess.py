@@ -122,7 +122,8 @@ def test_a_peer_killed_without_the_launcher_is_named_and_ends_the_run(tmp_path, 
     assert code == distributed.PEER_LOSS_EXIT, stderr.text()[-3000:]
     assert time.monotonic() - start < 60
     text = stderr.text()
-    assert f"jaxmeg: process {1 - victim} of 2 lost process {victim}: a collective failed" in text
+    # a collective that fails names it; one that waits for the dead peer ends by PeerWatch
+    assert f"jaxmeg: process {1 - victim} of 2 lost process {victim}: " in text
     assert "Traceback" not in text and "Check failure stack trace" not in text, text[-3000:]
 
 

@@ -14,7 +14,8 @@ watchdog thread instead ends the run after `timeout_s` with a message that says 
 waited for how many peers at which address. A peer that dies mid-run makes the next collective
 fail at once (Gloo on CPU, NCCL on GPU) and, seconds later, the coordination service abort the
 survivors with a C++ stack; `exit_on_peer_loss` gets there first: one line naming the lost
-process, exit code 4. Not when process 0 dies: it hosts the coordination service, and the
+process, exit code 4, and `PeerWatch` does the same for a survivor whose collective does not
+fail (a peer silent for 30 s). Not when process 0 dies: it hosts the coordination service, and the
 survivors' service clients abort them the moment its socket closes, from a C++ thread that
 Python cannot pre-empt (jaxlib's `missed_heartbeat_callback` cannot take a Python function).
 """
@@ -25,6 +26,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 
 import jax
 
@@ -208,3 +210,81 @@ def exit_on_peer_loss(err: BaseException) -> None:
     coordination service aborts it (no traceback, no C++ stack, no SIGABRT)."""
     print(peer_loss_message(err), file=sys.stderr, flush=True)
     os._exit(PEER_LOSS_EXIT)
+
+
+PEER_SILENCE_S = 30.0
+"""A peer whose sign of life has not changed for this long is taken as gone (`PeerWatch`)."""
+
+
+class PeerWatch:
+    """Multi-process runs: a thread bumps this process's counter in the coordination
+    service's key-value store every `every_s` and reads the peers'; a peer whose counter has not
+    moved for `silence_s` (killed, crashed, its host down) ends this process with one line
+    naming it and PEER_LOSS_EXIT. A collective normally fails at once when a peer dies
+    (`exit_on_peer_loss`), but on CPU under load a survivor was seen blocked for the coordination
+    service's whole heartbeat timeout (100 s), then aborted by it with a C++ stack. A peer
+    that leaves normally says so first (`stop`), and is then not watched."""
+
+    def __init__(self, silence_s: float = PEER_SILENCE_S, every_s: float = 1.0):
+        from jax._src import distributed as jax_distributed
+
+        self.client = jax_distributed.global_state.client
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.silence_s, self.every_s = silence_s, every_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _key(self, kind: str, process: int) -> str:
+        return f"jaxmeg/{kind}/{process}"
+
+    def _run(self) -> None:
+        seen: dict[int, tuple[str, float]] = {}
+        beat = 0
+        while not self.stopped.wait(self.every_s):
+            beat += 1
+            try:
+                self.client.key_value_set(self._key("alive", self.me), str(beat), True)
+                for peer in range(self.count):
+                    if peer == self.me or self._left(peer):
+                        continue
+                    value = self._get(self._key("alive", peer))
+                    now = time.monotonic()
+                    if value is None or seen.get(peer, (None,))[0] != value:
+                        seen[peer] = (value, now)
+                    elif now - seen[peer][1] > self.silence_s:
+                        self._exit(peer)
+            except Exception:  # noqa: BLE001 - the service itself is gone: jax aborts us
+                return
+
+    def _get(self, key: str) -> str | None:
+        try:
+            return self.client.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - not written yet
+            return None
+
+    def _left(self, peer: int) -> bool:
+        return self._get(self._key("left", peer)) is not None
+
+    def _exit(self, peer: int) -> None:
+        print(
+            f"jaxmeg: process {self.me} of {self.count} lost process {peer}: no sign of life "
+            f"from it for {self.silence_s:.0f} s while a collective waits for it. Stopping; "
+            f"restart all processes to resume from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(PEER_LOSS_EXIT)
+
+    def stop(self) -> None:
+        """This process leaves normally: peers stop watching it, and it stops watching."""
+        self.stopped.set()
+        try:
+            self.client.key_value_set(self._key("left", self.me), "1", True)
+        except Exception:  # noqa: BLE001 - the service is gone already
+            pass
+
+
+def watch_peers() -> PeerWatch | None:
+    """A `PeerWatch` in a multi-process run, None in a single-process one."""
+    return PeerWatch() if jax.process_count() > 1 else None

@@ -204,6 +204,7 @@ class Trainer:
         self.progress = _Progress()
         self.state = self.compiled = self.checkpointer = self.log = None
         self.compile_seconds = 0.0
+        self.peer_watch = distributed.watch_peers()
         self.hooks: list[Hook] = []
         self._last_ready = 0.0
         if out_dir is not None:
@@ -369,6 +370,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        if self.peer_watch:
+            self.peer_watch.stop()
         if self.log:
             self.log.close()
         if self.checkpointer:
