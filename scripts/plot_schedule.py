@@ -2,7 +2,8 @@
 
   python scripts/plot_schedule.py --schedule interleaved_1f1b --stages 4 --microbatches 8 \
       --chunks 2 --out schedule.png
-  python scripts/plot_schedule.py --schedule zbv --stages 4 --microbatches 8 --chunks 2
+  python scripts/plot_schedule.py --schedule zbv --stages 4 --microbatches 8 --chunks 2 \
+      --out zbv.png
   python scripts/plot_schedule.py --table      # efficiency tables of docs/benchmarks.md and
                                                # docs/schedules.md (zero bubble)
 
