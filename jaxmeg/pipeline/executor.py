@@ -13,6 +13,11 @@ Per tick, every stage looks up its actions in static tables at (tick, axis_index
           accumulating its gradients in place; then the input cotangent goes to stage s-1.
 With p v = 1 the F slot only embeds and the B slot runs chunk + head + loss under one
 `jax.vjp`, then the embedding's backward: plain training, nothing recomputed.
+A table of split backwards (zero-bubble schedules, `table.unit`) runs one action per stage and
+tick: the B slot runs I (`StageFunctions.split`: the input cotangent, the norm and bias
+gradients, and what W needs, kept in the `wstore` ring) and a W slot after it the weight
+gradients, sending nothing; a V placement (zbv) sends both ways (`send_x_back`,
+`send_cot_back`) and hands the V's turn to itself.
 
 What a stage keeps for its backward (`StageFunctions.chunk_recompute`):
   None   the F slot runs `jax.vjp(chunk)` and keeps the pullback's residuals (less the params and
