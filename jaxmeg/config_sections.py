@@ -208,8 +208,10 @@ class DataConfig:
     PREFIX.idx.npy, PREFIX.json) or a Megatron-LM indexed dataset as its preprocess_data.py
     writes it (PREFIX.bin + PREFIX.idx), told apart by their files. A Megatron pair records no
     vocabulary: its largest token id + 1 is the least model.vocab_size, and the one used when
-    model.vocab_size is unset. Empty = the default corpus (this Python installation's
-    standard-library sources), tokenized and cached on first use."""
+    model.vocab_size is unset. Empty or `default` = the default corpus (this Python installation's
+    standard-library sources), tokenized and cached on first use: with the run's tokenizer
+    (data.tokenizer) when it has one, else with a BPE of data.tokenizer_vocab trained on it.
+    A token file made by another tokenizer than data.tokenizer is refused."""
     tokenizer: str = ""
     """The model's tokenizer.json, for text in and out (scripts/generate.py --prompt, the text it
     prints): empty = the dataset's (the one its token file records, the default corpus's

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg import config as C
 from jaxmeg.models import GPT, hf
+from jaxmeg.training import batches
 from jaxmeg.training.checkpoint import Checkpointer
 from jaxmeg.training.state import state_specs, to_canonical_layout
 from jaxmeg.training.step import make_loss_and_grads
@@ -268,26 +269,41 @@ def test_unsupported_hf_configs_are_refused():
 
 
 def tiny_tokenizer_dir(name: str, tmp_path: Path) -> Path:
-    """The fixture `name` with a tokenizer of its 256 ids (a byte-level BPE without merges) and
-    a tokenizer config naming id 0 (the models' eos_token_id) as the end of a document."""
+    """The fixture `name` with a tokenizer of at most its 256 ids. GPT-2: a byte-level BPE
+    without merges and a tokenizer config naming id 0 (the model's eos_token_id) as the end of a
+    document. Llama: a Llama-2-style BPE over a text's characters (the `▁` word marker,
+    `<unk>`, `<s>` and `</s>`), no tokenizer config: `</s>` ends a document by its name."""
     import json
     import shutil
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator(["hello world"], trainer=trainer)
-    assert tokenizer.get_vocab_size() == 256
     out = tmp_path / f"hf_{name}"
     shutil.copytree(FIXTURES / name, out)
+    if name == "gpt2":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )  # fmt: skip
+        tokenizer.train_from_iterator(["hello world"], trainer=trainer)
+        assert tokenizer.get_vocab_size() == 256
+        eos = tokenizer.id_to_token(0)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(
+            vocab_size=256, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+        )
+        text = (ROOT / "README.md").read_text()
+        tokenizer.train_from_iterator([text], trainer=trainer)
+        assert tokenizer.get_vocab_size() == 256 and tokenizer.token_to_id("</s>") == 2
     tokenizer.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.id_to_token(0)}
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
 
@@ -306,45 +322,98 @@ def run_script(name: str, *args: str) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_a_model_with_its_tokenizer_from_import_to_export(tmp_path):
-    """The story: a transformers GPT-2 with its tokenizer -> import (no dataset read) -> a text
-    file tokenized with the run's tokenizer and end-of-text -> train on (2, 2, 2) -> generate
-    from text -> evaluate -> export, whose tokenizer files are the input's."""
+@pytest.mark.parametrize("name", MODELS)
+def test_a_model_with_its_tokenizer_from_import_to_export(name, tmp_path):
+    """The story: a transformers model with its tokenizer -> import (no dataset read) -> data in
+    the run's tokens, each document ended by its end-of-text (GPT-2: a text file through
+    preprocess_data.py; Llama: `data.dataset=default`, the default corpus tokenized by the
+    run's tokenizer) -> train on (2, 2, 2) -> generate from text -> evaluate -> export, whose
+    tokenizer files are the input's and whose weights import and export again unchanged."""
     import json
 
     from jaxmeg.data import TokenFile
 
-    hf_dir, run = tiny_tokenizer_dir("gpt2", tmp_path), tmp_path / "run"
-    run_script("convert_hf", "import", "--from", str(hf_dir), "--run", str(run),
+    hf_dir, run = tiny_tokenizer_dir(name, tmp_path), tmp_path / "run"
+    small = [
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "data.default_corpus_bytes=100000",
+        "--set",
+        "data.eval_fraction=0.05",
+    ]
+    run_script("convert_hf", "import", "--from", str(hf_dir), "--run", str(run), *small,
                "--set", "model.seq_len=16", "--set", "train.global_batch=4")  # fmt: skip
     assert C.load(run / "config.yaml").data.tokenizer == str((run / "tokenizer.json").absolute())
-    text = tmp_path / "text.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
-    prefix = tmp_path / "data" / "tokens"
-    run_script("preprocess_data", "--input", str(text), "--output-prefix", str(prefix),
-               "--tokenizer", str(run), "--no-progress")  # fmt: skip
-    tokens = TokenFile.open(prefix)
-    assert tokens.meta["eot"] == 0 and tokens.vocab_size == 256
+    if name == "gpt2":
+        text = tmp_path / "text.txt"
+        text.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+        prefix = tmp_path / "data" / "tokens"
+        run_script("preprocess_data", "--input", str(text), "--output-prefix", str(prefix),
+                   "--tokenizer", str(run), "--no-progress")  # fmt: skip
+        data, eot = ["--set", f"data.dataset={prefix}"], 0
+    else:
+        data, eot = ["--set", "data.dataset=default"], 2  # "</s>"
     mesh = ["--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2"]
     run_script("train", "--out", str(run), "--cpu-devices", "8", *mesh, "--steps", "2",
-               "--set", f"data.dataset={prefix}", "--no-progress")  # fmt: skip
+               *data, "--no-progress")  # fmt: skip
+    prefix = batches.dataset_prefix(C.load(run / "config.yaml", [data[1]]), show_progress=False)
+    tokens = TokenFile.open(prefix)
+    assert tokens.meta["eot"] == eot and tokens.vocab_size == 256
     out = run_script("generate", "--out", str(run), "--prompt", "the quick", "--max-new-tokens",
                      "4")  # fmt: skip
     *text_lines, ids = out.strip().splitlines()
-    assert text_lines[-1].startswith("the quick") and len(json.loads(ids)["ids"]) == 4
-    loss = json.loads(run_script("evaluate", "--out", str(run), "--dataset", str(prefix),
-                                 "--batches", "1").strip().splitlines()[-1])  # fmt: skip
-    assert np.isfinite(loss["loss"])
-    exported = tmp_path / "exported"
+    assert text_lines[-1].replace("▁", " ").strip().startswith("the quick")
+    assert len(json.loads(ids)["ids"]) == 4
+    loss = json.loads(run_script("evaluate", "--out", str(run), "--batches", "1").splitlines()[-1])
+    assert np.isfinite(loss["loss"]) and loss["step"] == 2
+    exported, again = tmp_path / "exported", tmp_path / "again"
     run_script("convert_hf", "export", "--run", str(run), "--to", str(exported))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (exported / name).read_bytes() == (hf_dir / name).read_bytes(), name
-    _, tensors = hf.read_checkpoint(exported)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (hf_dir / file).exists() or file == "tokenizer.json":
+            assert (exported / file).read_bytes() == (hf_dir / file).read_bytes(), file
+    assert convert_hf.main(["import", "--from", str(exported), "--run", str(tmp_path / "r2")]) == 0
+    assert convert_hf.main(["export", "--run", str(tmp_path / "r2"), "--to", str(again)]) == 0
+    assert_trees_equal(hf.read_checkpoint(again)[1], hf.read_checkpoint(exported)[1])
     _, original = hf.read_checkpoint(hf_dir)
-    assert {k: v.shape for k, v in tensors.items()} == {
+    assert {k: v.shape for k, v in hf.read_checkpoint(exported)[1].items()} == {
         k: (16, *v.shape[1:]) if k == "transformer.wpe.weight" else v.shape
         for k, v in original.items()
     }
+
+
+def test_a_dataset_of_another_tokenizer_is_refused_and_the_default_corpus_is_per_tokenizer(
+    tmp_path,
+):
+    """A run whose data.tokenizer did not make its token file is refused by name; the default
+    corpus is tokenized by the run's own tokenizer, cached once per tokenizer."""
+    from jaxmeg.data import TokenFile, prepare_dataset
+
+    gpt2, llama = tiny_tokenizer_dir("gpt2", tmp_path), tiny_tokenizer_dir("llama_gqa", tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    prefix = tmp_path / "data" / "tokens"
+    prepare_dataset([text], prefix, gpt2 / "tokenizer.json", show_progress=False)
+
+    def cfg(tokenizer: Path, dataset: str) -> C.Config:
+        return C.Config(data=C.DataConfig(
+            dataset=dataset, tokenizer=str(tokenizer / "tokenizer.json"),
+            cache_dir=str(tmp_path / "cache"), default_corpus_bytes=50_000,
+        ))  # fmt: skip
+
+    assert batches.open_dataset(cfg(gpt2, str(prefix)), show_progress=False).num_tokens > 0
+    with pytest.raises(ValueError, match=r"was tokenized by .*hf_gpt2/tokenizer.json, not by the "
+                       r"run's data.tokenizer '.*hf_llama_gqa/tokenizer.json'"):  # fmt: skip
+        batches.open_dataset(cfg(llama, str(prefix)), show_progress=False)
+    default = {t: batches.dataset_prefix(cfg(t, "default"), False) for t in (gpt2, llama)}
+    assert default[gpt2] != default[llama]
+    assert batches.dataset_prefix(cfg(gpt2, ""), False) == default[gpt2]  # cached
+    assert TokenFile.open(default[llama]).meta["eot"] == 2
+    with pytest.raises(ValueError, match=r"was tokenized by"):
+        batches.open_dataset(cfg(llama, default[gpt2]), show_progress=False)
+    none = dataclasses.replace(cfg(gpt2, ""), data=C.DataConfig(tokenizer="none"))
+    with pytest.raises(ValueError, match="data.tokenizer: none"):
+        batches.dataset_prefix(none, False)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -33,11 +33,25 @@ def test_two_processes_match_one_process(tmp_path, small_corpus):
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     assert "in 2 process(es)" in two.stderr
+    assert "Gloo" not in two.stdout + two.stderr, two.stdout[:500]  # its connection lines
     np.testing.assert_allclose(
         [r["loss"] for r in read_metrics(tmp_path / "two")],
         [r["loss"] for r in read_metrics(tmp_path / "one")],
         rtol=1e-6,
     )
+
+
+def test_gloo_pieces_are_dropped_and_other_lines_kept():
+    from jaxmeg.parallel.native_output import is_gloo_noise
+
+    interleaved = [
+        "[Gloo] Rank 0 is connected to [Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. "
+        "Expected number of connected peer ranks is : 1",
+        "1 peer ranks. Expected number of connected peer ranks is : 1",
+        "0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+    ]
+    assert all(is_gloo_noise(line) for line in interleaved)
+    assert not any(is_gloo_noise(line) for line in ["", "step 3 loss 4.2", '{"ids": [1]}'])
 
 
 def child_pids(pid: int) -> list[int]:

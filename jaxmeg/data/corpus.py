@@ -19,6 +19,7 @@ from jaxmeg.data.token_file import write_token_file
 from jaxmeg.data.tokenizer import (
     encode_batches,
     eot_id,
+    fingerprint,
     load_tokenizer,
     tokenizer_file,
     train_bpe_tokenizer,
@@ -98,46 +99,81 @@ def prepare_dataset(
         encode_batches(tokenizer, texts),
         vocab_size=tokenizer.get_vocab_size(),
         eot=eot_id(tokenizer, tokenizer_json),
-        meta={"tokenizer": str(Path(tokenizer_json).resolve())},
+        meta={
+            "tokenizer": str(Path(tokenizer_json).resolve()),
+            "tokenizer_fingerprint": fingerprint(tokenizer),
+        },
     )
     info["seconds"] = time.perf_counter() - start
     info["prefix"] = str(out_prefix)
     return info
 
 
-def _cache_key(files: list[Path], vocab_size: int, max_bytes: int) -> str:
+def _cache_key(files: list[Path], vocab: str, max_bytes: int) -> str:
     digest = hashlib.sha256()
-    digest.update(f"{sys.version_info[:3]} {vocab_size} {max_bytes}".encode())
+    digest.update(f"{sys.version_info[:3]} {vocab} {max_bytes}".encode())
     for path in files:
         digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
     return digest.hexdigest()[:16]
 
 
 def prepare_default_dataset(
-    cache_dir: str | Path, vocab_size: int, max_bytes: int, show_progress: bool = True
+    cache_dir: str | Path,
+    vocab_size: int,
+    max_bytes: int,
+    show_progress: bool = True,
+    tokenizer_json: str | Path | None = None,
 ) -> str:
-    """The default corpus as a token-file prefix, built once and cached under `cache_dir`."""
+    """The default corpus as a token-file prefix, built once and cached under `cache_dir`:
+    tokenized with `tokenizer_json` (a run's own tokenizer; cached per tokenizer, whose copy goes
+    with it) or, when None, with a byte-level BPE of `vocab_size` trained on it."""
     files = default_corpus_files(max_bytes)
-    final = Path(cache_dir).expanduser() / f"stdlib-{_cache_key(files, vocab_size, max_bytes)}"
+    if tokenizer_json is not None:
+        tokenizer_json = tokenizer_file(tokenizer_json)
+        vocab = f"tokenizer {fingerprint(load_tokenizer(tokenizer_json))}"
+        described = f"the tokenizer {tokenizer_json}"
+    else:
+        vocab, described = str(vocab_size), f"BPE vocabulary {vocab_size}"
+    final = Path(cache_dir).expanduser() / f"stdlib-{_cache_key(files, vocab, max_bytes)}"
     prefix = str(final / "tokens")
     if (final / "tokens.json").is_file():
         return prefix
     if show_progress:
         print(
             f"jaxmeg: building the default corpus: {len(files)} standard-library files, "
-            f"BPE vocabulary {vocab_size} -> {final}",
+            f"{described} -> {final}",
             file=sys.stderr,
         )
     staging = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    prepare_dataset(files, staging / "tokens", vocab_size=vocab_size, show_progress=show_progress)
+    if tokenizer_json is not None:  # the cache keeps its own copy (with the config naming EOS)
+        for name in (tokenizer_json.name, "tokenizer_config.json"):
+            if (tokenizer_json.parent / name).is_file():
+                shutil.copyfile(tokenizer_json.parent / name, staging / name)
+        tokenizer_json = staging / tokenizer_json.name
+    prepare_dataset(
+        files, staging / "tokens", tokenizer_json, vocab_size, show_progress=show_progress
+    )
     meta_path = staging / "tokens.json"
     meta = json.loads(meta_path.read_text())
-    meta["tokenizer"] = str(final / "tokens.tokenizer.json")
+    name = "tokens.tokenizer.json" if tokenizer_json is None else tokenizer_json.name
+    meta["tokenizer"] = str(final / name)
     meta_path.write_text(json.dumps(meta, indent=1))
     try:
         os.replace(staging, final)
     except OSError:  # another process finished first
         shutil.rmtree(staging, ignore_errors=True)
     return prefix
+
+
+def recorded_tokenizer(meta: dict) -> str | None:
+    """The fingerprint of the tokenizer that made a token file (its metadata `meta`): of the
+    file it names when that is still there, else the one it recorded; None if it names none."""
+    path = meta.get("tokenizer")
+    if path and Path(path).is_file():
+        try:
+            return fingerprint(load_tokenizer(path))
+        except ValueError:
+            pass
+    return meta.get("tokenizer_fingerprint")

@@ -59,6 +59,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                          f"{str(err).splitlines()[0][:200]}") from None  # fmt: skip
 
 
+def fingerprint(tokenizer: Tokenizer) -> str:
+    """A short hash of everything that decides how `tokenizer` encodes (the library's own
+    serialization of it: vocabulary, merges, normalizer, pre-tokenizer, special tokens), so two
+    copies of one tokenizer.json, however formatted, give the same string."""
+    import hashlib
+
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+
+
 def eot_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
     """The end-of-document token: the `eos_token` of the tokenizer_config.json beside `path`
     (a tokenizer.json), else the first of END_OF_DOCUMENT the tokenizer has."""

@@ -119,6 +119,9 @@ def initialize(spec: ClusterSpec | None, timeout_s: int = 300) -> None:
     """Joins the process group described by `spec` (no-op for None) within `timeout_s`."""
     if spec is None:
         return
+    from jaxmeg.parallel.native_output import drop_gloo_lines
+
+    drop_gloo_lines()  # CPU collectives connect through Gloo, which prints a line per group
     joined = threading.Event()
     where = spec.coordinator or "the SLURM coordinator"
 

@@ -169,16 +169,10 @@ def tokenizer_path(cfg) -> Path | None:
     import json
 
     from jaxmeg.data import dataset_format
-    from jaxmeg.training.batches import dataset_prefix
+    from jaxmeg.training.batches import dataset_prefix, run_tokenizer
 
-    if cfg.data.tokenizer == "none":
-        return None
     if cfg.data.tokenizer:
-        path = Path(cfg.data.tokenizer).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"data.tokenizer {str(path)!r} does not exist")
-        return path
-
+        return run_tokenizer(cfg)
     prefix = dataset_prefix(cfg)
     if dataset_format(prefix) != "jaxmeg":
         return None

@@ -24,7 +24,13 @@ import numpy as np
 from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import distributed, make_mesh
 from jaxmeg.training import partitioning
-from jaxmeg.training.batches import expected_vocab, global_batch_arrays, open_dataset, with_vocab
+from jaxmeg.training.batches import (
+    DEFAULT_CORPUS,
+    expected_vocab,
+    global_batch_arrays,
+    open_dataset,
+    with_vocab,
+)
 from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step, peak_tflops_per_device
 from jaxmeg.training.hooks import Hook, StepInfo, TrainingStopped, check_finite
@@ -57,7 +63,7 @@ def prepare(cfg: Config, dataset=None, cluster_job=None, out_dir: str | None = N
 
 def compile_only(cfg: Config, cluster_job=None) -> dict[str, Any]:
     """Compiles the train step for the configured mesh without data or running it."""
-    dataset = open_dataset(cfg) if cfg.data.dataset else None
+    dataset = None if cfg.data.dataset in DEFAULT_CORPUS else open_dataset(cfg)
     trainable = prepare(cfg, dataset, cluster_job)
     compiled, seconds = compile_step(trainable)
     return {"compile_seconds": round(seconds, 3), **memory_report(compiled)}
