@@ -143,10 +143,13 @@ def test_every_plan_and_plot_example_runs(tmp_path):
 
 
 def _cpu_examples() -> list[tuple[str, list[str]]]:
-    """The train.py / bench.py examples on gpt_tiny (the ones meant for a CPU), each once, from
-    the script name on; --cluster ones are launcher runs (test_cluster_run)."""
+    """The scripts' docstring train.py / bench.py examples on gpt_tiny (the ones meant for a
+    CPU), each once, from the script name on; --cluster ones are launcher runs
+    (test_cluster_run), the README's run in order in tests/test_readme.py."""
     found: dict[str, tuple[str, list[str]]] = {}
     for where, words in command_examples():
+        if where == "README.md":
+            continue
         script = next((w for w in words if w.endswith(("/train.py", "/bench.py"))), None)
         if script is None or "--cluster" in words:
             continue

@@ -1,0 +1,106 @@
+"""The README's commands in the order a user runs them, as written, in a fresh directory (its own
+HOME, so the default corpus is built as on a new machine): each later command finds what the
+earlier ones left (runs/gpt_tiny, hf/gpt2, runs/gpt2, data/c, ...). Long runs train 2 steps; the
+GPT-3-sized config trains a 2-layer version of itself. What cannot run here is skipped by name,
+each with the test that covers it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train_cli import CLEAN_ENV, ROOT
+
+SKIPPED = {
+    "pip install": "installs (CI's .ci/run does)",
+    "python -m pytest": "this suite",
+    "sbatch": "a SLURM cluster",
+    "scripts/launch_local.sh": "tests/test_multiprocess.py and tests/test_cluster_run.py",
+    "configs/gpt_1.3b.yaml": "a GPU-sized model; tests/test_cli_errors.py validates its layout",
+    "scripts/plan.py": "tests/test_cli_errors.py::test_every_plan_and_plot_example_runs",
+}
+SMALLER = {  # a config too large for a CPU step, made small with its layout kept
+    "configs/gpt_125m.yaml": ["model.layers=2", "model.hidden=64", "model.heads=4",
+                              "model.seq_len=128", "train.global_batch=8"],
+}  # fmt: skip
+
+
+def readme_commands() -> list[str]:
+    """Each command line of the README's bash blocks, in order (continuations joined, `a && b`
+    as two, comments dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0].strip()
+            commands += [part.strip() for part in line.split("&&") if part.strip()]
+    return commands
+
+
+def as_run(command: str) -> list[str] | None:
+    """The command as this test runs it (optional `[...]` arguments given, train.py for 2 steps
+    without a progress bar), or None for a skipped one."""
+    if any(key in command for key in SKIPPED):
+        return None
+    words = shlex.split(command.replace("[", "").replace("]", ""))
+    assert words[0] == "python" and words[1].startswith("scripts/"), command
+    if words[1] == "scripts/train.py":
+        if "--steps" in words:
+            del words[words.index("--steps") : words.index("--steps") + 2]
+        words += ["--steps", "2", "--no-progress"]
+    if words[1] == "scripts/bench.py":
+        words += ["--steps", "2"]
+    for config, sets in SMALLER.items():
+        if config in words:
+            words += [arg for s in sets for arg in ("--set", s)]
+    return [sys.executable, *words[1:]]
+
+
+def user_files(home: Path) -> None:
+    """What the README's reader brings: a JSONL corpus, and a Megatron-LM dataset as its
+    preprocess_data.py writes it (ids of the GPT-2 BPE's range)."""
+    import numpy as np
+
+    from jaxmeg.data import default_corpus_files, write_megatron_dataset
+
+    with open(home / "corpus.jsonl", "w") as f:
+        for path in default_corpus_files(300_000):
+            f.write(json.dumps({"text": path.read_text(errors="replace")}) + "\n")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50257, int(n)).tolist() for n in rng.integers(200, 2000, 40)]
+    write_megatron_dataset(home / "data" / "gpt2_text_document", docs, eod=50256)
+
+
+@pytest.mark.timeout(1800)
+def test_the_readme_commands_in_order(tmp_path):
+    home = tmp_path
+    for name in ("configs", "scripts"):
+        (home / name).symlink_to(ROOT / name)
+    user_files(home)
+    env = {**CLEAN_ENV, "HOME": str(home)}
+    ran, skipped = [], []
+    for command in readme_commands():
+        args = as_run(command)
+        if args is None:
+            skipped.append(command)
+            continue
+        result = subprocess.run(
+            args, cwd=home, capture_output=True, text=True, timeout=600, env=env
+        )
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+        ran.append((command, result))
+
+    outputs = {command: result.stdout for command, result in ran}
+    assert (home / "runs" / "gpt_tiny" / "checkpoints").is_dir()
+    assert (home / "hf" / "gpt2" / "tokenizer.json").is_file()
+    assert (home / "hf" / "gpt2-tuned" / "model.safetensors").is_file()
+    evaluated = [json.loads(out.splitlines()[-1]) for c, out in outputs.items() if "evaluate" in c]
+    assert evaluated and all(r["loss"] > 0 and r["step"] == 2 for r in evaluated), evaluated
+    generated = [out for c, out in outputs.items() if "generate.py" in c and "--prompt " in c]
+    assert generated and all("def main(" in out for out in generated)
+    assert len(ran) >= 20, (len(ran), skipped)
