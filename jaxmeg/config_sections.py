@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-MESH_AXES = ("data", "pipe", "tensor")
+MESH_AXES = ("data", "pipe", "context", "tensor")
 OUTER_AXES = ("pipe", "data")
 """The `parallel.outer_axis` choices: the mesh axis that varies slowest over devices."""
 ZERO_STAGES = (0, 1, 3)
@@ -118,6 +118,12 @@ class ParallelConfig:
     """Pipeline stages p (-1 = infer)."""
     tensor: int = 1
     """Tensor-parallel size t (-1 = infer). A tensor group always sits inside one host."""
+    context: int = 1
+    """Context-parallel size c: each sequence split over c devices, rank i holding blocks i and
+    2c - 1 - i of 2c (causal load balance); attention runs as a ring of key/value blocks
+    (`jaxmeg.parallel.context`). The mesh axis sits between pipe and tensor; parameters are
+    replicated over it and their gradients summed over it. model.seq_len must be divisible by
+    2c."""
     sequence_parallel: bool = False
     """Shard the activations between blocks on the sequence dim over `tensor`, so each block's
     all-reduce becomes a reduce-scatter plus an all-gather (Korthikanti et al., 2022)."""

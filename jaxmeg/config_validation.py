@@ -30,8 +30,11 @@ from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import LayoutError, StageLayout
 
 
-def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int, int]:
-    """Fills in the one `-1` axis so that data * pipe * tensor == num_devices."""
+def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """(data, pipe, context, tensor), the one `-1` axis filled in so that their product is
+    num_devices."""
+    if par.context < 1:
+        raise ConfigError(f"parallel.context must be a positive integer, got {par.context}")
     sizes = {"data": par.data, "pipe": par.pipe, "tensor": par.tensor}
     for name, size in sizes.items():
         if size == 0 or size < -1:
@@ -39,7 +42,7 @@ def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int,
     unknown = [n for n, s in sizes.items() if s == -1]
     if len(unknown) > 1:
         raise ConfigError(f"only one of parallel.data/pipe/tensor may be -1, got {unknown}")
-    known = math.prod(s for s in sizes.values() if s != -1)
+    known = math.prod(s for s in sizes.values() if s != -1) * par.context
     if unknown:
         if num_devices % known:
             raise ConfigError(
@@ -47,13 +50,15 @@ def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int,
                 f"by the product of the other axes ({known})"
             )
         sizes[unknown[0]] = num_devices // known
-    product = sizes["data"] * sizes["pipe"] * sizes["tensor"]
+    product = sizes["data"] * sizes["pipe"] * par.context * sizes["tensor"]
     if product != num_devices:
-        raise ConfigError(
-            f"parallel.data * parallel.pipe * parallel.tensor = {sizes['data']} * "
-            f"{sizes['pipe']} * {sizes['tensor']} = {product}, but there are {num_devices} devices"
-        )
-    return sizes["data"], sizes["pipe"], sizes["tensor"]
+        named = "parallel.data * parallel.pipe * parallel.tensor"
+        values = f"{sizes['data']} * {sizes['pipe']} * {sizes['tensor']}"
+        if par.context > 1:
+            named = "parallel.data * parallel.pipe * parallel.context * parallel.tensor"
+            values = f"{sizes['data']} * {sizes['pipe']} * {par.context} * {sizes['tensor']}"
+        raise ConfigError(f"{named} = {values} = {product}, but there are {num_devices} devices")
+    return sizes["data"], sizes["pipe"], par.context, sizes["tensor"]
 
 
 def resolve_batching(train: TrainConfig, data: int, pipe: int = 1) -> tuple[int, int]:
@@ -175,6 +180,44 @@ def _validate_compression(comp: CompressionConfig, pipe: int, data: int, zero_st
         )
 
 
+def _validate_context(cfg: Config, context: int) -> None:
+    """What context parallelism needs: 2c equal blocks of the sequence, attention that runs
+    blockwise (the ring's kernel), and the features it has been proved with."""
+    m, par, comp = cfg.model, cfg.parallel, cfg.compression
+    if context == 1:
+        return
+    if m.seq_len % (2 * context):
+        raise ConfigError(
+            f"parallel.context = {context} splits the sequence into 2 x {context} blocks: "
+            f"model.seq_len ({m.seq_len}) must be divisible by {2 * context}"
+        )
+    if par.tensor > 1 and (m.seq_len // context) % par.tensor:
+        raise ConfigError(
+            f"parallel.context = {context} with parallel.tensor = {par.tensor} needs "
+            f"model.seq_len / context ({m.seq_len // context}) divisible by parallel.tensor "
+            f"(sequence parallelism and scatter/gather split each rank's part over tensor)"
+        )
+    if m.attention == "cudnn":
+        raise ConfigError(
+            f"parallel.context = {context} runs attention as a ring of blocks merged by their "
+            f"log-sum-exp, which model.attention=cudnn does not return; use auto or xla"
+        )
+    if schedules.splits_backward(par.schedule):
+        raise ConfigError(
+            f"parallel.context = {context} runs with gpipe, 1f1b, interleaved_1f1b and "
+            f"breadth_first, not yet with parallel.schedule={par.schedule}"
+        )
+    compressed = [
+        name for name, on in (("pipe_grad_rank", comp.pipe_grad_rank),
+                              ("data_grad_rank", comp.data_grad_rank),
+                              ("fused_embedding_sync", comp.fused_embedding_sync)) if on
+    ]  # fmt: skip
+    if compressed:
+        raise ConfigError(
+            f"parallel.context = {context} does not run with compression.{compressed[0]} yet"
+        )
+
+
 def _validate_zero_bubble(par: ParallelConfig, pipe: int) -> None:
     """The split-backward schedules' own constraints (their orders: `schedules.build`)."""
     name = par.schedule
@@ -243,7 +286,8 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     _check_positive("model.rope_theta", m.rope_theta)
 
-    data, pipe, tensor = resolve_mesh_shape(par, num_devices)
+    data, pipe, context, tensor = resolve_mesh_shape(par, num_devices)
+    _validate_context(cfg, context)
     if m.heads % tensor:
         raise ConfigError(
             f"model.heads ({m.heads}) must be divisible by parallel.tensor ({tensor})"

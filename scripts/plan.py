@@ -1,12 +1,15 @@
-"""Plan a 3D-parallel layout: every (tensor, pipe, data, chunks, microbatch, recompute) that fits
-in memory, ranked by the predicted step time (--objective step_time, the default); or, per
+"""Plan a 3D-parallel layout: every (tensor, pipe, context, data, chunks, microbatch, recompute)
+that fits in memory, ranked by the predicted step time (--objective step_time, the default); or, per
 pipeline method, the layout of up to --gpus GPUs that reaches a target loss soonest at the
 critical batch (--objective shortest_time). With --cluster FILE (configs/clusters/), the layouts
 of that cluster of node groups with different NICs, each with its NIC-aware placement and
 self-adapting partition, next to Megatron's placement and even split. --compression on | auto
 adds pipeline-aware communication compression (the `compression` config section) to the
 step-time ranking: every technique, or each where the model predicts it saves, and what it
-saves. docs/planner.md explains the models.
+saves. --context auto (the default) also searches context parallelism for long sequences (c
+GPUs per sequence, a ring of key/value blocks), --context N pins it, --context 1 forbids it;
+when the fastest plan splits the sequence, the fastest without context parallelism follows the
+table. docs/planner.md explains the models.
 
   python scripts/plan.py --config configs/megatron_1t.yaml --gpus 3072 --batch 3072 \
       --hardware a100_dgx --tokens 450e9
@@ -17,6 +20,8 @@ saves. docs/planner.md explains the models.
   python scripts/plan.py --config configs/megatron_7.5b.yaml --cluster holmes_ib_roce --json
   python scripts/plan.py --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \
       --gpus 1024 --batch 1536 --hardware a100_ethernet --compression auto
+  python scripts/plan.py --config configs/megatron_7.5b.yaml --seq 32768 --gpus 64 --batch 128 \
+      --hardware h100_dgx --recompute full selective none --top 5
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def context_size(text: str) -> int | None:
+    """`auto` (None: search) or a context size >= 1."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer >= 1, got {text}")
     return value
 
 
@@ -83,7 +101,15 @@ def parse_args(argv):
     )  # fmt: skip
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
-    parser.add_argument("--recompute", choices=REMAT_POLICIES)
+    parser.add_argument(
+        "--context", type=context_size, metavar="auto|N",
+        help="context parallelism (step_time): auto, search it for long sequences (default); N, "
+        "pin c = N; 1, forbid it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recompute", choices=REMAT_POLICIES, nargs="+",
+        help="the recompute choices to search (default full and selective)",
+    )  # fmt: skip
     parser.add_argument(
         "--schedule", choices=SCHEDULES,
         help="pipeline schedule of every layout where its chunks allow (default Megatron's: "
@@ -113,6 +139,12 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.compression != "off" and (args.cluster or args.objective != "step_time"):
         parser.error("--compression applies to --objective step_time without --cluster")
+    if (args.context or 1) > 1 and (
+        args.cluster or args.objective != "step_time" or args.compression != "off"
+    ):
+        parser.error(
+            "--context N > 1 applies to --objective step_time without --cluster or --compression"
+        )
     if args.cluster:
         if args.objective != "step_time":
             parser.error("--cluster ranks by step time; it takes no --objective shortest_time")
@@ -153,7 +185,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxmeg.perf.hardware import load_hardware
     from jaxmeg.perf.model import parameter_count
-    from jaxmeg.perf.planner import plan
+    from jaxmeg.perf.planner import context_sizes, plan
 
     try:
         shape = model_shape(args)
@@ -163,7 +195,7 @@ def main(argv=None) -> int:
         return 2
     pins = {k: getattr(args, k) for k in ("tensor", "pipe", "chunks", "microbatch")}
     if args.recompute:
-        pins["recompute"] = (args.recompute,)
+        pins["recompute"] = tuple(dict.fromkeys(args.recompute))
     if args.cluster:
         return cluster_report(args, shape, pins)
     if args.objective == "shortest_time":
@@ -172,13 +204,15 @@ def main(argv=None) -> int:
         pins["zero_stage"] = args.zero_stage
     if args.schedule:
         pins["schedule"] = args.schedule
+    options = {
+        "sequence_parallel": args.sequence_parallel, "outer_axis": args.outer_axis,
+        "compression": args.compression, "compression_rank": args.compression_rank,
+        "pipe_grad_phase": args.pipe_grad_phase,
+    }  # fmt: skip
     try:
         plans = plan(
-            shape, args.gpus, args.batch, hw, args.tokens,
-            sequence_parallel=args.sequence_parallel, outer_axis=args.outer_axis,
-            compression=args.compression, compression_rank=args.compression_rank,
-            pipe_grad_phase=args.pipe_grad_phase, **pins,
-        )  # fmt: skip
+            shape, args.gpus, args.batch, hw, args.tokens, **options, **pins, context=args.context
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -189,37 +223,85 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 1
+    # With c > 1 in the search (compression plans c = 1), the table shows c and the ring; when
+    # the fastest plan splits the sequence, the fastest without context parallelism follows:
+    # from the same plans when c was searched, from a search at c = 1 when it was pinned.
+    searched = args.compression == "off" and context_sizes(shape, args.context) != [1]
+    compare = searched and plans[0].layout.context > 1
+    without = None
+    if compare:
+        pool = plans
+        if args.context is not None:
+            pool = plan(shape, args.gpus, args.batch, hw, args.tokens, **options, **pins, context=1)
+        without = next((p for p in pool if p.layout.context == 1), None)
     if args.json:
-        print(json.dumps(plans[0].as_dict()))
+        best = plans[0].as_dict()
+        if compare:
+            best["without_context"] = None if without is None else without.as_dict()
+        print(json.dumps(best))
         return 0
     print(
         f"{parameter_count(shape) / 1e9:.1f}B parameters (eq. 2) on {args.gpus} x {hw.name}, "
         f"batch {args.batch} x {shape.seq_len}; {len(plans)} layouts fit, fastest first"
     )
-    header = (
-        f"{'t':>3} {'p':>3} {'d':>5} {'v':>2} {'b':>2} {'recomp':>9} {'TFLOP/s':>8} {'%peak':>6} "
-        f"{'step s':>8} {'mem GB':>7} {'bubble':>7} {'TP GB':>8} {'PP GB':>7} {'DP GB':>7}"
-        + (f" {'days':>7} {'8TP/nX':>7}" if args.tokens else "")
-        + (f" {'saved s':>7} {'compressed':<10}" if args.compression != "off" else "")
-    )
-    print(header)
+    print(_header(args, searched))
     for p in plans[: args.top]:
-        lay, traffic = p.layout, p.bytes_per_step
-        row = (
-            f"{lay.tensor:>3} {lay.pipe:>3} {lay.data:>5} {lay.chunks:>2} {lay.microbatch:>2} "
-            f"{lay.recompute:>9} {p.tflops_per_gpu:>8.1f} {p.percent_of_peak:>6.1f} "
-            f"{p.step_time_s:>8.3f} {p.memory_per_gpu_gb:>7.1f} {p.bubble:>7.3f} "
-            f"{traffic['tensor'] / 1e9:>8.2f} {traffic['pipe'] / 1e9:>7.2f} "
-            f"{traffic['data'] / 1e9:>7.2f}"
-        )
-        if args.tokens:
-            row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"
-        if p.compression is not None:
-            row += f" {p.compression.saved_s:>7.3f} {_compressed_summary(p.compression):<10}"
-        print(row)
+        print(_row(p, args, searched))
+    if compare:
+        print_without_context(plans[0], without, args)
     if plans[0].compression is not None:
         print_compression(plans[0].compression)
     return 0
+
+
+def _header(args, context: bool) -> str:
+    """The step-time table's header; `context` adds c and the ring's MB per layer."""
+    return (
+        f"{'t':>3} {'p':>3}" + (f" {'c':>2}" if context else "")
+        + f" {'d':>5} {'v':>2} {'b':>2} {'recomp':>9} {'TFLOP/s':>8} {'%peak':>6} "
+        f"{'step s':>8} {'mem GB':>7} {'bubble':>7} {'TP GB':>8} {'PP GB':>7} {'DP GB':>7}"
+        + (f" {'ring MB':>7}" if context else "")
+        + (f" {'days':>7} {'8TP/nX':>7}" if args.tokens else "")
+        + (f" {'saved s':>7} {'compressed':<10}" if args.compression != "off" else "")
+    )  # fmt: skip
+
+
+def _row(p, args, context: bool) -> str:
+    """A plan's row of the step-time table (`_header`). ring MB: what one GPU sends around the
+    context ring per layer per microbatch, forward and backward."""
+    lay, traffic = p.layout, p.bytes_per_step
+    row = (
+        f"{lay.tensor:>3} {lay.pipe:>3}" + (f" {lay.context:>2}" if context else "")
+        + f" {lay.data:>5} {lay.chunks:>2} {lay.microbatch:>2} "
+        f"{lay.recompute:>9} {p.tflops_per_gpu:>8.1f} {p.percent_of_peak:>6.1f} "
+        f"{p.step_time_s:>8.3f} {p.memory_per_gpu_gb:>7.1f} {p.bubble:>7.3f} "
+        f"{traffic['tensor'] / 1e9:>8.2f} {traffic['pipe'] / 1e9:>7.2f} "
+        f"{traffic['data'] / 1e9:>7.2f}"
+        + (f" {traffic['context_per_layer'] / 1e6:>7.1f}" if context else "")
+    )  # fmt: skip
+    if args.tokens:
+        row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"
+    if p.compression is not None:
+        row += f" {p.compression.saved_s:>7.3f} {_compressed_summary(p.compression):<10}"
+    return row
+
+
+def print_without_context(best, without, args) -> None:
+    """The fastest plan without context parallelism (c = 1), or that none fits, against the
+    fastest plan."""
+    if without is None:
+        print(
+            f"\nwithout context parallelism (--context 1): no layout of {args.gpus} GPUs with "
+            f"batch {args.batch} fits with these pins"
+        )
+        return
+    print(
+        f"\nwithout context parallelism (--context 1), the fastest: step "
+        f"{without.step_time_s:.3f} s, {without.step_time_s / best.step_time_s:.2f}x the fastest "
+        f"plan's {best.step_time_s:.3f} s"
+    )
+    print(_header(args, True))
+    print(_row(without, args, True))
 
 
 TECHNIQUE_CODES = {"pipe_grad": "P", "embedding_sync": "E", "data_grad": "D"}

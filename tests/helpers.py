@@ -27,7 +27,8 @@ def tiny_config(data=1, pipe=1, tensor=1, **parallel) -> C.Config:
 
 
 def trainable_for(cfg: C.Config) -> Trainable:
-    n = cfg.parallel.data * cfg.parallel.pipe * cfg.parallel.tensor
+    par = cfg.parallel
+    n = par.data * par.pipe * par.context * par.tensor
     cfg = C.validate(cfg, n)
     return Trainable.create(cfg, make_mesh(cfg.parallel, jax.devices()[:n]))
 

@@ -11,6 +11,11 @@ Decoding (`GPT.decode`) runs the same parameters on a few new tokens at a time a
 key/value cache [L, 2, B, T, K, H] (T = the cache's length, keys after rotary), written at the
 tokens' positions; the training path and its parameter tree are unchanged.
 
+Context parallelism hands the model a `SequenceOrder`: the rows of the sequence come in another
+order than 0..S-1 (the model reads each row's position from it: learned position rows, rotary
+angles) and attention is its `attend` (causal by those positions, across the devices that hold
+the sequence's parts); the model never learns where the rows are.
+
 Megatron's tensor-parallel split follows from the axes alone: QKV and fc1 are column-parallel
 (`heads`, `mlp` on the output dim), attention-out and fc2 are row-parallel (same axes on the
 input dim), the embedding table is vocab-parallel.
@@ -18,6 +23,7 @@ input dim), the embedding table is vocab-parallel.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +44,20 @@ def no_constraint(x: Array, logical_axes: tuple) -> Array:
 
 
 RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
+"""Between the layer's parts: `act_seq` is split over `tensor` with sequence parallelism (and
+over `context` with context parallelism); inside attention and the MLP the sequence dim is
+`act_tokens`, whole but for context parallelism."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceOrder:
+    """The sequence's rows as the model sees them: `positions()` [S] int is each row's position,
+    and `attend(q [B, S, N, H], k, v [B, S, K, H]) -> o [B, S, N, H]` is causal attention by
+    those positions (context parallelism: the rows a context rank holds, and the ring that
+    attends them to the whole sequence; `jaxmeg.parallel.context`)."""
+
+    positions: Callable[[], Array]
+    attend: Callable[[Array, Array, Array], Array]
 
 
 def _dtype(name: str) -> Any:
@@ -73,14 +93,16 @@ class Norm(nn.Module):
         return (x * scale + bias).astype(x_BxSxD.dtype)
 
 
-def rotary(x_BxSxNxH: Array, theta: float = 10000.0, start: Array | int = 0) -> Array:
+def rotary(x_BxSxNxH: Array, theta: float = 10000.0, start: Array | int = 0, order=None) -> Array:
     """Rotary position embedding (Su et al., 2021) over the head dim, halves rotated: pair i is
     (x[i], x[i + H/2]) at frequency theta^(-2i/H), Hugging Face Llama's `rotate_half` layout.
-    Token s sits at position start + s."""
+    Token s sits at position start + s, or at `order.positions[s]` (a `SequenceOrder`)."""
     seq, half = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1] // 2
     freq_H = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     position_S = jnp.arange(seq, dtype=jnp.float32)
-    if not isinstance(start, int) or start:  # decoding; training traces as it always did
+    if order is not None:
+        position_S = order.positions().astype(jnp.float32)
+    elif not isinstance(start, int) or start:  # decoding; training traces as it always did
         position_S = position_S + start
     angle_SxH = position_S[:, None] * freq_H[None, :]
     cos, sin = jnp.cos(angle_SxH)[None, :, None, :], jnp.sin(angle_SxH)[None, :, None, :]
@@ -134,7 +156,9 @@ def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, 
     if cfg.block == "gpt":
         b_qkv = _param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
         qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
-    qkv_BxSx3xNxH = module.constrain(qkv_BxSx3xNxH, ("act_batch", None, None, "act_heads", None))
+    qkv_BxSx3xNxH = module.constrain(
+        qkv_BxSx3xNxH, ("act_batch", "act_tokens", None, "act_heads", None)
+    )
     return qkv_BxSx3xNxH[:, :, 0], qkv_BxSx3xNxH[:, :, 1], qkv_BxSx3xNxH[:, :, 2]
 
 
@@ -155,8 +179,10 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
         b_kv = _param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
         q_BxSxNxH = q_BxSxNxH + b_q.astype(compute)
         kv_BxSx2xKxH = kv_BxSx2xKxH + b_kv.astype(compute)
-    q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", None, "act_heads", None))
-    kv_BxSx2xKxH = module.constrain(kv_BxSx2xKxH, ("act_batch", None, None, "act_kv_heads", None))
+    q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
+    kv_BxSx2xKxH = module.constrain(
+        kv_BxSx2xKxH, ("act_batch", "act_tokens", None, "act_kv_heads", None)
+    )
     return q_BxSxNxH, kv_BxSx2xKxH[:, :, 0], kv_BxSx2xKxH[:, :, 1]
 
 
@@ -169,6 +195,7 @@ class Attention(nn.Module):
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    order: SequenceOrder | None = None
 
     @nn.compact
     def __call__(
@@ -191,13 +218,16 @@ class Attention(nn.Module):
             w_out = _param(self, "w_out", (n, h, d), out_axes, _normal(out_std))
             q, k, v = _fused_qkv(self, x_BxSxD, w_qkv)
         if cfg.block == "llama":
-            q, k = rotary(q, cfg.rope_theta, start), rotary(k, cfg.rope_theta, start)
-        if cache_2xBxTxKxH is None:
+            q = rotary(q, cfg.rope_theta, start, self.order)
+            k = rotary(k, cfg.rope_theta, start, self.order)
+        if self.order is not None:
+            o_BxSxNxH = self.order.attend(q, k, v)
+        elif cache_2xBxTxKxH is None:
             impl = attention_implementation(cfg)
             o_BxSxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         else:
             o_BxSxNxH, cache_2xBxTxKxH = _attend_cached(self, q, k, v, cache_2xBxTxKxH, start)
-        o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", None, "act_heads", None))
+        o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
         y_BxSxD = _weight_matmul(
             self, "w_out", "bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute), "output"
         )
@@ -260,7 +290,7 @@ class Mlp(nn.Module):
                 self, "w_gate", "bsd,df->bsf", x_BxSxD, w_gate.astype(compute), "input"
             )
             u_BxSxF = jax.nn.silu(gate_BxSxF) * u_BxSxF
-        u_BxSxF = self.constrain(u_BxSxF, ("act_batch", None, "act_mlp"))
+        u_BxSxF = self.constrain(u_BxSxF, ("act_batch", "act_tokens", "act_mlp"))
         y_BxSxD = _weight_matmul(
             self, "w_out", "bsf,fd->bsd", u_BxSxF, w_out.astype(compute), "output"
         )
@@ -306,13 +336,14 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    order: SequenceOrder | None = None
 
     @nn.compact
     def __call__(
         self, x_BxSxD: Array, cache_2xBxTxKxH: Array | None = None, start: Array | int = 0
     ) -> tuple[Array, Array | None]:
         x = x_BxSxD
-        attn = Attention(self.cfg, self.constrain, name="attn")
+        attn = Attention(self.cfg, self.constrain, self.order, name="attn")
         if cache_2xBxTxKxH is None:
             x = x + attn(Norm(self.cfg, name="norm1")(x))
         else:
@@ -330,6 +361,7 @@ class BlockStack(nn.Module):
     cfg: ModelConfig
     num_layers: int
     constrain: Constrain = no_constraint
+    order: SequenceOrder | None = None
 
     @nn.compact
     def __call__(
@@ -347,7 +379,7 @@ class BlockStack(nn.Module):
             length=self.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, cache = scanned(self.cfg, self.constrain, name="layers")(
+        x, cache = scanned(self.cfg, self.constrain, self.order, name="layers")(
             x_BxSxD, cache_Lx2xBxTxKxH, start
         )
         return x if cache_Lx2xBxTxKxH is None else (x, cache)
@@ -359,6 +391,7 @@ class Embed(nn.Module):
     cfg: ModelConfig
     vocab: int
     constrain: Constrain = no_constraint
+    order: SequenceOrder | None = None
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -375,7 +408,9 @@ class Embed(nn.Module):
         x_BxSxD = jnp.take(self.token, tokens_BxS, axis=0).astype(compute)
         if self.cfg.block == "gpt":
             seq = tokens_BxS.shape[1]
-            if isinstance(start, int):  # training: a static slice, as always
+            if self.order is not None:
+                position_SxD = jnp.take(self.position, self.order.positions(), axis=0)
+            elif isinstance(start, int):  # training: a static slice, as always
                 position_SxD = self.position[start : start + seq]
             else:
                 position_SxD = jax.lax.dynamic_slice_in_dim(self.position, start, seq)
@@ -409,7 +444,7 @@ class Head(nn.Module):
                 _normal(self.cfg.init_std),
             )
             logits_BxSxV = jnp.einsum("bsd,dv->bsv", x, w.astype(compute))
-        return self.constrain(logits_BxSxV, ("act_batch", None, "act_vocab"))
+        return self.constrain(logits_BxSxV, ("act_batch", "act_tokens", "act_vocab"))
 
 
 class GPT(nn.Module):
@@ -422,10 +457,11 @@ class GPT(nn.Module):
     cfg: ModelConfig
     vocab: int
     constrain: Constrain = no_constraint
+    order: SequenceOrder | None = None
 
     def setup(self) -> None:
-        self.embed = Embed(self.cfg, self.vocab, self.constrain)
-        self.blocks = BlockStack(self.cfg, self.cfg.layers, self.constrain)
+        self.embed = Embed(self.cfg, self.vocab, self.constrain, self.order)
+        self.blocks = BlockStack(self.cfg, self.cfg.layers, self.constrain, self.order)
         self.head = Head(self.cfg, self.vocab, self.constrain)
 
     def __call__(self, tokens_BxS: Array) -> Array:

@@ -1,7 +1,8 @@
-"""The (data, pipe, tensor) device mesh.
+"""The (data, pipe, context, tensor) device mesh.
 
 Device order: `tensor` varies fastest, so a tensor group is made of consecutive devices of one
-host (NVLink); of `pipe` and `data`, the config's `outer_axis` varies slowest and so is the one
+host (NVLink), then `context` (a context group is c consecutive tensor groups); of `pipe` and
+`data`, the config's `outer_axis` varies slowest and so is the one
 that crosses hosts first (Megatron's default puts pipe outermost). All axes are Auto, so XLA
 places tensor-parallel collectives from the sharding rules.
 
@@ -44,13 +45,17 @@ def make_mesh(par: ParallelConfig, devices: list | None = None, placement=None) 
     Megatron's device order, or in `placement`'s (a `jaxmeg.parallel.placement.Placement`)."""
     devices = list(jax.devices() if devices is None else devices)
     devices.sort(key=lambda d: (d.process_index, d.id))
-    data, pipe, tensor = resolve_mesh_shape(par, len(devices))
+    data, pipe, context, tensor = resolve_mesh_shape(par, len(devices))
     if placement is None:
-        ids = megatron_grid([d.id for d in devices], data, pipe, tensor, par.outer_axis)
+        # a context group is c consecutive tensor groups: inside a node where it fits
+        ids = megatron_grid([d.id for d in devices], data, pipe, context * tensor, par.outer_axis)
     else:
         ids = placement.grid
-        if ids.shape != (data, pipe, tensor):
-            raise ValueError(f"placement grid {ids.shape} != mesh shape {(data, pipe, tensor)}")
+        if ids.shape != (data, pipe, context * tensor):
+            raise ValueError(
+                f"placement grid {ids.shape} != mesh shape {(data, pipe, context * tensor)}"
+            )
+    ids = ids.reshape(data, pipe, context, tensor)
     by_id = {d.id: d for d in devices}
     grid = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -5,7 +5,8 @@ along its second dim (column-parallel, logical `mlp` -> `tensor`), then Z = Y B 
 its first dim (row-parallel, same logical axis) and one all-reduce of Z. Attention does the same
 over `heads`. The embedding table is split on `vocab`. Activations: `act_batch` on `data`; with
 sequence parallelism the residual stream's `act_seq` goes on `tensor`, so each all-reduce becomes
-a reduce-scatter plus an all-gather.
+a reduce-scatter plus an all-gather. With context parallelism the sequence dim is split over
+`context` everywhere (`act_seq` and, inside attention and the MLP, `act_tokens`).
 
 Grouped-query attention (`model.kv_heads` < `model.heads`): the query heads stay on `tensor`; the
 key/value heads (`kv_heads`, `act_kv_heads`) go on `tensor` too when t divides kv_heads, so each
@@ -43,6 +44,7 @@ PARAM_RULES: dict[str, str | None] = {
 ACTIVATION_RULES: dict[str, str | None] = {
     "act_batch": "data",
     "act_seq": None,
+    "act_tokens": None,
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
@@ -59,6 +61,9 @@ def activation_rules(par: ParallelConfig) -> Rules:
     rules = dict(ACTIVATION_RULES)
     if par.sequence_parallel:
         rules["act_seq"] = "tensor"
+    if par.context > 1:  # the sequence split over context everywhere, and over tensor with SP
+        rules["act_tokens"] = "context"
+        rules["act_seq"] = ("context", "tensor") if par.sequence_parallel else "context"
     rules.update(par.activation_rules)
     return tuple(rules.items())
 
@@ -69,6 +74,9 @@ def logical_to_spec(logical_axes: tuple, rules: Rules, drop: frozenset = frozens
     axes = []
     for name in logical_axes:
         mesh_axis = table.get(name) if name is not None else None
+        if isinstance(mesh_axis, tuple):  # several mesh axes: keep those not dropped
+            mesh_axis = tuple(a for a in mesh_axis if a not in drop) or None
+            mesh_axis = mesh_axis[0] if mesh_axis and len(mesh_axis) == 1 else mesh_axis
         axes.append(None if mesh_axis in drop else mesh_axis)
     return P(*axes)
 

@@ -2,7 +2,8 @@
 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models").
 
 Words: n GPUs in a ring, P the parameters one GPU's stage holds split t ways, P_c those of one
-chunk (what ZeRO-3 gathers at once), d the data group, v chunks per stage, m microbatches.
+chunk (what ZeRO-3 gathers at once), d the data group (with context, data x context: d c GPUs
+hold the same parameters), v chunks per stage, m microbatches.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class Collective:
 
 
 def model_state_bytes(params: float, chunk_params: float, layout: Layout) -> float:
-    """Bytes of model states one GPU holds (section 5), P = `params`, P_c = `chunk_params`:
+    """Bytes of model states one GPU holds (section 5), P = `params`, P_c = `chunk_params`, d
+    the gradient group (d c with context, whose GPUs hold the same parameters):
     stage 0   16 P                fp32 weights 4, fp32 gradients 4, Adam moments 8
     stage 1   (2 + 4) P + 12 P/d  a bf16 weight copy and the fp32 gradients whole; the fp32
                                   master weights and moments sharded
@@ -62,7 +64,7 @@ def model_state_bytes(params: float, chunk_params: float, layout: Layout) -> flo
                                   of the next (prefetched), 2 x 2 P_c, and the chunk's fp32
                                   gradient until it is reduce-scattered, 4 P_c
     """
-    d = layout.data
+    d = layout.gradient_group
     if layout.zero_stage == 0:
         return 16.0 * params
     if layout.zero_stage == 1:

@@ -355,7 +355,7 @@ def _named(per_link: dict[tuple[int, int], int]) -> dict[str, int]:
 def _ring_link(layout: Layout, hw: Hardware, stages: list[int]) -> tuple[float, float]:
     """The link of a ring over `stages` x data (one tensor rank's): NVLink when it sits in one
     node."""
-    node = device_grid(layout)[:, stages, 0] // hw.gpus_per_node
+    node = device_grid(layout)[:, stages, 0, 0] // hw.gpus_per_node
     return hardware_link(hw, bool(node.min() == node.max()))
 
 
@@ -515,6 +515,13 @@ def check_section(comp: CompressionConfig, layout: Layout) -> None:
         raise ConfigError(
             f"compression.data_grad_stages must be -1 (all) or a stage count in [1, "
             f"pipe = {layout.pipe}], got {comp.data_grad_stages}"
+        )
+    if layout.context > 1 and (
+        comp.pipe_grad_rank or comp.data_grad_rank or comp.fused_embedding_sync
+    ):
+        raise ConfigError(
+            f"compression is priced without context parallelism (as training runs it), got "
+            f"context = {layout.context}"
         )
 
 

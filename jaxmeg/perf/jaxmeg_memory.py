@@ -141,7 +141,14 @@ def jaxmeg_step_memory(
     input_slots: int = 1,
     cot_slots: int = 1,
 ) -> StepMemory:
-    """The module docstring's sums; `input_slots` K and `cot_slots` J from the tick table."""
+    """The module docstring's sums; `input_slots` K and `cot_slots` J from the tick table.
+    Without context parallelism only: its ring's buffers are not counted here (the planner's
+    `model.memory_per_gpu` prices them)."""
+    if layout.context > 1:
+        raise ValueError(
+            f"jaxmeg_step_memory prices a step without context parallelism, got context = "
+            f"{layout.context}"
+        )
     params = jaxmeg_params_per_device(shape, layout, vocab_padded)
     s, b = shape.seq_len, layout.microbatch
     tokens = 2 * 4 * s * b * layout.microbatches

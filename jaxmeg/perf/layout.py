@@ -2,7 +2,7 @@
 the schedule, recompute and ZeRO. Its own module so that `jaxmeg.perf.model` and
 `jaxmeg.perf.collectives` both import it, and the model imports the collectives one way.
 
-Words: t tensor, p pipe, d data, v chunks, b microbatch, m microbatches per replica.
+Words: t tensor, p pipe, c context, d data, v chunks, b microbatch, m microbatches per replica.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ class Layout:
     tensor: int
     pipe: int
     data: int
+    context: int = 1
+    """Context-parallel size c (`parallel.context`): each sequence split over c GPUs, which
+    pass its keys and values around a ring for attention (`jaxmeg.perf.context`). The mesh
+    axis sits between pipe and tensor: a context group is c consecutive tensor groups."""
     chunks: int = 1
     microbatch: int = 1
     microbatches: int = 1
@@ -45,6 +49,8 @@ class Layout:
     only (jaxmeg's config has no such field)."""
 
     def __post_init__(self) -> None:
+        if self.context < 1:
+            raise ValueError(f"context must be >= 1, got {self.context}")
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(
                 f"zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"
@@ -76,7 +82,13 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.pipe * self.data
+        return self.tensor * self.pipe * self.context * self.data
+
+    @property
+    def gradient_group(self) -> int:
+        """d c: the GPUs that hold the same parameters and reduce their gradients together (and
+        share ZeRO's shards); parameters are replicated over context as over data."""
+        return self.data * self.context
 
     @property
     def global_batch(self) -> int:

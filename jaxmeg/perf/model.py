@@ -8,8 +8,11 @@ Transformer Models" (activation bytes per layer, table 2); Rajbhandari et al., 2
 Memory Optimizations Toward Training Trillion Parameter Models" (sharded model states);
 Lamy-Poirier, 2021, "Layered gradient accumulation and modular pipeline parallelism" (the
 breadth-first schedule's gathers once per chunk and its overlapped data-parallel traffic).
+Context parallelism (c GPUs per sequence, a ring of key/value blocks) is priced in
+`jaxmeg.perf.context`; each GPU then holds s / c tokens of each sequence (`local_seq_len`),
+which is the s of every per-token figure below.
 
-Words: t tensor, p pipe, d data, v chunks, b microbatch, m microbatches per replica,
+Words: t tensor, p pipe, c context, d data, v chunks, b microbatch, m microbatches per replica,
 B = d m b sequences per step, s sequence, h hidden, a heads, l layers, V vocabulary, Lc layers
 per chunk, K the stage-input ring (microbatch-chunk inputs a stage keeps at once).
 
@@ -36,6 +39,12 @@ from jaxmeg.perf.collectives import (
     model_state_bytes,
     ring_all_reduce_seconds,
 )
+from jaxmeg.perf.context import (
+    exposed_ring_seconds,
+    local_seq_len,
+    ring_buffer_bytes,
+    ring_bytes_per_layer,
+)
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.layout import Layout
 from jaxmeg.pipeline import schedules
@@ -52,6 +61,9 @@ class Shape:
     seq_len: int
     vocab: int
     mlp_ratio: int = 4
+    kv_heads: int | None = None
+    """Key/value heads of grouped-query attention (`model.kv_heads`); None = heads. Only the
+    context ring's block size reads it (the parameters and FLOPs are multi-head attention's)."""
 
 
 def shape_of(model: ModelConfig) -> Shape:
@@ -62,6 +74,7 @@ def shape_of(model: ModelConfig) -> Shape:
     return Shape(
         hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
         vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
+        kv_heads=None if model.kv_heads == -1 else model.kv_heads,
     )  # fmt: skip
 
 
@@ -150,10 +163,11 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash_attention: bool =
     none:      s b h (10 + 24/t + 5 a s / (h t)),  with sequence parallelism (34 + 5 a s/h) / t
     selective: s b h (10 + 24/t),                  with sequence parallelism 34 / t
     full:      2 s b h (the layer input),          with sequence parallelism / t
-    Flash attention keeps no s x s scores, so the 5 a s / h term drops.
+    Flash attention keeps no s x s scores, so the 5 a s / h term drops. With context, s b h is
+    of the s / c local tokens, whose scores rows are s long.
     """
     s, b, h, a, t = shape.seq_len, layout.microbatch, shape.hidden, shape.heads, layout.tensor
-    sbh = s * b * h
+    sbh = local_seq_len(shape, layout) * b * h
     scores = 0.0 if flash_attention else 5 * a * s / h
     sp = layout.sequence_parallel
     if layout.recompute == "full":
@@ -189,7 +203,7 @@ def split_store_bytes_per_layer(shape: Shape, layout: Layout) -> float:
     inputs and the row-parallel ones' output cotangents are whole over the tensor group, split
     on the sequence with sequence parallelism: s b (4 h + (4 h + 2 f) / t), with it s b (8 h +
     2 f) / t, f the MLP width (16 s b h / t)."""
-    s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
+    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
     f = shape.mlp_ratio * h
     residual = h / t if layout.sequence_parallel else h  # a residual-stream-shaped tensor
     return 2 * s * b * (4 * residual + (4 * h + 2 * f) / t)
@@ -199,7 +213,7 @@ def matmul_input_bytes_per_layer(shape: Shape, layout: Layout) -> float:
     """The matmul inputs X a split backward's forward keeps for W until I moves them (with
     stored residuals), 16-bit: s b (2 h + (h + f) / t), the first term / t with sequence
     parallelism."""
-    s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
+    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
     f = shape.mlp_ratio * h
     residual = h / t if layout.sequence_parallel else h
     return 2 * s * b * (2 * residual + (h + f) / t)
@@ -251,17 +265,19 @@ def memory_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> Memory:
     """Model states at 16 B/param less ZeRO's sharding (`collectives.model_state_bytes`);
     activations: K ring slots of what the remat choice keeps
     (`stored_microbatches` x `kept_bytes_per_microbatch`), the recompute working set, the last
-    stage's fp32 logits and one received activation; the hardware's workspace. The busiest
-    stage's."""
+    stage's fp32 logits, one received activation and the context ring's blocks
+    (`context.ring_buffer_bytes`); the hardware's workspace. The busiest stage's, s the local
+    s / c with context."""
     params = params_per_gpu(shape, layout)
     states = model_state_bytes(params, chunk_params_per_gpu(shape, layout), layout)
     if schedules.splits_backward(layout.schedule) and layout.pipe > 1:
         stored = split_backward_stored_bytes(shape, layout)
     else:
         stored = stored_microbatches(layout) * kept_bytes_per_microbatch(shape, layout)
-    s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
+    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
     logits = 3 * 4 * s * b * shape.vocab / t  # fp32 logits, softmax and gradient
     activations = stored + recompute_working_bytes(shape, layout) + logits + 2 * s * b * h
+    activations += ring_buffer_bytes(shape, layout)
     return Memory(params, states, activations, hw.workspace_gb * 1e9)
 
 
@@ -309,21 +325,24 @@ def hardware_link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
 
 
 def device_grid(layout: Layout) -> np.ndarray:
-    """int [d, p, t]: each GPU's rank in the device order, laid out as
-    `jaxmeg.parallel.mesh.make_mesh` lays out the mesh: tensor fastest, `outer_axis` slowest.
-    Nodes are runs of `gpus_per_node` consecutive ranks."""
-    d, p, t = layout.data, layout.pipe, layout.tensor
+    """int [d, p, c, t] (`config.MESH_AXES`): each GPU's rank in the device order, laid out as
+    `jaxmeg.parallel.mesh.make_mesh` lays out the mesh: tensor fastest, then context (a context
+    group is c consecutive tensor groups), `outer_axis` slowest. Nodes are runs of
+    `gpus_per_node` consecutive ranks."""
+    d, p, c, t = layout.data, layout.pipe, layout.context, layout.tensor
     ranks = np.arange(layout.gpus)
     if layout.outer_axis == "pipe":
-        return ranks.reshape(p, d, t).transpose(1, 0, 2)
-    return ranks.reshape(d, p, t)
+        return ranks.reshape(p, d, c, t).transpose(1, 0, 2, 3)
+    return ranks.reshape(d, p, c, t)
 
 
-def inside_node(layout: Layout, hw: Hardware, axis: str) -> bool:
-    """Whether every group along mesh `axis` sits in one node (its collectives use NVLink)."""
+def inside_node(layout: Layout, hw: Hardware, axis: str | tuple[str, ...]) -> bool:
+    """Whether every group along mesh `axis` (or the axes together) sits in one node (its
+    collectives use NVLink)."""
     node = device_grid(layout) // hw.gpus_per_node
-    dim = MESH_AXES.index(axis)
-    return bool((node.min(axis=dim) == node.max(axis=dim)).all())
+    axes = (axis,) if isinstance(axis, str) else axis
+    dims = tuple(MESH_AXES.index(a) for a in axes)
+    return bool((node.min(axis=dims) == node.max(axis=dims)).all())
 
 
 def tensor_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
@@ -332,14 +351,21 @@ def tensor_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
 
 
 def pipe_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """Pipeline neighbours are t GPUs apart (outer_axis data) or t d (outer_axis pipe); the
+    """Pipeline neighbours are c t GPUs apart (outer_axis data) or c t d (outer_axis pipe); the
     pipeline moves at the pace of its slowest hop, so one hop across nodes makes it inter-node."""
     return hardware_link(hw, inside_node(layout, hw, "pipe"))
 
 
 def data_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """A data group is t GPUs apart (outer_axis pipe) or t p (outer_axis data)."""
-    return hardware_link(hw, inside_node(layout, hw, "data"))
+    """The gradient group, data x context: data neighbours are c t GPUs apart (outer_axis
+    pipe) or c t p (outer_axis data), with the c t GPUs of a context group between them."""
+    return hardware_link(hw, inside_node(layout, hw, ("data", "context")))
+
+
+def context_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """Ring neighbours are t GPUs apart: a context group of c t consecutive GPUs uses NVLink
+    while c t fits in a node (and starts on a node boundary), the network otherwise."""
+    return hardware_link(hw, inside_node(layout, hw, "context"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +376,11 @@ class LayerSeconds:
     """Its backward without recompute."""
     attention_core: float
     """The part of the forward that selective recompute reruns: scores, softmax, context."""
+    ring_forward: float = 0.0
+    """Seconds of the forward's context ring sends that its block steps do not hide (in
+    `forward`; `context.exposed_ring_seconds`)."""
+    ring_backward: float = 0.0
+    """The backward's (in `backward`)."""
 
     def recompute(self, choice: str) -> float:
         """Seconds the backward adds to rerun what `choice` did not keep."""
@@ -357,8 +388,11 @@ class LayerSeconds:
 
 
 def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
-    """Seconds of one layer for one microbatch."""
-    s, b, h, a, t = shape.seq_len, layout.microbatch, shape.hidden, shape.heads, layout.tensor
+    """Seconds of one layer for one microbatch. With context, s is the s / c local tokens and
+    attention runs as c block steps of s / c queries against s / c keys, each waiting for its
+    ring send where the send is the longer (`context.exposed_ring_seconds`)."""
+    s, b, h, a = local_seq_len(shape, layout), layout.microbatch, shape.hidden, shape.heads
+    t, c = layout.tensor, layout.context
     tokens = s * b
     f = shape.mlp_ratio * h
     gemms = (
@@ -368,21 +402,27 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
         + _gemm_seconds(tokens, h, f / t, hw)  # fc2
     )
     heads = a / t
-    attention = (
+    block = (
         b * heads * (_gemm_seconds(s, s, h / a, hw) + _gemm_seconds(s, h / a, s, hw))
-    )  # scores and context, as batched GEMMs per head
+    )  # scores and context, as batched GEMMs per head, of one block step
+    attention = c * block
     # Memory-bound work per layer, in 2-byte elements read + written: two layer norms, two
     # dropouts and two residual adds on the hidden stream (~12 s b h; split over t only with
     # sequence parallelism), bias + GeLU on the 4h MLP activations and the QKV bias (~16 s b h
-    # / t), and scale-mask-softmax + dropout over the attention scores (~6 b a s^2 / t).
+    # / t), and scale-mask-softmax + dropout over the attention scores (~6 b a s^2 / t, per
+    # block step).
     hbm_bytes_per_s = hw.hbm_tb_per_s * 1e12
     replicated = 12 * tokens * h / (t if layout.sequence_parallel else 1)
-    softmax = 6 * b * heads * s * s * 2 / hbm_bytes_per_s
+    block_softmax = 6 * b * heads * s * s * 2 / hbm_bytes_per_s
+    softmax = c * block_softmax
     elementwise = (replicated + 16 * tokens * h / t) * 2 / hbm_bytes_per_s + softmax
     all_reduce = ring_all_reduce_seconds(2 * tokens * h, t, tensor_link(layout, hw))
-    forward = gemms + attention + elementwise + 2 * all_reduce
-    backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce
-    return LayerSeconds(forward, backward, attention + softmax)
+    ring_f, ring_b = exposed_ring_seconds(
+        shape, layout, context_link(layout, hw), block + block_softmax
+    )
+    forward = gemms + attention + elementwise + 2 * all_reduce + ring_f
+    backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce + ring_b
+    return LayerSeconds(forward, backward, attention + softmax, ring_f, ring_b)
 
 
 def data_parallel_seconds(
@@ -394,12 +434,13 @@ def data_parallel_seconds(
     back through it, while the backward of chunks c-1 .. 0 is still to run, and the next
     chunk's weights can be gathered while this one computes (Lamy-Poirier, 2021, sections 4-5):
     only the first gather and the last reduce-scatter, 1/v of the traffic, must wait, and the
-    rest hides behind the step's compute C: max(T / v, T - C)."""
+    rest hides behind the step's compute C: max(T / v, T - C). With context the ring is the
+    d c GPUs of the data x context group (`Layout.gradient_group`)."""
     link = data_link(layout, hw)
     collectives = data_parallel_collectives(
         params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
     )
-    total = sum(c.seconds(layout.data, link) for c in collectives)
+    total = sum(c.seconds(layout.gradient_group, link) for c in collectives)
     return exposed_data_parallel_seconds(total, layout, compute_seconds)
 
 
@@ -418,16 +459,16 @@ def pipe_message_seconds(
     link: tuple[float, float] | None = None,
     message: float | None = None,
 ) -> float:
-    """One activation (or cotangent) of 2 s b h bytes (or `message` bytes, the tensor group's
-    whole message) from a stage to its neighbour, over `link` (GB/s, latency us; default
-    `pipe_link`).
+    """One activation (or cotangent) of 2 s b h bytes (s / c tokens with context; or `message`
+    bytes, the tensor group's whole message) from a stage to its neighbour, over `link` (GB/s,
+    latency us; default `pipe_link`).
 
     With Megatron's scatter/gather each of the t ranks of a tensor group sends 1/t of it on its
     own link, and the receivers all-gather the t pieces over the tensor group before the stage
     can start (Narayanan et al., 2021, section 4.1); without it every rank sends it whole.
     """
     if message is None:
-        message = 2 * shape.seq_len * layout.microbatch * shape.hidden
+        message = 2 * local_seq_len(shape, layout) * layout.microbatch * shape.hidden
     t = layout.tensor
     gb_per_s, latency_us = pipe_link(layout, hw) if link is None else link
     if not (layout.pipe_scatter_gather or layout.sequence_parallel) or t == 1:
@@ -441,15 +482,16 @@ def pipe_message_seconds(
 
 
 def logits_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
-    """The output projection's forward for one microbatch (its backward is two of these)."""
-    tokens = shape.seq_len * layout.microbatch
+    """The output projection's forward for one microbatch (its backward is two of these), of
+    the s / c local tokens with context."""
+    tokens = local_seq_len(shape, layout) * layout.microbatch
     return _gemm_seconds(tokens, shape.vocab / layout.tensor, shape.hidden, hw)
 
 
 def optimizer_seconds(params: float, layout: Layout, hw: Hardware) -> float:
     """The optimizer step of `params` parameters, memory bound: 16 bytes per parameter read
-    and written, on the 1/d shard with ZeRO."""
-    updated = params / (layout.data if layout.zero_stage else 1)
+    and written, on the 1/d shard with ZeRO (1/(d c) with context: the gradient group's)."""
+    updated = params / (layout.gradient_group if layout.zero_stage else 1)
     return 16 * updated * 2 / (hw.hbm_tb_per_s * 1e12)
 
 
@@ -498,9 +540,12 @@ def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict
     with scatter/gather the all-gather of each received pipeline message, (t-1)/t of it; pipe:
     b s h per microbatch per boundary each way (/t with scatter-gather), as a stage with a
     neighbour on both sides sends (jaxmeg's executor sends only what Megatron-LM sends); data: the
-    `collectives.data_parallel_collectives` on a ring of d. Layers are the busiest stage's.
+    `collectives.data_parallel_collectives` on a ring of d (d c with context); context: the
+    ring's blocks (`context.ring_bytes_per_layer`) per layer per microbatch, its forward twice
+    with `recompute="full"`. s is the s / c local tokens with context. Layers are the busiest
+    stage's.
     """
-    s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
+    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
     message = s * b * h * compute_bytes
     per_layer = 6 if layout.recompute == "full" else 4
     layers = busiest_stage_layers(shape, layout)
@@ -516,7 +561,10 @@ def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict
     collectives = data_parallel_collectives(
         params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
     )
-    data_bytes = sum(c.wire_bytes(layout.data) for c in collectives)
+    data_bytes = sum(c.wire_bytes(layout.gradient_group) for c in collectives)
+    ring = ring_bytes_per_layer(shape, layout, compute_bytes)
+    ring_forwards = 2 if layout.recompute == "full" else 1
+    context_bytes = layers * layout.microbatches * (ring_forwards * ring.forward + ring.backward)
     return {
         "tensor_message": float(message),
         "tensor_all_reduces": float(tensor),
@@ -524,4 +572,7 @@ def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict
         "pipe_message": float(pipe_message),
         "pipe": float(pipe_bytes),
         "data": float(data_bytes),
+        "context_block": float(ring.block),
+        "context_per_layer": float(ring.per_layer),
+        "context": float(context_bytes),
     }

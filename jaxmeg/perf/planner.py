@@ -1,11 +1,12 @@
-"""The parallel-configuration planner: every (t, p, d, v, b, recompute) that fits in memory,
+"""The parallel-configuration planner: every (t, p, c, d, v, b, recompute) that fits in memory,
 ranked by predicted step time for a fixed global batch, with communication compression off, on
 or where it saves (`compression`); and, per pipeline method, the layout that reaches a target
-loss soonest at the critical batch (`shortest_time`)."""
+loss soonest at the critical batch (`shortest_time`, without context parallelism)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 
 from jaxmeg.config import REMAT_POLICIES, CompressionConfig
@@ -31,6 +32,12 @@ from jaxmeg.pipeline import schedules
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
 MAX_CHUNKS = 8
+MIN_CONTEXT_TOKENS = 2048
+"""The fewest tokens of a sequence a context rank holds in the search (`context_sizes`): context
+parallelism is searched for long sequences only, which keeps the search cheap (c = 1 alone up
+to s = 2048, c up to 16 at s = 32768). A ring step's attention grows as (s / c)^2 and its send
+as s / c; on the h100_dgx profile a step of 2048 tokens no longer hides its send over the
+network (c t beyond a node), and smaller shares only shorten the GEMMs further."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Plan:
         return {
             "tensor": lay.tensor,
             "pipe": lay.pipe,
+            "context": lay.context,
             "data": lay.data,
             "chunks": lay.chunks,
             "microbatch": lay.microbatch,
@@ -72,6 +80,8 @@ class Plan:
             "tensor_bytes_per_step": self.bytes_per_step["tensor"],
             "pipe_bytes_per_step": self.bytes_per_step["pipe"],
             "data_bytes_per_step": self.bytes_per_step["data"],
+            "context_bytes_per_step": self.bytes_per_step["context"],
+            "context_bytes_per_layer": self.bytes_per_step["context_per_layer"],
             "training_days": None if self.training_days is None else round(self.training_days, 2),
             "paper_estimate_days": None if self.paper_days is None else round(self.paper_days, 2),
             **compression,
@@ -82,6 +92,19 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def context_sizes(shape: Shape, context: int | None = None) -> list[int]:
+    """c the search tries: `context` if pinned; else 1 and the powers of two whose 2c blocks
+    split s evenly (`parallel.context`'s load balance) and leave each rank at least
+    MIN_CONTEXT_TOKENS tokens."""
+    if context:
+        return [context]
+    sizes, c = [1], 2
+    while shape.seq_len % (2 * c) == 0 and shape.seq_len // c >= MIN_CONTEXT_TOKENS:
+        sizes.append(c)
+        c *= 2
+    return sizes
+
+
 def candidate_layouts(
     shape: Shape,
     gpus: int,
@@ -90,6 +113,7 @@ def candidate_layouts(
     *,
     tensor: int | None = None,
     pipe: int | None = None,
+    context: int | None = None,
     chunks: int | None = None,
     microbatch: int | None = None,
     recompute: tuple[str, ...] = ("full", "selective"),
@@ -100,36 +124,39 @@ def candidate_layouts(
 ) -> Iterator[Layout]:
     """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only.
     The schedule is Megatron's (1f1b, interleaved_1f1b with chunks), or `schedule` where its
-    chunks allow (a zero-bubble schedule: zb_h1 at v = 1, interleaved_zb at v >= 2, zbv at 2)."""
+    chunks allow (a zero-bubble schedule: zb_h1 at v = 1, interleaved_zb at v >= 2, zbv at 2).
+    c over `context_sizes`; c > 1 as training runs it: s / c divisible by t, and no
+    split-backward schedule."""
     # A tensor group stays inside a node and splits it evenly (t divides the GPUs per node).
     tensors = (
         [tensor] if tensor else [t for t in _divisors(shape.heads) if hw.gpus_per_node % t == 0]
     )
-    for t in tensors:
-        pipes = [pipe] if pipe else _divisors(shape.layers)
-        for p in pipes:
-            if gpus % (t * p):
+    for t, p, c in itertools.product(
+        tensors, [pipe] if pipe else _divisors(shape.layers), context_sizes(shape, context)
+    ):
+        if gpus % (t * p * c):
+            continue
+        if c > 1 and ((shape.seq_len // c) % t or schedules.splits_backward(schedule or "")):
+            continue
+        d = gpus // (t * p * c)
+        for b in [microbatch] if microbatch else MICROBATCH_SIZES:
+            if batch % (d * b):
                 continue
-            d = gpus // (t * p)
-            for b in [microbatch] if microbatch else MICROBATCH_SIZES:
-                if batch % (d * b):
+            m = batch // (d * b)
+            for v in [chunks] if chunks else _divisors(shape.layers // p):
+                if v > MAX_CHUNKS and not chunks:
                     continue
-                m = batch // (d * b)
-                chunk_options = [chunks] if chunks else _divisors(shape.layers // p)
-                for v in chunk_options:
-                    if v > MAX_CHUNKS and not chunks:
-                        continue
-                    if (shape.layers % (p * v)) or (v > 1 and p == 1):
-                        continue
-                    name = _schedule_for(schedule, p, m, v)
-                    if name is None:
-                        continue
-                    for r in recompute:
-                        yield Layout(
-                            tensor=t, pipe=p, data=d, chunks=v, microbatch=b, microbatches=m,
-                            recompute=r, sequence_parallel=sequence_parallel,
-                            outer_axis=outer_axis, zero_stage=zero_stage, schedule=name,
-                        )  # fmt: skip
+                if (shape.layers % (p * v)) or (v > 1 and p == 1):
+                    continue
+                name = _schedule_for(schedule, p, m, v)
+                if name is None:
+                    continue
+                for r in recompute:
+                    yield Layout(
+                        tensor=t, pipe=p, context=c, data=d, chunks=v, microbatch=b,
+                        microbatches=m, recompute=r, sequence_parallel=sequence_parallel,
+                        outer_axis=outer_axis, zero_stage=zero_stage, schedule=name,
+                    )  # fmt: skip
 
 
 def _schedule_for(schedule: str | None, p: int, m: int, v: int) -> str | None:
@@ -199,6 +226,14 @@ def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if shape.hidden % shape.heads:
         raise ValueError(f"hidden ({shape.hidden}) must be divisible by heads ({shape.heads})")
+    if shape.kv_heads is not None and shape.heads % shape.kv_heads:
+        raise ValueError(f"heads ({shape.heads}) must be divisible by kv_heads ({shape.kv_heads})")
+    context = pins.get("context")
+    if context and shape.seq_len % (2 * context):
+        raise ValueError(
+            f"context = {context} splits the sequence into {2 * context} blocks: seq_len "
+            f"({shape.seq_len}) must be divisible by {2 * context}"
+        )
     unknown = [r for r in pins.get("recompute", ()) if r not in REMAT_POLICIES]
     if unknown:
         raise ValueError(f"recompute must be among {list(REMAT_POLICIES)}, got {unknown}")
@@ -218,9 +253,17 @@ def plan(
 ) -> list[Plan]:
     """Plans that fit in memory, fastest step first (same global batch, so same tokens).
     `compression` off, on or auto, per layout (`jaxmeg.perf.compression.choose`) at
-    `compression_rank`, the pipeline's transfers compressed by `pipe_grad_phase`."""
+    `compression_rank`, the pipeline's transfers compressed by `pipe_grad_phase`; compression
+    comes without context parallelism (as training runs it), so it searches c = 1 only."""
     check_inputs(shape, gpus, batch, **pins)
     check_mode(compression, compression_rank, pipe_grad_phase)
+    if compression != "off":
+        if pins.get("context", 1) not in (None, 1):
+            raise ValueError(
+                f"compression is priced without context parallelism, got context = "
+                f"{pins['context']}"
+            )
+        pins["context"] = 1
     plans = []
     for layout in candidate_layouts(shape, gpus, batch, hw, **pins):
         comp = None
@@ -228,7 +271,12 @@ def plan(
             comp = choose(shape, layout, hw, compression, compression_rank, pipe_grad_phase)
         plans.append(evaluate(shape, layout, hw, tokens, comp))
     fitting = [p for p in plans if p.memory_per_gpu_gb <= hw.memory_gb]
-    return sorted(fitting, key=lambda p: (p.step_time_s, p.layout.tensor * p.layout.pipe))
+    return sorted(fitting, key=lambda p: (p.step_time_s, _model_parallel(p.layout)))
+
+
+def _model_parallel(layout: Layout) -> int:
+    """t p c: the GPUs one replica spans; of two equally fast plans the one with fewer."""
+    return layout.tensor * layout.pipe * layout.context
 
 
 # ---------------------------------------------------------------------------------------------

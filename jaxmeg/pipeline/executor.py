@@ -1,6 +1,8 @@
-"""The pipeline executor: one `jax.shard_map`, manual over `pipe` and `data`, that runs a
-schedule's tick table for a generic model given as `StageFunctions`. Every layout takes this
-path; pipe = 1 is the degenerate pipeline of one stage.
+"""The pipeline executor: one `jax.shard_map`, manual over `pipe` and `data` (and `context`
+when the sequence is split over it: each rank then holds its part of every sequence, and the
+gradients are averaged over data x context), that runs a schedule's tick table for a generic
+model given as `StageFunctions`. Every layout takes this path; pipe = 1 is the degenerate
+pipeline of one stage.
 
 Per tick, every stage looks up its actions in static tables at (tick, axis_index('pipe'))
 (`tick_columns.slot_columns`):
@@ -207,7 +209,8 @@ def make_pipeline_loss_and_grads(
     # Reducing each chunk inside the loop leaves the stage gradients typed as varying over
     # `data` though their values agree, which shard_map's type check cannot know: it is off then
     # (the equivalence tests check the values).
-    reduce_in_loop = mesh.shape["data"] > 1
+    context = mesh.shape.get("context", 1)
+    reduce_in_loop = mesh.shape["data"] * context > 1
     stage_dims = shared_dims = local_stage_dims = chunk_dims = None
     d = mesh.shape["data"]
     if zero.stage:
@@ -237,7 +240,8 @@ def make_pipeline_loss_and_grads(
     columns = {name: jnp.asarray(col, jnp.int32) for name, col in table_columns.columns.items()}
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
     store = fns.chunk_recompute is None and not whole_model
-    manual = gradients.MANUAL_AXES
+    manual = gradients.manual_axes(mesh.shape)
+    replica_axes = ("data", "context") if context > 1 else ("data",)
 
     def gather_pieces(chunk_shard):
         """ZeRO-3: every replica's piece of a chunk's split leaves, stacked [d, ...] (the
@@ -269,7 +273,8 @@ def make_pipeline_loss_and_grads(
     trace_info: dict[str, Any] = {}  # filled when traced: what one forward stores
 
     def per_device(stage_params, shared, tokens, targets, links=None, step=None):
-        params = _varying(jax.tree.map(lambda a: a[:, 0], stage_params), "data")  # [v, Lc, ...]
+        params = jax.tree.map(lambda a: a[:, 0], stage_params)  # [v, Lc, ...]
+        params = _varying(params, replica_axes)
         if gathering:
             shared = jax.tree.map(
                 lambda a, dim: (
@@ -766,10 +771,13 @@ def make_pipeline_loss_and_grads(
         return loss, (g_stage, g_shared), jax.tree.map(lambda a: a[None, None], out["links"])
 
     link_specs = (P("pipe", "data"), P()) if stateful else ()
+    # with context parallelism each context rank holds its part of every sequence (tokens and
+    # targets already in the load-balanced order: `jaxmeg.parallel.context`)
+    rows = P("data", "context") if context > 1 else P("data")
     run = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(*param_specs, P("data"), P("data"), *link_specs),
+        in_specs=(*param_specs, rows, rows, *link_specs),
         out_specs=(P(), grad_specs, *link_specs[:1]),
         axis_names=frozenset(manual),
         check_vma=not (

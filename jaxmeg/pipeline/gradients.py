@@ -16,7 +16,10 @@ reduce-scatter (`reduce_scatter`) into split accumulators. With PowerSGD
 `powersgd.reduce` (`reduce_chunk_compressed`); with the fused embedding sync
 (`compression.fused_embedding_sync`) the shared gradients and the loss are reduced over
 {first, last stage} x data only (`fused_sync`).
-When `data` and `pipe` both have size 1 the reductions are skipped: they are the identity, and
+With context parallelism (a `context` axis > 1, manual too) each context rank's gradients and
+loss are those of its part of every sequence, so they are averaged over `context` exactly as
+over `data`, in the same collectives: `replica_axes` is (data, context) then.
+When every manual axis has size 1 the reductions are skipped: they are the identity, and
 XLA refuses a cross-device reduction in a manual partition whose manual axes all have size 1
 (the mesh (1, 1, t) with t > 1; the executor then runs its shard_map without type checks).
 """
@@ -47,32 +50,53 @@ def accumulate_at(acc, index, delta):
 
 
 MANUAL_AXES = ("data", "pipe")
+"""The executor's manual axes, with `context` added when it is > 1 (`manual_axes`)."""
+
+
+def manual_axes(mesh_shape) -> tuple[str, ...]:
+    """The axes the executor's map is manual over on a mesh of `mesh_shape`."""
+    return (*MANUAL_AXES, "context") if mesh_shape.get("context", 1) > 1 else MANUAL_AXES
 
 
 def trivial(mesh_shape) -> bool:
     """Whether every manual axis has size 1, so no reduction is needed (or allowed)."""
-    return all(mesh_shape[axis] == 1 for axis in MANUAL_AXES)
+    return all(mesh_shape[axis] == 1 for axis in manual_axes(mesh_shape))
+
+
+def _inside_sizes() -> dict[str, int]:
+    """Inside the executor's map: the sizes of its manual axes."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return {a: jax.lax.axis_size(a) for a in (*MANUAL_AXES, "context") if a in manual}
+
+
+def replica_axes() -> tuple[str, ...]:
+    """Inside the executor's map: the axes over which gradients are averaged, `data` and,
+    with context parallelism, `context`."""
+    return ("data", "context") if "context" in _inside_sizes() else ("data",)
+
+
+def replicas() -> int:
+    sizes = _inside_sizes()
+    return sizes["data"] * sizes.get("context", 1)
 
 
 def _psum(tree, axis: str | tuple[str, ...]):
-    sizes = {a: jax.lax.axis_size(a) for a in MANUAL_AXES}
-    return tree if trivial(sizes) else jax.lax.psum(tree, axis)
+    return tree if trivial(_inside_sizes()) else jax.lax.psum(tree, axis)
 
 
-def _pmean(tree, axis: str):
-    sizes = {a: jax.lax.axis_size(a) for a in MANUAL_AXES}
-    return tree if trivial(sizes) else jax.lax.pmean(tree, axis)
+def _pmean(tree, axis: str | tuple[str, ...]):
+    return tree if trivial(_inside_sizes()) else jax.lax.pmean(tree, axis)
 
 
 def reduce_over_data(tree):
-    """The data-parallel gradient reduction: the mean over the `data` replicas."""
-    return _pmean(tree, "data")
+    """The data-parallel gradient reduction: the mean over the replicas (`replica_axes`)."""
+    return _pmean(tree, replica_axes())
 
 
 def _sum_stages_mean_replicas(tree):
-    summed = _psum(tree, MANUAL_AXES)
-    replicas = jax.lax.axis_size("data")
-    return jax.tree.map(lambda a: a / replicas, summed) if replicas > 1 else summed
+    summed = _psum(tree, (*MANUAL_AXES, *replica_axes()[1:]))
+    count = replicas()
+    return jax.tree.map(lambda a: a / count, summed) if count > 1 else summed
 
 
 def drop_leading_dims(dims, count: int):
@@ -128,16 +152,21 @@ def fused_sync(tree):
 
 
 def reduce_scatter(tree, dims, axes: tuple[str, ...]):
-    """Sharded optimizer: each leaf summed over `axes`, divided by the data size, and split
-    (tiled) over `axes` along its dim in `dims`; leaves with dim -1 are all-reduced whole."""
-    replicas = jax.lax.axis_size("data")
+    """Sharded optimizer: each leaf summed over `axes`, divided by the replica count, and split
+    (tiled) over `axes` along its dim in `dims`; leaves with dim -1 are all-reduced whole. With
+    context parallelism the context ranks' sum comes first (the optimizer is split over `data`
+    only)."""
+    count = replicas()
+    context = replica_axes()[1:]
 
     def one(a, dim):
+        if context:
+            a = jax.lax.psum(a, context)
         if dim < 0:
             summed = jax.lax.psum(a, axes)
         else:
             summed = jax.lax.psum_scatter(a, axes, scatter_dimension=dim, tiled=True)
-        return summed / replicas
+        return summed / count
 
     return jax.tree.map(one, tree, dims)
 

@@ -26,9 +26,13 @@ from jax.sharding import PartitionSpec as P
 from jaxmeg.pipeline.gradients import MANUAL_AXES
 
 
-def varying_everywhere(tree, axes=MANUAL_AXES):
-    """pcast each leaf to varying over the `axes` it does not vary over yet, so that loop
-    carries and `lax.switch` branches keep one type."""
+def varying_everywhere(tree, axes=None):
+    """pcast each leaf to varying over the `axes` it does not vary over yet (default: the
+    executor's manual axes, `gradients.manual_axes`), so that loop carries and `lax.switch`
+    branches keep one type."""
+    if axes is None:
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        axes = [a for a in (*MANUAL_AXES, "context") if a in manual]
 
     def cast(x):
         missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)

@@ -66,7 +66,8 @@ def _collective_bytes(cost) -> dict[str, float]:
 def planner_layout(cfg) -> Layout:
     par = cfg.parallel
     return Layout(
-        tensor=par.tensor, pipe=par.pipe, data=par.data, chunks=par.chunks,
+        tensor=par.tensor, pipe=par.pipe, data=par.data, context=par.context,
+        chunks=par.chunks,
         microbatch=cfg.train.microbatch_size, microbatches=cfg.train.microbatches,
         recompute=cfg.model.remat, pipe_scatter_gather=par.uses_scatter_gather,
         sequence_parallel=par.sequence_parallel,

@@ -140,18 +140,18 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
 
 
 def inference_trainable(cfg: Config) -> Trainable:
-    """`cfg` validated on the first data x pipe x tensor devices (all of them where an axis is
-    -1), and its Trainable."""
+    """`cfg` validated on the first data x pipe x context x tensor devices (all of them where an
+    axis is -1), and its Trainable."""
     from jaxmeg import config as C
     from jaxmeg.parallel import make_mesh
 
     par = cfg.parallel
     sizes = (par.data, par.pipe, par.tensor)
-    count = len(jax.devices()) if -1 in sizes else math.prod(sizes)
+    count = len(jax.devices()) if -1 in sizes else math.prod(sizes) * par.context
     if count > len(jax.devices()):
         raise C.ConfigError(
-            f"parallel.data * parallel.pipe * parallel.tensor = {count}, but there are "
-            f"{len(jax.devices())} devices (--cpu-devices N simulates N on a CPU)"
+            f"parallel.data * parallel.pipe * parallel.context * parallel.tensor = {count}, but "
+            f"there are {len(jax.devices())} devices (--cpu-devices N simulates N on a CPU)"
         )
     cfg = C.validate(cfg, count)
     return Trainable.create(cfg, make_mesh(cfg.parallel, jax.devices()[:count]))

@@ -90,10 +90,15 @@ def resolve(
     be placed or partitioned."""
     par = cfg.parallel
     devices = jax.device_count() if devices is None else devices
+    if job is not None and par.context > 1:
+        raise ConfigError(
+            f"parallel.context = {par.context} is not placed by a cluster file yet (--cluster); "
+            f"without one, a context group is c consecutive tensor groups"
+        )
     records = job.device_records() if job is not None else None  # the cluster fits the devices
     mode = par.stage_layers if isinstance(par.stage_layers, str) else None
     if mode:
-        _, pipe, _ = resolve_mesh_shape(par, devices)
+        _, pipe, _, _ = resolve_mesh_shape(par, devices)
         if cfg.model.layers < pipe:
             raise ConfigError(
                 f"parallel.stage_layers={mode} needs model.layers ({cfg.model.layers}) >= "

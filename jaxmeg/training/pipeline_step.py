@@ -23,10 +23,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.models import GPT, Block, cross_entropy, split_backward
+from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY
-from jaxmeg.parallel import activation_rules, make_constrain, zero
-from jaxmeg.pipeline import schedules
+from jaxmeg.parallel import activation_rules, context, make_constrain, zero
+from jaxmeg.pipeline import gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
 from jaxmeg.pipeline.tick_table import build_tick_table
@@ -87,9 +87,25 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     return chunk
 
 
+def sequence_order(cfg) -> SequenceOrder | None:
+    """With parallel.context = c > 1, the load-balanced order of the sequence's rows and ring
+    attention over it (`jaxmeg.parallel.context`); None otherwise."""
+    c = cfg.parallel.context
+    if c == 1:
+        return None
+    positions = context.load_balanced_order(cfg.model.seq_len, c)
+    # a collective-permute involves every device of the mesh, so the ring's sends cannot sit
+    # in the stages' chunks, which run in different ticks on different stages: with pipe > 1
+    # the blocks come from an all-gather within the context group instead
+    gathered = cfg.parallel.pipe > 1
+    return SequenceOrder(
+        context.local_positions(positions, c), context.ring_attention(positions, c, gathered)
+    )
+
+
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
     """chunk(layer_params [Lc, ...], x, real_layers) -> x: the chunk's layers (`_over_layers`)."""
-    block = Block(trainable.cfg.model, constrain)
+    block = Block(trainable.cfg.model, constrain, sequence_order(trainable.cfg))
 
     def layer(layer_params, x, _):
         return block.apply({"params": layer_params}, x)[0], None
@@ -100,7 +116,7 @@ def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
 
 def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFunctions:
     """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`)."""
-    block = Block(trainable.cfg.model, constrain)
+    block = Block(trainable.cfg.model, constrain, sequence_order(trainable.cfg))
     tapped = split_backward.tapped(block)
 
     def recompute_under(policy):
@@ -124,9 +140,10 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
 def stage_functions(trainable: Trainable) -> StageFunctions:
     cfg = trainable.cfg
     constrain = make_constrain(
-        activation_rules(cfg.parallel), manual_axes=frozenset({"data", "pipe"})
+        activation_rules(cfg.parallel),
+        manual_axes=frozenset(gradients.manual_axes(trainable.mesh.shape)),
     )
-    model = GPT(cfg.model, trainable.vocab, constrain)
+    model = GPT(cfg.model, trainable.vocab, constrain, sequence_order(cfg))
     vocab_size = cfg.model.vocab_size
 
     def embed(shared, tokens_BxS):
@@ -191,8 +208,14 @@ def make_loss_and_grads(trainable: Trainable) -> Callable:
         scatter_gather=cfg.parallel.uses_scatter_gather,
     )
 
+    rows = None
+    if cfg.parallel.context > 1:  # the rows in the order the context ranks hold them
+        rows = context.load_balanced_order(cfg.model.seq_len, cfg.parallel.context)
+
     def loss_and_grads(params, tokens, targets, *link_state, step=0):
         shared = {k: v for k, v in params.items() if k != "blocks"}
+        if rows is not None:
+            tokens, targets = tokens[:, rows], targets[:, rows]
         if link_state:
             link_state = (*link_state, jnp.asarray(step, jnp.int32))
         loss, (stage_grads, shared_grads), *link_state = run(

@@ -94,10 +94,11 @@ class _Progress:
 
 def _describe(trainable: Trainable, dataset) -> None:
     cfg = trainable.cfg
-    d, p, t = (trainable.mesh.shape[a] for a in ("data", "pipe", "tensor"))
+    d, p, c, t = (trainable.mesh.shape[a] for a in ("data", "pipe", "context", "tensor"))
+    ctx = f" context={c}" if c > 1 else ""
     say(
         f"{jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} "
-        f"process(es), mesh data={d} pipe={p} tensor={t}, vocab {cfg.model.vocab_size} "
+        f"process(es), mesh data={d} pipe={p}{ctx} tensor={t}, vocab {cfg.model.vocab_size} "
         f"(padded {trainable.vocab}), batch {cfg.train.global_batch} = {d} x "
         f"{cfg.train.microbatches} x {cfg.train.microbatch_size}, {dataset.num_tokens:,} tokens"
     )
