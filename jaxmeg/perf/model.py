@@ -31,9 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
-
-from jaxmeg.config import MESH_AXES, ModelConfig
+from jaxmeg.config import ModelConfig
 from jaxmeg.perf.collectives import (
     data_parallel_collectives,
     model_state_bytes,
@@ -47,6 +45,15 @@ from jaxmeg.perf.context import (
 )
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, inside_node: re-exported)
+    context_link,
+    data_link,
+    device_grid,
+    hardware_link,
+    inside_node,
+    pipe_link,
+    tensor_link,
+)
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.analysis import held_microbatches
 from jaxmeg.pipeline.layout import StageLayout
@@ -315,57 +322,6 @@ class StepTime:
     @property
     def total(self) -> float:
         return self.pipeline + self.p2p + self.data_parallel + self.optimizer
-
-
-def hardware_link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
-    """(achievable GB/s, latency us): datasheet bandwidth x the collectives' efficiency."""
-    if inside_node:
-        return hw.intra_node_gb_per_s * hw.collective_efficiency, hw.intra_node_latency_us
-    return hw.inter_node_gb_per_s * hw.collective_efficiency, hw.inter_node_latency_us
-
-
-def device_grid(layout: Layout) -> np.ndarray:
-    """int [d, p, c, t] (`config.MESH_AXES`): each GPU's rank in the device order, laid out as
-    `jaxmeg.parallel.mesh.make_mesh` lays out the mesh: tensor fastest, then context (a context
-    group is c consecutive tensor groups), `outer_axis` slowest. Nodes are runs of
-    `gpus_per_node` consecutive ranks."""
-    d, p, c, t = layout.data, layout.pipe, layout.context, layout.tensor
-    ranks = np.arange(layout.gpus)
-    if layout.outer_axis == "pipe":
-        return ranks.reshape(p, d, c, t).transpose(1, 0, 2, 3)
-    return ranks.reshape(d, p, c, t)
-
-
-def inside_node(layout: Layout, hw: Hardware, axis: str | tuple[str, ...]) -> bool:
-    """Whether every group along mesh `axis` (or the axes together) sits in one node (its
-    collectives use NVLink)."""
-    node = device_grid(layout) // hw.gpus_per_node
-    axes = (axis,) if isinstance(axis, str) else axis
-    dims = tuple(MESH_AXES.index(a) for a in axes)
-    return bool((node.min(axis=dims) == node.max(axis=dims)).all())
-
-
-def tensor_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """A tensor group is consecutive GPUs: NVLink while it fits in a node."""
-    return hardware_link(hw, inside_node(layout, hw, "tensor"))
-
-
-def pipe_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """Pipeline neighbours are c t GPUs apart (outer_axis data) or c t d (outer_axis pipe); the
-    pipeline moves at the pace of its slowest hop, so one hop across nodes makes it inter-node."""
-    return hardware_link(hw, inside_node(layout, hw, "pipe"))
-
-
-def data_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """The gradient group, data x context: data neighbours are c t GPUs apart (outer_axis
-    pipe) or c t p (outer_axis data), with the c t GPUs of a context group between them."""
-    return hardware_link(hw, inside_node(layout, hw, ("data", "context")))
-
-
-def context_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """Ring neighbours are t GPUs apart: a context group of c t consecutive GPUs uses NVLink
-    while c t fits in a node (and starts on a node boundary), the network otherwise."""
-    return hardware_link(hw, inside_node(layout, hw, "context"))
 
 
 @dataclasses.dataclass(frozen=True)
