@@ -31,3 +31,21 @@ def small_corpus(tmp_path_factory):
         "--set", "data.default_corpus_bytes=400000",
         "--set", "data.tokenizer_vocab=512",
     ]  # fmt: skip
+
+
+LONGEST_FIRST = (
+    "tests/test_readme.py::",
+    "tests/test_multiprocess.py::",
+    "tests/test_cluster_run.py::",
+    "test_train_py_at_context_4",
+    "tests/test_operations.py::",
+)
+"""Tests of 30 s to 5 min (measured with --durations), run first, longest first: a worker that
+drew one of them late would finish alone while the other waits."""
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), 99)
+
+    items.sort(key=rank)

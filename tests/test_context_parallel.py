@@ -175,6 +175,23 @@ def test_bad_context_layouts_are_named(sets, devices, message):
         C.validate(C.apply_overrides(tiny_config(), sets), devices)
 
 
+def test_a_cluster_places_each_context_group_on_one_host():
+    """NIC-aware placement (Holmes) with context: a context group's c t devices sit on one host
+    of one NIC type, as a tensor group's do; data groups stay within one NIC type."""
+    from jaxmeg.parallel.placement import DeviceRecord, data_groups_across_groups, place
+
+    types = ["roce", "ib", "ib", "roce"]  # hosts of 2 devices, NIC types out of order
+    records = [DeviceRecord(i, f"h{i // 2}", types[i // 2]) for i in range(8)]
+    placement = place(records, ["ib", "roce"], data=2, pipe=2, tensor=2 * 1, mode="auto")
+    par = C.ParallelConfig(data=2, pipe=2, context=2)
+    mesh = make_mesh(par, jax.devices()[:8], placement)
+    assert mesh.devices.shape == (2, 2, 2, 1)
+    host = np.vectorize(lambda device: device.id // 2)(mesh.devices)
+    assert (host.min(axis=2) == host.max(axis=2)).all()  # every context group on one host
+    assert data_groups_across_groups(placement) == 0
+    assert placement.stage_groups() == ["ib", "roce"]
+
+
 def train(out, *args):
     result = subprocess.run(
         [sys.executable, "scripts/train.py", "--config", "configs/gpt_tiny.yaml", "--no-progress",

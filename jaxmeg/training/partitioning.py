@@ -90,10 +90,10 @@ def resolve(
     be placed or partitioned."""
     par = cfg.parallel
     devices = jax.device_count() if devices is None else devices
-    if job is not None and par.context > 1:
+    if job is not None and par.context > 1 and isinstance(par.stage_layers, str):
         raise ConfigError(
-            f"parallel.context = {par.context} is not placed by a cluster file yet (--cluster); "
-            f"without one, a context group is c consecutive tensor groups"
+            f"parallel.stage_layers={par.stage_layers} with a cluster file is priced for "
+            f"parallel.context = 1, got {par.context}; give the stage layers as a list"
         )
     records = job.device_records() if job is not None else None  # the cluster fits the devices
     mode = par.stage_layers if isinstance(par.stage_layers, str) else None
@@ -108,8 +108,11 @@ def resolve(
     cfg = validate(cfg, devices)
     placement = None
     if job is not None:
-        d, p, t = (cfg.parallel.data, cfg.parallel.pipe, cfg.parallel.tensor)
-        placement = place(records, job.cluster.group_names, d, p, t, par.placement,
+        d, p, c, t = (cfg.parallel.data, cfg.parallel.pipe, cfg.parallel.context,
+                      cfg.parallel.tensor)  # fmt: skip
+        # a context group is placed as tensor groups are: c t devices of one host (one NIC
+        # type); `make_mesh` splits the placement's [d, p, c t] grid into [d, p, c, t]
+        placement = place(records, job.cluster.group_names, d, p, c * t, par.placement,
                           par.outer_axis)  # fmt: skip
     if not mode or not partition:
         return RunLayout(cfg, placement)
