@@ -96,7 +96,7 @@ class Norm(nn.Module):
 def rotary(x_BxSxNxH: Array, theta: float = 10000.0, start: Array | int = 0, order=None) -> Array:
     """Rotary position embedding (Su et al., 2021) over the head dim, halves rotated: pair i is
     (x[i], x[i + H/2]) at frequency theta^(-2i/H), Hugging Face Llama's `rotate_half` layout.
-    Token s sits at position start + s, or at `order.positions[s]` (a `SequenceOrder`)."""
+    Token s sits at position start + s, or at `order.positions()[s]` (a `SequenceOrder`)."""
     seq, half = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1] // 2
     freq_H = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     position_S = jnp.arange(seq, dtype=jnp.float32)
