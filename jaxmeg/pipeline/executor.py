@@ -241,7 +241,7 @@ def make_pipeline_loss_and_grads(
     chunk_layers = jnp.asarray(layout.chunk_layers, jnp.int32)  # [v, p]
     store = fns.chunk_recompute is None and not whole_model
     manual = gradients.manual_axes(mesh.shape)
-    replica_axes = ("data", "context") if context > 1 else ("data",)
+    replica_axes = gradients.replica_axes(manual)
 
     def gather_pieces(chunk_shard):
         """ZeRO-3: every replica's piece of a chunk's split leaves, stacked [d, ...] (the

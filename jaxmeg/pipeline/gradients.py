@@ -63,16 +63,21 @@ def trivial(mesh_shape) -> bool:
     return all(mesh_shape[axis] == 1 for axis in manual_axes(mesh_shape))
 
 
-def _inside_sizes() -> dict[str, int]:
-    """Inside the executor's map: the sizes of its manual axes."""
+def inside_manual_axes() -> tuple[str, ...]:
+    """Inside the executor's map: its manual axes (`manual_axes` of its mesh)."""
     manual = jax.sharding.get_abstract_mesh().manual_axes
-    return {a: jax.lax.axis_size(a) for a in (*MANUAL_AXES, "context") if a in manual}
+    return tuple(a for a in (*MANUAL_AXES, "context") if a in manual)
 
 
-def replica_axes() -> tuple[str, ...]:
-    """Inside the executor's map: the axes over which gradients are averaged, `data` and,
-    with context parallelism, `context`."""
-    return ("data", "context") if "context" in _inside_sizes() else ("data",)
+def _inside_sizes() -> dict[str, int]:
+    return {a: jax.lax.axis_size(a) for a in inside_manual_axes()}
+
+
+def replica_axes(manual: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The axes over which gradients are averaged among the executor's manual axes (default:
+    inside its map, the current ones): `data` and, with context parallelism, `context`."""
+    manual = inside_manual_axes() if manual is None else manual
+    return ("data", "context") if "context" in manual else ("data",)
 
 
 def replicas() -> int:

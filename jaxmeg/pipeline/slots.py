@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.pipeline.gradients import MANUAL_AXES
+from jaxmeg.pipeline.gradients import inside_manual_axes
 
 
 def varying_everywhere(tree, axes=None):
@@ -31,8 +31,7 @@ def varying_everywhere(tree, axes=None):
     executor's manual axes, `gradients.manual_axes`), so that loop carries and `lax.switch`
     branches keep one type."""
     if axes is None:
-        manual = jax.sharding.get_abstract_mesh().manual_axes
-        axes = [a for a in (*MANUAL_AXES, "context") if a in manual]
+        axes = inside_manual_axes()
 
     def cast(x):
         missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
