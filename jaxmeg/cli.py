@@ -34,6 +34,59 @@ def start_devices(count: int | None) -> None:
         simulate_cpu_devices(count)
 
 
+def add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        metavar="NAME",
+        help="compile for GPUs this machine does not have: a hardware profile with an XLA\n"
+        "target spec (h100, a100: configs/hardware/); needs jax's CUDA plugin",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="with --target: how many GPUs (default: the product of the configured mesh axes)",
+    )
+
+
+def target_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with --target / --gpus before jax starts, or None."""
+    if args.target is None:
+        return "--gpus needs --target" if args.gpus is not None else None
+    if getattr(args, "cpu_devices", None):
+        return "--target compiles for GPUs; --cpu-devices simulates CPUs: give one of them"
+    if args.gpus is not None and args.gpus < 1:
+        return f"--gpus must be >= 1, got {args.gpus}"
+    return None
+
+
+def start_target(args: argparse.Namespace) -> None:
+    """With --target, before jax starts: CPU backend only, so the CUDA plugin compiles for the
+    target without looking for a GPU."""
+    if args.target is not None:
+        from jaxmeg.parallel.gpu_target import keep_cuda_off
+
+        keep_cuda_off()
+
+
+def load_target(args: argparse.Namespace, cfg):
+    """The `GpuTarget` of --target and --gpus (default: the config's mesh product), or None."""
+    if args.target is None:
+        return None
+    from jaxmeg.config import MESH_AXES, ConfigError
+    from jaxmeg.parallel import gpu_target
+
+    gpus = args.gpus
+    if gpus is None:
+        sizes = {axis: getattr(cfg.parallel, axis) for axis in MESH_AXES}
+        if any(size < 1 for size in sizes.values()):
+            raise ConfigError(f"--target without --gpus needs every mesh axis set, got {sizes}")
+        gpus = 1
+        for size in sizes.values():
+            gpus *= size
+    return gpu_target.load_target(args.target, gpus)
+
+
 def run_directory_parser(doc: str) -> argparse.ArgumentParser:
     """The parser of a script that reads a run directory (generate, evaluate): `--out RUN_DIR`,
     `--cpu-devices`, `--set` on the run's config."""
@@ -59,6 +112,7 @@ def run_reporting_errors(action: Callable[[], object], report=None) -> int:
     """Runs `action`; a config error, a bad value, a missing file or an unusable checkpoint
     becomes one line on stderr (through `report`, default print) and exit code 2."""
     from jaxmeg.config import ConfigError
+    from jaxmeg.parallel.gpu_target import TargetError
     from jaxmeg.training.checkpoint import IncompatibleCheckpoint, UnreadableCheckpoint
 
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -67,7 +121,13 @@ def run_reporting_errors(action: Callable[[], object], report=None) -> int:
     except ConfigError as err:
         report(f"config error: {err}")
         return 2
-    except (ValueError, FileNotFoundError, IncompatibleCheckpoint, UnreadableCheckpoint) as err:
+    except (
+        ValueError,
+        FileNotFoundError,
+        IncompatibleCheckpoint,
+        UnreadableCheckpoint,
+        TargetError,
+    ) as err:
         report(f"error: {err}")
         return 2
     return 0

@@ -6,9 +6,14 @@
   python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 1 --compare-plain
   python scripts/bench.py --config configs/gpt_tiny.yaml --cpu-devices 4 --cost-report \
       --set parallel.pipe=4 --set train.microbatches=8
+  python scripts/bench.py --config configs/gpt_1.3b.yaml --cost-report --target h100 --gpus 1 \
+      --set model.vocab_size=51200
 
 `--cost-report` compiles the step and counts what it executes, from its HLO (FLOPs, bytes
 written, bytes per link), against the model's needs and the planner's prediction; nothing runs.
+With `--target h100` it compiles for H100s this machine does not have (jax's CUDA plugin) and
+adds what the GPU program shows: memory against the GPU's, cuBLAS GEMM and cuDNN attention
+FLOPs and calls, kernel bytes, each link's overlap with GEMMs, and a roofline bound on the step.
 
 Batches are random tokens (the step's cost does not depend on them), so no dataset is needed;
 the vocabulary is `model.vocab_size`, else `data.tokenizer_vocab`.
@@ -22,6 +27,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxmeg import cli  # noqa: E402  (no jax: --cpu-devices and --target come first)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,11 +51,16 @@ def main(argv: list[str] | None = None) -> int:
         help="compile only: what the step executes, counted from its HLO (text, or --json)",
     )
     parser.add_argument("--json", action="store_true", help="with --cost-report: one JSON object")
+    cli.add_target(parser)
     args = parser.parse_args(argv)
-    if args.cpu_devices:
-        from jaxmeg.parallel import simulate_cpu_devices
-
-        simulate_cpu_devices(args.cpu_devices)
+    problem = cli.target_problem(args) or cli.cpu_devices_problem(args.cpu_devices)
+    if args.target and not args.cost_report:
+        problem = problem or "--target compiles only: add --cost-report"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    cli.start_devices(args.cpu_devices)
+    cli.start_target(args)
     from jaxmeg import config
     from jaxmeg.cli import run_reporting_errors
     from jaxmeg.training.benchmark import benchmark, compare_with_plain
@@ -59,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             from jaxmeg.training.cost_report import cost_report, format_report
             from jaxmeg.training.trainer import prepare
 
-            report = cost_report(prepare(cfg, dataset=None))
+            target = cli.load_target(args, cfg)
+            devices = target.devices if target else None
+            report = cost_report(prepare(cfg, dataset=None, devices=devices), target)
             print(json.dumps(report) if args.json else format_report(report))
         elif args.compare_plain:
             print(json.dumps(compare_with_plain(cfg, steps=args.steps)))

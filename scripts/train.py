@@ -3,6 +3,8 @@
 python scripts/train.py [--config configs/gpt_tiny.yaml] [--set section.key=value ...]
 python scripts/train.py --cpu-devices 8 --set parallel.data=2 --set parallel.tensor=4
 python scripts/train.py --config configs/gpt_1.3b.yaml --compile-only
+python scripts/train.py --config configs/gpt_1.3b.yaml --compile-only --target h100 --gpus 8 \
+    --set parallel.data=2 --set parallel.pipe=2 --set parallel.tensor=2    # will it fit?
 python scripts/train.py --out runs/a --steps 100    # later: --steps 300 resumes at 100
 python scripts/train.py --out runs/gpt2    # reads runs/gpt2/config.yaml (scripts/convert_hf.py)
 python scripts/train.py --cpu-devices 8 --cluster configs/clusters/local_2x4.yaml \
@@ -53,8 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compile-only",
         action="store_true",
-        help="compile the train step, print compile time and per-device memory as JSON, exit",
+        help="compile the train step, print compile time and per-device memory as JSON, exit;\n"
+        "with --target, also whether it fits the GPU (exit 3 when it does not)",
     )
+    cli.add_target(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--out", help="run directory: checkpoints, metrics.jsonl, tensorboard/; resumes from it"
@@ -123,6 +127,10 @@ def check_paths(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line's numbers and paths (before jax starts), or None."""
     if cli.cpu_devices_problem(args.cpu_devices):
         return cli.cpu_devices_problem(args.cpu_devices)
+    if cli.target_problem(args):
+        return cli.target_problem(args)
+    if args.target and not args.compile_only:
+        return "--target compiles for GPUs this machine does not have: add --compile-only"
     if args.out:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
@@ -146,21 +154,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     cli.start_devices(args.cpu_devices)
+    cli.start_target(args)
     try:
         cluster_job = join_process_group(args)
     except ValueError as err:  # before the group exists, each process reports its own error
         print(f"error: {err}", file=sys.stderr)
         return 2
     from jaxmeg import config
+    from jaxmeg.parallel.gpu_target import TargetError
     from jaxmeg.training import checkpoint, trainer
 
     try:
         cfg = load_config(args)
         if args.compile_only:
-            report = trainer.compile_only(cfg, cluster_job)
+            target = cli.load_target(args, cfg)
+            report = trainer.compile_only(cfg, cluster_job, target)
             if is_lead():
                 print(json.dumps(report))
-            return 0
+            if target is None:
+                return 0
+            from jaxmeg.training.fit import NOT_FIT_EXIT, describe_fit
+
+            report_error(describe_fit(report))
+            return 0 if report["fits"] else NOT_FIT_EXIT
         trainer.train(
             cfg,
             out_dir=args.out,
@@ -175,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     except trainer.TrainingStopped as err:
         report_error(f"jaxmeg: stopped: {err}")
         return 1
-    except (ValueError, FileNotFoundError, checkpoint.UnreadableCheckpoint) as err:
+    except (ValueError, FileNotFoundError, checkpoint.UnreadableCheckpoint, TargetError) as err:
         report_error(f"error: {err}")
         return 2
     except Exception as err:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxmeg.parallel import hlo_gpu, hlo_module
 from jaxmeg.parallel.hlo import (
     _BYTES,
     _COMPUTATION_RE,
@@ -62,6 +63,7 @@ class Instruction:
     operands: list[str]
     attributes: str
     op_name: str
+    args: str = ""
 
 
 def _elements(shape_text: str) -> int:
@@ -97,6 +99,7 @@ def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
                 operands=re.findall(r"%([\w.\-]+)", args),
                 attributes=attributes,
                 op_name=op_name.group(1) if op_name else "",
+                args=args,
             )
         )
     if not entry:
@@ -116,7 +119,21 @@ class Cost:
     transpose_bytes: float = 0.0
     dus_count: float = 0.0
     copy_count: float = 0.0
+    kernel_bytes: float = 0.0
+    """GPU programs: bytes kernels read and write (`hlo_gpu`: a fusion's operands and results)."""
+    copy_kernel_bytes: float = 0.0
+    """GPU programs: results of kernels that only copy or transpose (a copy, or a fusion whose
+    root is a copy or transpose)."""
+    attention_forward_calls: float = 0.0
+    attention_backward_calls: float = 0.0
+    attention_flops: float = 0.0
+    """cuDNN attention, as Megatron-LM counts attention FLOPs (`hlo_gpu.AttentionCall`)."""
+    roofline_seconds: float = 0.0
+    """Per kernel the larger of its GEMM/attention FLOPs at the device's peak and its bytes at
+    its memory bandwidth (with `StepCost(roofline=...)`); collectives not included."""
     collective_bytes: Counter = dataclasses.field(default_factory=Counter)
+    overlapped_bytes: Counter = dataclasses.field(default_factory=Counter)
+    """Of `collective_bytes`, those of async collectives with a GEMM between start and done."""
     elementwise_by_shape: Counter = dataclasses.field(default_factory=Counter)
     """Elementwise FLOPs by result array (`f32[4096,128]`): where a step touches what."""
     unweighted: set = dataclasses.field(default_factory=set)
@@ -126,6 +143,8 @@ class Cost:
             setattr(self, f, getattr(self, f) + weight * getattr(other, f))
         for key, value in other.collective_bytes.items():
             self.collective_bytes[key] += weight * value
+        for key, value in other.overlapped_bytes.items():
+            self.overlapped_bytes[key] += weight * value
         for key, value in other.elementwise_by_shape.items():
             self.elementwise_by_shape[key] += weight * value
         self.unweighted |= other.unweighted
@@ -147,6 +166,12 @@ _SCALARS = (
     "transpose_bytes",
     "dus_count",
     "copy_count",
+    "kernel_bytes",
+    "copy_kernel_bytes",
+    "attention_forward_calls",
+    "attention_backward_calls",
+    "attention_flops",
+    "roofline_seconds",
 )
 
 
@@ -167,12 +192,25 @@ class StepCost:
     branch_columns: JAX name scope of a conditional -> int [ticks, p] branch index per (tick,
         stage) of the loop it sits in; of a loop without a known trip count -> its trips per
         (tick, stage).
+    roofline: (peak FLOP/s, memory bytes/s) of one device, for `Cost.roofline_seconds`.
     """
 
     def __init__(
-        self, hlo_text: str, mesh: Mesh, branch_columns: Mapping[str, np.ndarray] | None = None
+        self,
+        hlo_text: str,
+        mesh: Mesh,
+        branch_columns: Mapping[str, np.ndarray] | None = None,
+        roofline: tuple[float, float] | None = None,
     ):
         self.comps, self.entry = parse(hlo_text)
+        self.roofline = roofline
+        self.fused = {
+            called
+            for instructions in self.comps.values()
+            for ins in instructions
+            if ins.op == "fusion"
+            for called in re.findall(r"\bcalls=%?([\w.\-]+)", ins.attributes)
+        }
         self.mesh = mesh
         self.columns = dict(branch_columns or {})
         names = list(mesh.axis_names)
@@ -201,9 +239,76 @@ class StepCost:
     def cost(self, comp: str, stage: int) -> Cost:
         total = Cost()
         shapes = self._shapes[comp]
+        spans = self._spans(comp)
         for ins in self.comps[comp]:
+            before = Counter(total.collective_bytes)
             self._instruction(ins, shapes, stage, total)
+            if comp not in self.fused:
+                self._kernel(ins, shapes, total)
+            span = spans.get(ins.name)
+            if span is not None and span.gemm:  # what this start added overlaps compute
+                total.overlapped_bytes.update(total.collective_bytes - before)
         return total
+
+    def _spans(self, comp: str) -> dict[str, hlo_gpu.AsyncSpan]:
+        """Async start name -> what the schedule placed before its done."""
+        instructions = self.comps[comp]
+        at = {ins.name: i for i, ins in enumerate(instructions)}
+        spans = {}
+        for i, ins in enumerate(instructions):
+            if not ins.op.endswith("-done") or not ins.operands or ins.operands[0] not in at:
+                continue
+            start = at[ins.operands[0]]
+            between = instructions[start + 1 : i]
+            spans[ins.operands[0]] = hlo_gpu.AsyncSpan(
+                kernels=sum(hlo_gpu.is_kernel(b.op) for b in between),
+                gemm=any(self._runs_gemm(b) for b in between),
+            )
+        return spans
+
+    def _runs_gemm(self, ins: Instruction) -> bool:
+        if ins.op == "dot":
+            return True
+        if ins.op == "custom-call":
+            target = hlo_gpu.call_target(ins.attributes)
+            return target in hlo_gpu.GEMM_TARGETS or target.startswith(hlo_gpu.ATTENTION_PREFIX)
+        return any(self._comp_runs_gemm(c) for c in hlo_module.called(ins.attributes))
+
+    @functools.cache  # noqa: B019 - one walker per compiled module
+    def _comp_runs_gemm(self, comp: str) -> bool:
+        return any(self._runs_gemm(ins) for ins in self.comps.get(comp, []))
+
+    def _kernel(self, ins: Instruction, shapes: dict, total: Cost) -> None:
+        """A GPU kernel's bytes (and its roofline time) where `ins` launches one."""
+        if not hlo_gpu.is_kernel(ins.op) or ins.op in COLLECTIVES or ins.op == "async-start":
+            return
+        operands = [shapes.get(o, "") for o in ins.operands]
+        flops = 0.0
+        if ins.op == "fusion":
+            (fused_name,) = hlo_module.called(ins.attributes)[:1] or [""]
+            fused = self.comps.get(fused_name, [])
+            moved = hlo_gpu.fusion_bytes(operands, ins.shape, fused)
+            flops = self.cost(fused_name, 0).matmul_flops
+            if fused and fused[-1].op in ("copy", "transpose"):
+                total.copy_kernel_bytes += hlo_gpu.nbytes(ins.shape)
+        elif ins.op == "custom-call":
+            target = hlo_gpu.call_target(ins.attributes)
+            moved = sum(hlo_gpu.nbytes(o) for o in operands) + hlo_gpu.first_array_bytes(ins.shape)
+            if target in hlo_gpu.GEMM_TARGETS:
+                lhs = operands[0] if operands else ""
+                flops = hlo_gpu.gemm_flops(ins.shape, lhs, ins.attributes)
+            elif target.startswith(hlo_gpu.ATTENTION_PREFIX):
+                flops = hlo_gpu.attention_call(target, operands, ins.attributes).executed
+        elif ins.op == "dynamic-update-slice":
+            moved = 2 * _result_bytes(shapes.get(ins.operands[1], ""))
+        else:
+            moved = sum(hlo_gpu.nbytes(o) for o in operands) + hlo_gpu.nbytes(ins.shape)
+            if ins.op == "copy":
+                total.copy_kernel_bytes += hlo_gpu.nbytes(ins.shape)
+        total.kernel_bytes += moved
+        if self.roofline is not None:
+            peak, bandwidth = self.roofline
+            total.roofline_seconds += max(flops / peak, moved / bandwidth)
 
     def _instruction(self, ins: Instruction, shapes: dict, stage: int, total: Cost) -> None:
         op, attrs = ins.op, ins.attributes
@@ -225,6 +330,8 @@ class StepCost:
         if op == "conditional":
             self._conditional(ins, stage, total)
             return
+        if op == "custom-call":
+            self._custom_call(ins, shapes, total)
         for called in re.findall(r"\bcalls=%?([\w.\-]+)", attrs):
             total.add(self.cost(called, stage))
         if op == "dot":
@@ -255,6 +362,20 @@ class StepCost:
         elif op in COLLECTIVES:
             self._collective(ins, stage, total)
 
+    def _custom_call(self, ins: Instruction, shapes: dict, total: Cost) -> None:
+        target = hlo_gpu.call_target(ins.attributes)
+        operands = [shapes.get(o, "") for o in ins.operands]
+        if target in hlo_gpu.GEMM_TARGETS:
+            lhs = operands[0] if operands else ""
+            total.matmul_flops += hlo_gpu.gemm_flops(ins.shape, lhs, ins.attributes)
+        elif target.startswith(hlo_gpu.ATTENTION_PREFIX):
+            call = hlo_gpu.attention_call(target, operands, ins.attributes)
+            if call.backward:
+                total.attention_backward_calls += 1
+            else:
+                total.attention_forward_calls += 1
+            total.attention_flops += call.flops
+
     def _conditional(self, ins: Instruction, stage: int, total: Cost) -> None:
         m = re.search(r"branch_computations=\{([^}]*)\}", ins.attributes)
         if m:
@@ -283,6 +404,9 @@ class StepCost:
         axes = tuple(sorted(_group_axes(groups, self.mesh))) if groups else ()
         kind = ins.op.removesuffix("-start")
         nbytes = _result_bytes(ins.shape)
+        if ins.op in ("collective-permute-start", "all-gather-start") and ins.shape[0] == "(":
+            # a GPU start's result is (operand, result[, contexts]): the result is what moves
+            nbytes = hlo_gpu.first_array_bytes(ins.shape.split(", ", 1)[1])
         if kind == "collective-permute":
             sources = {self._stage_of(a) for a, _ in groups}
             if stage not in sources:

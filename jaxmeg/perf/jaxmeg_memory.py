@@ -63,7 +63,7 @@ def jaxmeg_params_per_device(shape: Shape, layout: Layout, vocab_padded: int) ->
     return slots * (split / t + replicated) + embedding
 
 
-def stored_layer_elements(shape: Shape, layout: Layout) -> float:
+def stored_layer_elements(shape: Shape, layout: Layout, flash_attention: bool = False) -> float:
     """Elements one layer's pullback keeps, per microbatch, as jaxmeg's GPT layer leaves them
     (`jaxmeg.models.gpt.REMAT_POLICY`; XLA's attention, not cuDNN's).
 
@@ -75,42 +75,54 @@ def stored_layer_elements(shape: Shape, layout: Layout) -> float:
     selective  s b h (2 + 7 / t): the layer's input and the outputs of the weight matmuls its
                backward reads (QKV 3 / t, fc1 4 / t, the out-projection after its all-reduce);
     full       none (the stage input is the ring's).
+    With flash attention (cuDNN) the scores are never stored: `none` keeps the softmax's
+    log-sum-exp rows (a s b / t) in their place.
     """
     s, b, h, t = shape.seq_len, layout.microbatch, shape.hidden, layout.tensor
     sbh = s * b * h
     if layout.recompute == "none":
-        return sbh * (2 + 8 / t) + attention_scores_elements(shape, layout)
+        return sbh * (2 + 8 / t) + attention_scores_elements(shape, layout, flash_attention)
     if layout.recompute == "selective":
         return sbh * (2 + 7 / t)
     return 0.0
 
 
-def attention_scores_elements(shape: Shape, layout: Layout) -> float:
-    """a s^2 b / t: the scores QK^T of one layer, kept in float32 by `none`."""
+def attention_scores_elements(shape: Shape, layout: Layout, flash_attention: bool = False) -> float:
+    """a s^2 b / t: the scores QK^T of one layer, kept in float32 by `none`; with flash
+    attention their log-sum-exp rows, a s b / t."""
     s, b, a, t = shape.seq_len, layout.microbatch, shape.heads, layout.tensor
-    return a * s * s * b / t
+    return a * (1 if flash_attention else s) * s * b / t
 
 
-def stored_layer_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
+def stored_layer_bytes(
+    shape: Shape, layout: Layout, compute_bytes: int, flash_attention: bool = False
+) -> float:
     """`stored_layer_elements` in bytes: the compute dtype's width, 4 for `none`'s scores."""
-    scores = attention_scores_elements(shape, layout) if layout.recompute == "none" else 0.0
-    return (stored_layer_elements(shape, layout) - scores) * compute_bytes + 4 * scores
+    flash = flash_attention
+    scores = attention_scores_elements(shape, layout, flash) if layout.recompute == "none" else 0
+    return (stored_layer_elements(shape, layout, flash) - scores) * compute_bytes + 4 * scores
 
 
-def stored_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
+def stored_bytes(
+    shape: Shape, layout: Layout, compute_bytes: int, flash_attention: bool = False
+) -> float:
     """R: Lc layer slots' residuals (padding slots included: the scan stacks them), less the
     first layer's input in an unrolled chunk; 0 with one stage and one chunk (nothing is kept
     across ticks)."""
     if layout.pipe * layout.chunks == 1 or layout.recompute == "full":
         return 0.0
     chunk = stage_layout(shape, layout)
-    stored = chunk.layers_per_chunk * stored_layer_bytes(shape, layout, compute_bytes)
+    stored = chunk.layers_per_chunk * stored_layer_bytes(
+        shape, layout, compute_bytes, flash_attention
+    )
     if chunk.unrolled:  # the first layer's input is the stage input, kept in its own ring
         stored -= shape.seq_len * layout.microbatch * shape.hidden * compute_bytes
     return stored
 
 
-def working_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
+def working_bytes(
+    shape: Shape, layout: Layout, compute_bytes: int, flash_attention: bool = False
+) -> float:
     """W. Stored residuals: one chunk's fresh R, made by the F slot before the ring write.
     `full`: one chunk's residuals while its backward recomputes it. p v = 1: the whole model's
     backward, each layer keeping what its remat policy keeps (and `full` one layer's residuals
@@ -119,18 +131,19 @@ def working_bytes(shape: Shape, layout: Layout, compute_bytes: int) -> float:
 
     def recomputed_layer() -> float:
         plain = dataclasses.replace(layout, recompute="none")
-        return layer_activation_bytes(shape, plain, flash_attention=False) * fp32
+        return layer_activation_bytes(shape, plain, flash_attention=flash_attention) * fp32
 
     if layout.pipe * layout.chunks == 1:
         layers = busiest_stage_layers(shape, layout)
-        if layout.recompute == "none":
-            return layers * stored_layer_bytes(shape, layout, compute_bytes)
-        kept = layer_activation_bytes(shape, layout, flash_attention=False) * fp32
+        if layout.recompute == "none" or (flash_attention and layout.recompute == "selective"):
+            # what the policy keeps; XLA's attention on CPU leaves selective more intermediates
+            return layers * stored_layer_bytes(shape, layout, compute_bytes, flash_attention)
+        kept = layer_activation_bytes(shape, layout, flash_attention=flash_attention) * fp32
         extra = recomputed_layer() if layout.recompute == "full" else 0.0
         return layers * kept + extra
     if layout.recompute == "full":
         return stage_layout(shape, layout).layers_per_chunk * recomputed_layer()
-    return stored_bytes(shape, layout, compute_bytes)
+    return stored_bytes(shape, layout, compute_bytes, flash_attention)
 
 
 def jaxmeg_step_memory(
@@ -140,8 +153,10 @@ def jaxmeg_step_memory(
     compute_bytes: int = 4,
     input_slots: int = 1,
     cot_slots: int = 1,
+    flash_attention: bool = False,
 ) -> StepMemory:
-    """The module docstring's sums; `input_slots` K and `cot_slots` J from the tick table.
+    """The module docstring's sums; `input_slots` K and `cot_slots` J from the tick table;
+    `flash_attention` for a step that runs cuDNN's (no s x s scores anywhere).
     Without context parallelism only: its ring's buffers are not counted here (the planner's
     `model.memory_per_gpu` prices them)."""
     if layout.context > 1:
@@ -154,9 +169,10 @@ def jaxmeg_step_memory(
     tokens = 2 * 4 * s * b * layout.microbatches
     arguments = 12 * params + tokens
     x = s * b * shape.hidden * compute_bytes
-    rings = input_slots * (x + stored_bytes(shape, layout, compute_bytes)) + cot_slots * x
+    stored = stored_bytes(shape, layout, compute_bytes, flash_attention)
+    rings = input_slots * (x + stored) + cot_slots * x
     logits = 3 * 4 * s * b * vocab_padded / layout.tensor
-    activations = rings + working_bytes(shape, layout, compute_bytes) + logits
+    activations = rings + working_bytes(shape, layout, compute_bytes, flash_attention) + logits
     if layout.pipe * layout.chunks == 1:
         temp = max(12 * params, 8 * params + activations)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -22,15 +23,17 @@ def memory_report(compiled) -> dict[str, int]:
     }
 
 
-def compile_step(trainable: Trainable):
-    """AOT-compiles the train step; returns (compiled, seconds)."""
-    step = make_train_step(trainable)
+def compile_step(trainable: Trainable, loss_and_grads: Callable | None = None):
+    """AOT-compiles the train step (for the mesh's devices: compile-only GPUs too); returns
+    (compiled, seconds)."""
+    step = make_train_step(trainable, loss_and_grads)
     batch = jax.ShapeDtypeStruct(
         (trainable.cfg.train.global_batch, trainable.cfg.model.seq_len),
         np.int32,
         sharding=trainable.batch_sharding(),
     )
+    state = abstract_state(trainable)  # before set_mesh: it makes a PRNG key on the host
     start = time.perf_counter()
     with jax.set_mesh(trainable.mesh):
-        compiled = step.lower(abstract_state(trainable), batch, batch).compile()
+        compiled = step.lower(state, batch, batch).compile()
     return compiled, time.perf_counter() - start

@@ -29,28 +29,26 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
 from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import bytes_per_step, flops_per_iteration, shape_of
-from jaxmeg.training.compilation import memory_report
+from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step
 from jaxmeg.training.pipeline_step import make_loss_and_grads
-from jaxmeg.training.state import Trainable, abstract_state
-from jaxmeg.training.step import make_train_step
+from jaxmeg.training.state import Trainable
 
 AXES = ("pipe", "data", "tensor")
 
 
-def _collective_bytes(cost) -> dict[str, float]:
+def _collective_bytes(by_kind) -> dict[str, float]:
     """`pipe`: sends between stages (collective-permutes over `pipe`); `data` and `tensor`:
     every collective within a data or a tensor group; anything else (the shared gradients'
     reduction over stages, groups over several axes) under `kind@axis+axis`."""
     out = dict.fromkeys(AXES, 0.0)
-    for (kind, axes), nbytes in cost.collective_bytes.items():
+    for (kind, axes), nbytes in by_kind.items():
         if not axes:
             continue
         if axes == ("pipe",) and kind == "collective-permute":
@@ -73,21 +71,23 @@ def planner_layout(cfg) -> Layout:
         sequence_parallel=par.sequence_parallel,
         schedule=par.schedule if par.pipe > 1 else "1f1b", warmup=par.pipeline_warmup,
         stage_layers=tuple(par.stage_layers or ()), zero_stage=par.zero_stage,
+        outer_axis=par.outer_axis,
     )  # fmt: skip
 
 
-def cost_report(trainable: Trainable) -> dict[str, Any]:
-    """Compiles the step of `trainable` and counts what it executes (see the module docstring)."""
+def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
+    """Compiles the step of `trainable` and counts what it executes (see the module docstring);
+    with `target` (a `jaxmeg.parallel.gpu_target.GpuTarget` whose devices the mesh is built
+    on), also what the GPU program shows (`gpu_figures`)."""
     cfg = trainable.cfg
     par, model = cfg.parallel, cfg.model
     loss_and_grads = make_loss_and_grads(trainable)
-    step = make_train_step(trainable, loss_and_grads)
-    batch = jax.ShapeDtypeStruct(
-        (cfg.train.global_batch, model.seq_len), np.int32, sharding=trainable.batch_sharding()
+    compiled, seconds = compile_step(trainable, loss_and_grads)
+    hw = target.hardware if target is not None else None
+    roofline = (hw.peak_tflops * 1e12, hw.hbm_tb_per_s * 1e12) if hw else None
+    counter = StepCost(
+        compiled.as_text(), trainable.mesh, loss_and_grads.branch_columns, roofline=roofline
     )
-    with jax.set_mesh(trainable.mesh):
-        compiled = step.lower(abstract_state(trainable), batch, batch).compile()
-    counter = StepCost(compiled.as_text(), trainable.mesh, loss_and_grads.branch_columns)
     total, stages = counter.total(), counter.per_stage()
     mesh = trainable.mesh
 
@@ -102,7 +102,7 @@ def cost_report(trainable: Trainable) -> dict[str, Any]:
     megatron_whole = 2 * m * (p * v - 1) * b * s * h * act_bytes * d * t
     megatron = megatron_whole / t
     model_flops = model_flops_per_step(model, cfg.train.global_batch)
-    collective = _collective_bytes(total)
+    collective = _collective_bytes(total.collective_bytes)
 
     busiest = max(range(len(stages)), key=lambda i: stages[i].matmul_flops)
     device = stages[busiest]
@@ -148,7 +148,7 @@ def cost_report(trainable: Trainable) -> dict[str, Any]:
             "stage": busiest,
             "matmul_flops": device.matmul_flops,
             "written_bytes": device.written_bytes,
-            "collective_bytes": _collective_bytes(device),
+            "collective_bytes": _collective_bytes(device.collective_bytes),
         },
         "planner": {
             "flops": planned_flops,
@@ -158,12 +158,79 @@ def cost_report(trainable: Trainable) -> dict[str, Any]:
                 "data": predicted["data"] * grad_bytes / WIRE_BYTES,
             },
         },
-        "per_stage_collective_bytes": [_collective_bytes(c) for c in stages],
+        "per_stage_collective_bytes": [_collective_bytes(c.collective_bytes) for c in stages],
         "unweighted_conditionals": sorted(total.unweighted),
         "devices": mesh.size,
         **memory_report(compiled),
     }
+    if target is not None:
+        report.update(gpu_figures(trainable, compiled, target, total, stages, model_flops))
+        report["compile_seconds"] = round(seconds, 3)
     return report
+
+
+def _overlap(cost) -> dict[str, float | None]:
+    """Per link (as `_collective_bytes` names them) the share of bytes whose collective has a
+    GEMM scheduled between its start and done."""
+    sent = _collective_bytes(cost.collective_bytes)
+    overlapped = _collective_bytes(cost.overlapped_bytes)
+    return {k: (overlapped.get(k, 0.0) / v if v else None) for k, v in sent.items()}
+
+
+def _exposed_seconds(cost, trainable: Trainable, hw) -> float:
+    """Collective bytes of one device not overlapped by a GEMM, at its links' bandwidth
+    (`jaxmeg.perf.links`: NVLink inside a node, the network across)."""
+    from jaxmeg.perf import links
+
+    layout = planner_layout(trainable.cfg)
+    link_of = {"pipe": links.pipe_link, "data": links.data_link, "tensor": links.tensor_link,
+               "context": links.context_link}  # fmt: skip
+    seconds = 0.0
+    for (kind, axes), nbytes in cost.collective_bytes.items():
+        exposed = nbytes - cost.overlapped_bytes.get((kind, axes), 0.0)
+        if not axes or exposed <= 0:
+            continue
+        gb_per_s = min(link_of.get(a, links.data_link)(layout, hw)[0] for a in axes)
+        seconds += exposed / (gb_per_s * 1e9)
+    return seconds
+
+
+def gpu_figures(trainable, compiled, target, total, stages, model_flops) -> dict[str, Any]:
+    """What the GPU program shows: per-device memory and whether it fits (`fit`), GEMM and
+    cuDNN attention FLOPs and calls, kernel and copy bytes, how much of each link's bytes
+    overlaps a GEMM, and the roofline: per device the sum over kernels of the larger of FLOPs
+    at peak and bytes at memory bandwidth, plus the collectives not overlapped at their links'
+    bandwidth, for the busiest device: a lower bound on the step time, and the MFU it bounds."""
+    from jaxmeg.training.fit import fit_report
+
+    hw = target.hardware
+    memory = memory_report(compiled)
+    fit = fit_report(trainable, compiled, target)
+    seconds = [c.roofline_seconds + _exposed_seconds(c, trainable, hw) for c in stages]
+    roofline = max(seconds)
+    devices = trainable.mesh.size
+    per_replica = devices // len(stages)
+    return {
+        "target": fit["target"],
+        "memory": {
+            **{k.removesuffix("_bytes"): v for k, v in memory.items()},
+            "device": fit["device_bytes"],
+            "usable": fit["usable_device_bytes"],
+            "fits": fit["fits"],
+            "planner": fit["planner_device_bytes"],
+        },  # fmt: skip
+        "gemm_flops": total.matmul_flops,
+        "attention_kernels": {
+            "forward_per_replica": total.attention_forward_calls / per_replica,
+            "backward_per_replica": total.attention_backward_calls / per_replica,
+            "flops": total.attention_flops,
+        },
+        "kernel_bytes": total.kernel_bytes,
+        "copy_kernel_bytes": total.copy_kernel_bytes,
+        "collective_overlap": _overlap(total),
+        "roofline_seconds": roofline,
+        "roofline_mfu": model_flops / devices / roofline / (hw.peak_tflops * 1e12),
+    }
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -202,8 +269,33 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"  {axis:6} bytes {gb(ours)} | {gb(plan['collective_bytes_per_device'][axis])}"
         )
+    if "target" in r:
+        lines += _format_gpu(r, gb, gf)
     if r["unweighted_conditionals"]:
         lines.append(
             f"conditionals counted by their costliest branch: {r['unweighted_conditionals']}"
         )
     return "\n".join(lines)
+
+
+def _format_gpu(r: dict[str, Any], gb, gf) -> list[str]:
+    mem, att = r["memory"], r["attention_kernels"]
+    overlap = ", ".join(
+        f"{axis} {share:.0%}"
+        for axis, share in r["collective_overlap"].items()
+        if share is not None
+    )
+    planner = f", planner {mem['planner'] / 1e9:.2f} GB" if mem["planner"] else ""
+    return [
+        f"{r['target']}: compiled in {r['compile_seconds']:.1f} s",
+        f"  memory per device {mem['device'] / 1e9:.2f} GB of {mem['usable'] / 1e9:.2f} GB "
+        f"usable: {'fits' if mem['fits'] else 'does not fit'} (arguments "
+        f"{mem['argument'] / 1e9:.2f}, temp {mem['temp'] / 1e9:.2f}{planner})",
+        f"  GEMM FLOPs          {gf(r['gemm_flops'])}   attention {gf(att['flops'])} in "
+        f"{att['forward_per_replica']:.0f} forward + {att['backward_per_replica']:.0f} backward "
+        "cuDNN calls per replica",
+        f"  kernel bytes        {gb(r['kernel_bytes'])}   copies {gb(r['copy_kernel_bytes'])}",
+        f"  overlapped with GEMMs: {overlap or 'no collectives'}",
+        f"  roofline {r['roofline_seconds'] * 1e3:.2f} ms per step: MFU at most "
+        f"{r['roofline_mfu']:.1%}",
+    ]

@@ -35,7 +35,8 @@ def make_eval_loss(trainable: Trainable) -> Callable:
     train.microbatch_size, as the train step splits them; microbatch i takes rows i b..(i+1) b
     of every replica, so the split moves no data between devices."""
     cfg, mesh = trainable.cfg, trainable.mesh
-    model = GPT(cfg.model, trainable.vocab, make_constrain(activation_rules(cfg.parallel)))
+    constrain = make_constrain(activation_rules(cfg.parallel))
+    model = GPT(trainable.model_cfg, trainable.vocab, constrain)
     data, micro, b = mesh.shape["data"], cfg.train.microbatches, cfg.train.microbatch_size
 
     def microbatches(x_GxS):

@@ -68,12 +68,14 @@ def local_cluster(devices: Sequence[jax.Device]) -> Cluster:
     return Cluster(f"{nodes} node(s) of {per_node} {hw.name}", (group,))
 
 
-def model_costs(cfg: Config, job, placement: Placement | None) -> list[StageCost]:
+def model_costs(
+    cfg: Config, job, placement: Placement | None, devices: Sequence[jax.Device]
+) -> list[StageCost]:
     """Per-stage costs from the performance model: by node group with a cluster file; without
     one, on the run's own devices (`local_cluster`)."""
     if job is not None:
         return stage_costs_for_config(cfg, job.cluster, placement.stage_groups(), placement)
-    cluster = local_cluster(jax.devices())
+    cluster = local_cluster(devices)
     return stage_costs_for_config(cfg, cluster, [LOCAL_GROUP] * cfg.parallel.pipe)
 
 
@@ -82,14 +84,15 @@ def resolve(
     job=None,
     out_dir: str | None = None,
     partition: bool = True,
-    devices: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
 ) -> RunLayout:
     """Validates `cfg` (vocabulary known) for this job's devices, places them, and turns
     `parallel.stage_layers: auto | measured` into a list (with `partition=False`, only checks
     that it can: no probe runs). Raises ConfigError before any compile for a layout that cannot
     be placed or partitioned."""
     par = cfg.parallel
-    devices = jax.device_count() if devices is None else devices
+    run_devices = list(jax.devices() if devices is None else devices)
+    devices = len(run_devices)
     if job is not None and par.context > 1 and isinstance(par.stage_layers, str):
         raise ConfigError(
             f"parallel.stage_layers={par.stage_layers} with a cluster file is priced for "
@@ -117,7 +120,7 @@ def resolve(
     if not mode or not partition:
         return RunLayout(cfg, placement)
     if mode == "auto":
-        costs, source = model_costs(cfg, job, placement), "performance model"
+        costs, source = model_costs(cfg, job, placement, run_devices), "performance model"
     else:
         from jaxmeg.training.stage_probe import probe_costs
 

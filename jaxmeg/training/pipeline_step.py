@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY
-from jaxmeg.parallel import activation_rules, context, make_constrain, zero
+from jaxmeg.parallel import activation_rules, attention, context, make_constrain, zero
 from jaxmeg.pipeline import gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
 from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
@@ -87,6 +87,17 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     return chunk
 
 
+def model_order(trainable: Trainable) -> SequenceOrder | None:
+    """What the model attends with in the step: the context order (`sequence_order`), or with
+    cuDNN attention the kernel run per tensor rank (`jaxmeg.parallel.attention`: jax's
+    partitioner of it cannot compile inside the executor's map), else None (the model's own)."""
+    cfg = trainable.cfg
+    if cfg.parallel.context > 1 or trainable.model_cfg.attention != "cudnn":
+        return sequence_order(cfg)
+    s = cfg.model.seq_len
+    return SequenceOrder(lambda: jnp.arange(s), attention.per_tensor_rank("cudnn"))
+
+
 def sequence_order(cfg) -> SequenceOrder | None:
     """With parallel.context = c > 1, the load-balanced order of the sequence's rows and ring
     attention over it (`jaxmeg.parallel.context`); None otherwise."""
@@ -105,7 +116,7 @@ def sequence_order(cfg) -> SequenceOrder | None:
 
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
     """chunk(layer_params [Lc, ...], x, real_layers) -> x: the chunk's layers (`_over_layers`)."""
-    block = Block(trainable.cfg.model, constrain, sequence_order(trainable.cfg))
+    block = Block(trainable.model_cfg, constrain, model_order(trainable))
 
     def layer(layer_params, x, _):
         return block.apply({"params": layer_params}, x)[0], None
@@ -116,7 +127,7 @@ def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
 
 def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFunctions:
     """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`)."""
-    block = Block(trainable.cfg.model, constrain, sequence_order(trainable.cfg))
+    block = Block(trainable.model_cfg, constrain, model_order(trainable))
     tapped = split_backward.tapped(block)
 
     def recompute_under(policy):
@@ -143,7 +154,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
         activation_rules(cfg.parallel),
         manual_axes=frozenset(gradients.manual_axes(trainable.mesh.shape)),
     )
-    model = GPT(cfg.model, trainable.vocab, constrain, sequence_order(cfg))
+    model = GPT(trainable.model_cfg, trainable.vocab, constrain, model_order(trainable))
     vocab_size = cfg.model.vocab_size
 
     def embed(shared, tokens_BxS):

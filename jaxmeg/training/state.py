@@ -20,8 +20,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.config import Config, padded_vocab_size
+from jaxmeg.config import Config, ModelConfig, padded_vocab_size
 from jaxmeg.models import GPT
+from jaxmeg.models.gpt import attention_implementation
 from jaxmeg.parallel import named, param_rules, param_specs, zero
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import StageLayout
@@ -48,10 +49,24 @@ class Trainable:
         vocab = padded_vocab_size(cfg.model, mesh.shape["tensor"])
         return cls(cfg=cfg, mesh=mesh, tx=make_optimizer(cfg.optimizer), vocab=vocab)
 
+    @property
+    def platform(self) -> str:
+        """Where the step runs: the mesh's devices (`gpu` also for compile-only GPUs)."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        """`cfg.model` with `attention: auto` settled for the mesh's devices, not the host's."""
+        model = self.cfg.model
+        impl = attention_implementation(model, self.platform)
+        if model.attention == "auto" and model.num_kv_heads % self.mesh.shape["tensor"]:
+            impl = "xla"  # cuDNN runs per tensor rank on whole key/value heads
+        return dataclasses.replace(model, attention=impl)
+
     def model(self, constrain: Callable | None = None) -> GPT:
         if constrain is None:
-            return GPT(self.cfg.model, self.vocab)
-        return GPT(self.cfg.model, self.vocab, constrain)
+            return GPT(self.model_cfg, self.vocab)
+        return GPT(self.model_cfg, self.vocab, constrain)
 
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, BATCH_SPEC)

@@ -44,11 +44,14 @@ __all__ = [
 ]  # fmt: skip
 
 
-def prepare(cfg: Config, dataset=None, cluster_job=None, out_dir: str | None = None) -> Trainable:
+def prepare(
+    cfg: Config, dataset=None, cluster_job=None, out_dir: str | None = None, devices=None
+) -> Trainable:
     """Validated config (vocabulary from the dataset, else the config, else the default
-    corpus's BPE size) -> placement and stage partition (`partitioning`) -> mesh -> Trainable."""
+    corpus's BPE size) -> placement and stage partition (`partitioning`) -> mesh over `devices`
+    (default: jax's; compile-only GPUs of a `GpuTarget`) -> Trainable."""
     cfg = with_vocab(cfg, dataset.vocab_size) if dataset is not None else expected_vocab(cfg)
-    layout = partitioning.resolve(cfg, cluster_job, out_dir)
+    layout = partitioning.resolve(cfg, cluster_job, out_dir, devices=devices)
     if cluster_job is not None:
         say(cluster_job.describe())
         say(layout.placement.describe())
@@ -58,15 +61,24 @@ def prepare(cfg: Config, dataset=None, cluster_job=None, out_dir: str | None = N
             f"stage_layers={cfg.parallel.stage_layers}: {list(layout.cfg.parallel.stage_layers)} "
             f"from the {layout.source} (stage costs {costs})"
         )
-    return Trainable.create(layout.cfg, make_mesh(layout.cfg.parallel, placement=layout.placement))
+    mesh = make_mesh(layout.cfg.parallel, devices, placement=layout.placement)
+    return Trainable.create(layout.cfg, mesh)
 
 
-def compile_only(cfg: Config, cluster_job=None) -> dict[str, Any]:
-    """Compiles the train step for the configured mesh without data or running it."""
+def compile_only(cfg: Config, cluster_job=None, target=None) -> dict[str, Any]:
+    """Compiles the train step for the configured mesh without data or running it: compile
+    time and per-device memory. With `target` (a `jaxmeg.parallel.gpu_target.GpuTarget`), for
+    its GPUs: also whether the step fits their memory and the planner's prediction beside it
+    (`jaxmeg.training.fit`)."""
     dataset = None if cfg.data.dataset in DEFAULT_CORPUS else open_dataset(cfg)
-    trainable = prepare(cfg, dataset, cluster_job)
+    trainable = prepare(cfg, dataset, cluster_job, devices=target.devices if target else None)
     compiled, seconds = compile_step(trainable)
-    return {"compile_seconds": round(seconds, 3), **memory_report(compiled)}
+    report = {"compile_seconds": round(seconds, 3), **memory_report(compiled)}
+    if target is not None:
+        from jaxmeg.training.fit import fit_report
+
+        report.update(fit_report(trainable, compiled, target))
+    return report
 
 
 def _local_scalars(metrics) -> dict[str, float]:

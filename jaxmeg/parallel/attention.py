@@ -1,0 +1,44 @@
+"""Attention kernels that jax partitions itself, run where no partitioner is needed.
+
+jax's cuDNN attention (`jax.nn.dot_product_attention(implementation="cudnn")`) is a custom call
+with its own custom partitioner, which runs wherever a mesh axis is still automatic around it.
+Inside the executor's map (manual over data, pipe and context) that is `tensor`, and the
+partitioner fails to compile for every multi-GPU layout: it reads a legacy mesh context
+(`GSPMDSharding` has no `spec`) or asserts in `get_num_ways_dim_sharded`. Attention needs no
+partitioning: each tensor rank attends with its own heads (Megatron-LM's split). So the kernel
+runs under a map manual over `tensor` too, on its local heads; heads are split over `tensor`
+as the sharding rules split them, and the partitioner never runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+HEADS = P(None, None, "tensor", None)
+"""q, k, v and o [B, S, N, H]: heads over `tensor`, the rest as the enclosing map holds it."""
+
+
+def per_tensor_rank(implementation: str) -> Callable:
+    """Causal `attend(q, k, v) -> o` that runs `implementation` on each tensor rank's heads.
+    Needs the key/value heads split over tensor as the query heads are (t divides kv_heads)."""
+
+    def kernel(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+    def attend(q, k, v):
+        # manual over every axis still automatic here (tensor, and context of size 1): the
+        # partitioner runs wherever one axis is left
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = jax.sharding.AxisType.Manual
+        auto = {
+            a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != manual
+        }
+        mapped = jax.shard_map(
+            kernel, in_specs=(HEADS, HEADS, HEADS), out_specs=HEADS, axis_names=auto
+        )
+        return mapped(q, k, v)
+
+    return attend

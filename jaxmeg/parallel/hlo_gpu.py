@@ -1,0 +1,155 @@
+"""What XLA's GPU compiler puts in a step that its CPU compiler does not, read from the HLO text:
+library GEMMs, cuDNN attention, kernels as memory passes, and asynchronous collectives with what
+the latency-hiding scheduler placed between their start and done.
+
+  GEMMs        `__cublas$lt$matmul` / `__cublas$gemm` custom-calls: 2 x result elements x the
+               contracted size (from `dot_dimension_numbers`); Triton GEMM fusions hold a `dot`
+               that the fusion's walk counts.
+  attention    `__cudnn$fmha*` custom-calls, forward and backward. `flops` as Megatron-LM counts
+               attention (QK^T and AV over the whole s x s, 4 B N Sq Sk H forward, twice that
+               backward), so GEMM + attention FLOPs compare with the model's; `executed` what
+               the flash kernels run: half the tiles under a causal mask, and a backward of five
+               such products (it recomputes QK^T).
+  kernel bytes a kernel's operands and results, as it reads and writes them: a fusion's, not the
+               instructions inside it; a slice of an operand counts as the slice, the buffer an
+               in-place dynamic-update-slice writes into as the update.
+  overlap      for each `*-start`, the kernels between it and its `*-done` in the schedule, and
+               whether one of them (or a loop or branch among them) runs a GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+
+from jaxmeg.parallel.hlo import _BYTES
+
+ARRAY_RE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+GEMM_TARGETS = ("__cublas$lt$matmul", "__cublas$gemm")
+ATTENTION_PREFIX = "__cudnn$fmha"
+NOT_KERNELS = frozenset(
+    "parameter constant get-tuple-element tuple bitcast while conditional call opt-barrier "
+    "partition-id replica-id after-all add-dependency copy-done send-done recv-done "
+    "all-reduce-done all-gather-done collective-permute-done async-done async-update "
+    "reduce-scatter-done all-to-all-done".split()
+)
+SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+
+
+def arrays(shape_text: str) -> list[tuple[str, list[int]]]:
+    """(dtype, dims) of each array in a shape (tuple elements in order)."""
+    return [(t, [int(d) for d in dims.split(",") if d]) for t, dims in ARRAY_RE.findall(shape_text)]
+
+
+def nbytes(shape_text: str) -> int:
+    return sum(int(np.prod(dims)) * _BYTES[t] for t, dims in arrays(shape_text))
+
+
+def first_array_bytes(shape_text: str) -> int:
+    found = arrays(shape_text)
+    return int(np.prod(found[0][1])) * _BYTES[found[0][0]] if found else 0
+
+
+def call_target(attributes: str) -> str:
+    m = _TARGET_RE.search(attributes)
+    return m.group(1) if m else ""
+
+
+def _backend_config(attributes: str) -> dict:
+    start = attributes.find("backend_config=")
+    if start < 0:
+        return {}
+    text = attributes[start + len("backend_config=") :]
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except json.JSONDecodeError:
+        return {}
+
+
+def gemm_flops(result_shape: str, lhs_shape: str, attributes: str) -> float:
+    """FLOPs of a cuBLAS GEMM custom-call: 2 x result elements x contracted size."""
+    config = _backend_config(attributes).get("gemm_backend_config", {})
+    contracting = config.get("dot_dimension_numbers", {}).get("lhs_contracting_dimensions", [])
+    lhs = arrays(lhs_shape)
+    result = arrays(result_shape)
+    if not lhs or not result:
+        return 0.0
+    k = np.prod([lhs[0][1][int(i)] for i in contracting]) if contracting else 1
+    return 2.0 * float(np.prod(result[0][1])) * float(k)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    backward: bool
+    flops: float
+    """As Megatron-LM counts attention: 4 B N Sq Sk H forward, 8 B N Sq Sk H backward."""
+    executed: float
+    """What the flash kernel runs: a causal mask skips half the tiles; the backward is five
+    B N Sq Sk H products (QK^T again, dV, dP, dQ, dK)."""
+
+
+def attention_call(target: str, operand_shapes: list[str], attributes: str) -> AttentionCall:
+    """A cuDNN attention custom-call's counts, from its scores shape [B, N, Sq, Sk] and the
+    head dim (the contracted dim of QK^T on the query)."""
+    config = _backend_config(attributes).get("cudnn_fmha_backend_config", {})
+    scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+    dims = config.get("bmm1_dot_dimension_numbers", {}).get("lhs_contracting_dimensions", [])
+    query = arrays(operand_shapes[0]) if operand_shapes else []
+    if not scores or not query:
+        return AttentionCall("Backward" in target, 0.0, 0.0)
+    head = np.prod([query[0][1][int(i)] for i in dims]) if dims else query[0][1][-1]
+    product = 2.0 * float(np.prod(scores)) * float(head)  # one B N Sq Sk H matmul
+    causal = 0.5 if config.get("mask_type", "NO_MASK") in ("CAUSAL", "PADDING_CAUSAL") else 1.0
+    if "Backward" in target:
+        return AttentionCall(True, 4 * product, 5 * product * causal)
+    return AttentionCall(False, 2 * product, 2 * product * causal)
+
+
+def is_kernel(op: str) -> bool:
+    return op not in NOT_KERNELS and not op.endswith("-done")
+
+
+def fusion_bytes(operand_shapes: list[str], result_shape: str, fused: list) -> float:
+    """Bytes a fusion kernel reads and writes. `fused`: the fused computation's instructions
+    (`hlo_cost.Instruction`s), its root last."""
+    params: dict[int, str] = {}
+    users: dict[str, list] = {}
+    for ins in fused:
+        if ins.op == "parameter" and ins.args.strip().isdigit():
+            params[int(ins.args)] = ins.name
+        for i, operand in enumerate(ins.operands):
+            users.setdefault(operand, []).append((ins, i))
+    read = 0.0
+    for i, shape in enumerate(operand_shapes):
+        uses = users.get(params.get(i, ""), [])
+        if uses and all(u.op in SLICING and pos == 0 for u, pos in uses):
+            read += sum(nbytes(u.shape) for u, _ in uses)
+        elif uses and all(u.op == "dynamic-update-slice" and pos == 0 for u, pos in uses):
+            continue  # the buffer written in place
+        else:
+            read += nbytes(shape)
+    root = fused[-1] if fused else None
+    by_name = {ins.name: ins for ins in fused}
+    outputs = [by_name.get(o) for o in root.operands] if root and root.op == "tuple" else [root]
+    written = 0.0
+    for out in outputs:
+        if out is not None and out.op == "dynamic-update-slice" and len(out.operands) > 1:
+            update = by_name.get(out.operands[1])
+            written += nbytes(update.shape) if update is not None else 0
+        elif out is not None:
+            written += nbytes(out.shape)
+    if root is None:
+        written = nbytes(result_shape)
+    return read + written
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSpan:
+    """What the schedule placed between an async collective's start and its done."""
+
+    kernels: int
+    gemm: bool
