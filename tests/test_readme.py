@@ -22,6 +22,7 @@ SKIPPED = {
     "python -m pytest": "this suite",
     "sbatch": "a SLURM cluster",
     "scripts/launch_local.sh": "tests/test_multiprocess.py and tests/test_cluster_run.py",
+    "--target": "tests/test_gpu_target.py compiles gpt_tiny-shaped steps for H100s",
     "configs/gpt_1.3b.yaml": "a GPU-sized model; tests/test_cli_errors.py validates its layout",
     "scripts/plan.py": "tests/test_cli_errors.py::test_every_plan_and_plot_example_runs",
 }

@@ -100,10 +100,12 @@ class GpuTarget:
                 f"here: {install_command()}"
             )
         per_host = self.gpus // self.hosts
-        if per_host * self.hosts != self.gpus:
+        if per_host * self.hosts != self.gpus or (
+            self.hosts > 1 and per_host < self.hardware.gpus_per_node
+        ):
             raise TargetError(
                 f"--gpus {self.gpus} is not a whole number of {self.hardware.name} nodes of "
-                f"{self.hardware.gpus_per_node} GPUs (or fewer than one node)"
+                f"{self.hardware.gpus_per_node} GPUs (nor fewer than one node)"
             )
         try:
             topology = topologies.get_topology_desc(

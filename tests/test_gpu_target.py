@@ -1,0 +1,135 @@
+"""The train step compiled for H100s without a GPU (`jaxmeg.parallel.gpu_target`): what the GPU
+program executes, read from its HLO. Needs jax's CUDA plugin (XLA's GPU compiler); without it
+these tests skip, except in CI (`CI=true`), which installs it and where its absence fails.
+
+Each program is compiled once per module (a few seconds to ~20 s on 2 cores); models are
+gpt_tiny-shaped, in bf16, where cuDNN attention is what `model.attention=auto` means on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxmeg import config as C
+from jaxmeg.parallel import gpu_target
+
+ROOT = Path(__file__).resolve().parent.parent
+
+if not gpu_target.plugin_installed():
+    reason = f"jax's CUDA plugin is not installed: {gpu_target.install_command()}"
+    if os.environ.get("CI", "").lower() == "true":
+        raise RuntimeError(f"CI compiles for H100: {reason}")
+    pytestmark = pytest.mark.skip(reason=reason)
+
+MODEL = dict(vocab_size=8192, hidden=1024, layers=4, heads=8, seq_len=1024)
+
+
+def gpu_config(data=1, pipe=1, tensor=1, remat="none", microbatches=2, **model) -> C.Config:
+    return C.Config(
+        model=C.ModelConfig(compute_dtype="bfloat16", remat=remat, **{**MODEL, **model}),
+        parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor),
+        train=C.TrainConfig(global_batch=4 * data * microbatches, microbatch_size=4),
+    )
+
+
+def report_for(cfg: C.Config):
+    from jaxmeg.training.cost_report import cost_report
+    from jaxmeg.training.trainer import prepare
+
+    par = cfg.parallel
+    target = gpu_target.load_target("h100", par.data * par.pipe * par.tensor)
+    trainable = prepare(cfg, None, devices=target.devices)
+    return trainable, cost_report(trainable, target)
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    return report_for(gpu_config())
+
+
+@pytest.fixture(scope="module")
+def data_two():
+    return report_for(gpu_config(data=2))
+
+
+@pytest.fixture(scope="module")
+def tensor_two():
+    return report_for(gpu_config(tensor=2))
+
+
+def attention_flops(cfg: C.Config) -> float:
+    """Megatron-LM's count of QK^T and AV over the whole s x s: forward 4 B s^2 h per layer,
+    backward twice that."""
+    m = cfg.model
+    return 3 * 4 * cfg.train.global_batch * m.seq_len**2 * m.hidden * m.layers
+
+
+def test_gemm_flops_on_one_h100_are_the_models_matmul_flops(one_gpu):
+    trainable, report = one_gpu
+    assert report["target"].startswith("1 x NVIDIA H100")
+    assert trainable.model_cfg.attention == "cudnn"  # auto on a GPU target, not the host's xla
+    attention = attention_flops(trainable.cfg)
+    assert report["attention_kernels"]["flops"] == pytest.approx(attention)
+    matmuls = report["model_flops"] - attention
+    assert report["gemm_flops"] == pytest.approx(matmuls, rel=0.01)
+    assert 0 < report["roofline_mfu"] < 1
+    assert report["memory"]["fits"]
+
+
+@pytest.mark.parametrize("fixture", ["one_gpu", "data_two", "tensor_two"])
+def test_cudnn_runs_once_per_layer_and_microbatch_on_every_layout(fixture, request):
+    """Each layout compiles with cuDNN attention (jax's partitioner of it never runs: the kernel
+    runs per tensor rank), one forward and one backward call per layer and microbatch."""
+    trainable, report = request.getfixturevalue(fixture)
+    cfg = trainable.cfg
+    calls = cfg.model.layers * cfg.train.microbatches
+    kernels = report["attention_kernels"]
+    assert (kernels["forward_per_replica"], kernels["backward_per_replica"]) == (calls, calls)
+
+
+def test_data_parallel_reduction_is_read_with_its_overlap(data_two):
+    _, report = data_two
+    assert report["collective_bytes"]["data"] > 0
+    assert report["collective_overlap"]["data"] is not None
+
+
+@pytest.mark.parametrize("fixture", ["one_gpu", "data_two", "tensor_two"])
+def test_planner_memory_within_15_percent_of_the_compiled_step(fixture, request):
+    _, report = request.getfixturevalue(fixture)
+    memory = report["memory"]
+    assert abs(memory["planner"] - memory["device"]) <= 0.15 * memory["device"], memory
+
+
+def test_pipeline_with_cudnn_compiles_for_two_h100():
+    trainable, report = report_for(gpu_config(pipe=2, microbatches=4))
+    calls = trainable.cfg.model.layers * 4
+    assert report["attention_kernels"]["forward_per_replica"] == calls
+    assert report["collective_bytes"]["pipe"] > 0
+
+
+def test_train_py_says_when_a_step_does_not_fit_and_exits_3():
+    """A batch whose logits alone exceed 80 GB: compiled, measured, refused with exit 3."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "scripts/train.py", "--compile-only", "--target", "h100", "--gpus",
+         "1", "--set", "model.vocab_size=65536", "--set", "model.compute_dtype=bfloat16",
+         "--set", "train.global_batch=4096", "--set", "train.microbatches=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "does not fit" in proc.stderr
+    assert "1 x NVIDIA H100 80GB HBM3" in proc.stderr
+
+
+def test_unknown_or_specless_targets_are_named():
+    with pytest.raises(ValueError, match="unknown hardware 'h900'"):
+        gpu_target.load_target("h900", 1)
+    with pytest.raises(ValueError, match="names no XLA target spec"):
+        gpu_target.load_target("cpu", 1)
+    with pytest.raises(gpu_target.TargetError, match="whole number of h100_dgx nodes"):
+        gpu_target.load_target("h100", 12).devices  # noqa: B018
