@@ -54,7 +54,7 @@ def one_gpu():
 
 @pytest.fixture(scope="module")
 def data_two():
-    return report_for(gpu_config(data=2))
+    return report_for(gpu_config(data=2, remat="selective"))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,8 @@ def test_gemm_flops_on_one_h100_are_the_models_matmul_flops(one_gpu):
 @pytest.mark.parametrize("fixture", ["one_gpu", "data_two", "tensor_two"])
 def test_cudnn_runs_once_per_layer_and_microbatch_on_every_layout(fixture, request):
     """Each layout compiles with cuDNN attention (jax's partitioner of it never runs: the kernel
-    runs per tensor rank), one forward and one backward call per layer and microbatch."""
+    runs per tensor rank), one forward and one backward call per layer and microbatch; with
+    selective recompute too (data_two): the forward's output and statistics are kept."""
     trainable, report = request.getfixturevalue(fixture)
     cfg = trainable.cfg
     calls = cfg.model.layers * cfg.train.microbatches

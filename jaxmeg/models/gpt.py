@@ -312,6 +312,14 @@ def save_matmul_outputs(prim, *_, **__) -> bool:
     return prim.name in _MATMUL_PRIMITIVES
 
 
+def save_flash_attention(prim, *_, **__) -> bool:
+    """Checkpoint policy: saves cuDNN's fused attention forward's outputs (the attention output
+    and its softmax statistics, all its backward reads). Flash attention stores no s x s
+    scores, so keeping them is Megatron-LM's selective recompute on a GPU; without it the
+    backward reruns the forward kernel."""
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
 REMAT_POLICY = {
     # Recompute no matmul, and nothing the backward can rebuild cheaply: keep the layer's input
     # and the matmul outputs its backward reads (QKV and fc1 before their biases, the attention
@@ -323,8 +331,11 @@ REMAT_POLICY = {
     # every intermediate (45 s b h on gpt_tiny), and its backward's matmuls are exactly the
     # forward's input and weight gradients.
     "none": save_matmul_outputs,
-    # Keep matmuls against weights, recompute attention scores/softmax (Megatron's selective).
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep matmuls against weights, recompute attention scores/softmax (Megatron's selective);
+    # cuDNN's attention keeps its output and statistics (it has no scores to recompute).
+    "selective": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_flash_attention
+    ),
     # Keep nothing inside the layer but its input.
     "full": jax.checkpoint_policies.nothing_saveable,
 }

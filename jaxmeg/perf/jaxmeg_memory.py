@@ -83,7 +83,8 @@ def stored_layer_elements(shape: Shape, layout: Layout, flash_attention: bool = 
     if layout.recompute == "none":
         return sbh * (2 + 8 / t) + attention_scores_elements(shape, layout, flash_attention)
     if layout.recompute == "selective":
-        return sbh * (2 + 7 / t)
+        flash = sbh / t + attention_scores_elements(shape, layout, True) if flash_attention else 0
+        return sbh * (2 + 7 / t) + flash  # cuDNN's output and log-sum-exp are kept
     return 0.0
 
 
