@@ -28,18 +28,22 @@ def cpu_devices_problem(count: int | None) -> str | None:
 
 def start_devices(count: int | None) -> None:
     """Simulates `count` CPU devices (before any jax computation); for None, the machine's
-    devices, where a machine with jax's CUDA plugin but no NVIDIA GPU (one that compiles for
-    `--target`) starts on its CPU without the plugin's failed CUDA start-up traceback."""
+    devices: on NVIDIA GPUs jax may take `gpu_target.GPU_MEMORY_FRACTION` of their memory (the
+    share `--target` checks against), and a machine with jax's CUDA plugin but no NVIDIA GPU
+    (one that compiles for `--target`) starts on its CPU without the plugin's failed CUDA
+    start-up traceback."""
     import os
 
     if count:
         from jaxmeg.parallel import simulate_cpu_devices
 
         simulate_cpu_devices(count)
-    elif "JAX_PLATFORMS" not in os.environ and not any(
-        os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia")
-    ):
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    elif any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia")):
+        from jaxmeg.parallel.gpu_target import GPU_MEMORY_FRACTION
+
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_MEMORY_FRACTION))
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def add_target(parser: argparse.ArgumentParser) -> None:
