@@ -107,7 +107,8 @@ def test_planner_memory_within_15_percent_of_the_compiled_step(fixture, request)
 
 
 def test_pipeline_with_cudnn_compiles_for_two_h100():
-    trainable, report = report_for(gpu_config(pipe=2, microbatches=4))
+    """Selective: cuDNN's kept output and statistics cross ticks in the residual rings."""
+    trainable, report = report_for(gpu_config(pipe=2, microbatches=4, remat="selective"))
     calls = trainable.cfg.model.layers * 4
     assert report["attention_kernels"]["forward_per_replica"] == calls
     assert report["collective_bytes"]["pipe"] > 0

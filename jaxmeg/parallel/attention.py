@@ -17,6 +17,8 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+INSIDE_AXES = ("context", "tensor")
+"""The mesh axes the executor's map leaves automatic (context where it is 1)."""
 HEADS = P(None, None, "tensor", None)
 """q, k, v and o [B, S, N, H]: heads over `tensor`, the rest as the enclosing map holds it."""
 
@@ -29,15 +31,21 @@ def per_tensor_rank(implementation: str) -> Callable:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
     def attend(q, k, v):
-        # manual over every axis still automatic here (tensor, and context of size 1): the
-        # partitioner runs wherever one axis is left
+        # manual over the axes the executor's map leaves automatic (tensor, and context of
+        # size 1): the partitioner runs wherever one axis is left. The same axes wherever the
+        # step is traced, so residuals kept across ticks have one shape (a map stacks its
+        # residuals over its manual axes).
         mesh = jax.sharding.get_abstract_mesh()
-        manual = jax.sharding.AxisType.Manual
-        auto = {
-            a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != manual
+        manual = {
+            a
+            for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if kind == jax.sharding.AxisType.Manual
         }
         mapped = jax.shard_map(
-            kernel, in_specs=(HEADS, HEADS, HEADS), out_specs=HEADS, axis_names=auto
+            kernel,
+            in_specs=(HEADS, HEADS, HEADS),
+            out_specs=HEADS,
+            axis_names=set(INSIDE_AXES) - manual,
         )
         return mapped(q, k, v)
 
