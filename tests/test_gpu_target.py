@@ -54,7 +54,8 @@ def one_gpu():
 
 @pytest.fixture(scope="module")
 def data_two():
-    return report_for(gpu_config(data=2, remat="selective"))
+    """5 layers: more than a chunk unrolls for XLA attention (`pipeline_step.unrolls_layers`)."""
+    return report_for(gpu_config(data=2, remat="selective", layers=5))
 
 
 @pytest.fixture(scope="module")

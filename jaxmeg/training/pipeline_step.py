@@ -34,6 +34,16 @@ from jaxmeg.training import links
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 
+def unrolls_layers(trainable: Trainable) -> bool:
+    """Whether a chunk runs its layers one after another rather than as a scan: short chunks
+    (`StageLayout.unrolled`), and every even chunk with cuDNN attention. jax 0.10 gives the
+    residuals of the attention's nested map (`jaxmeg.parallel.attention`) inside a scanned,
+    checkpointed layer the shape of the whole mesh's stack, not the device's, and the step
+    fails to lower wherever a manual axis (data, pipe) is larger than 1."""
+    layout = trainable.layout
+    return layout.unrolled or (trainable.model_cfg.attention == "cudnn" and not layout.uneven)
+
+
 def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     """chunk(layer_params [Lc, ...], x, real_layers, extra [Lc, ...] | None) -> (x, aux
     [Lc, ...] | None): `layer(params_i, x, extra_i) -> (x, aux_i)` for each of the chunk's
@@ -52,7 +62,7 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     stacked_layer = jax.checkpoint(
         stacked_layer, policy=policy, prevent_cse=False, static_argnums=(3,)
     )
-    padded, unrolled = trainable.layout.uneven, trainable.layout.unrolled
+    padded, unrolled = trainable.layout.uneven, unrolls_layers(trainable)
 
     def chunk(layer_params, x_BxSxD, real_layers, extra=None):
         def skip(params_i, x, extra_i):
