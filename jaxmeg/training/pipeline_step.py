@@ -36,12 +36,14 @@ from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 def unrolls_layers(trainable: Trainable) -> bool:
     """Whether a chunk runs its layers one after another rather than as a scan: short chunks
-    (`StageLayout.unrolled`), and every even chunk with cuDNN attention. jax 0.10 gives the
-    residuals of the attention's nested map (`jaxmeg.parallel.attention`) inside a scanned,
-    checkpointed layer the shape of the whole mesh's stack, not the device's, and the step
-    fails to lower wherever a manual axis (data, pipe) is larger than 1."""
-    layout = trainable.layout
-    return layout.unrolled or (trainable.model_cfg.attention == "cudnn" and not layout.uneven)
+    (`StageLayout.unrolled`), and with cuDNN attention every even chunk on a mesh with data or
+    pipe > 1 (at a compile-time cost: 24 layers unrolled compile several times slower). jax
+    0.10 gives the residuals of the attention's nested map (`jaxmeg.parallel.attention`)
+    inside a scanned, checkpointed layer the shape of the whole mesh's stack, not the
+    device's, and the step fails to lower there."""
+    layout, shape = trainable.layout, trainable.mesh.shape
+    cudnn = trainable.model_cfg.attention == "cudnn" and shape["data"] * shape["pipe"] > 1
+    return layout.unrolled or (cudnn and not layout.uneven)
 
 
 def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
