@@ -34,6 +34,25 @@ def start_devices(count: int | None) -> None:
         simulate_cpu_devices(count)
 
 
+def add_overwrite(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--overwrite", action="store_true", help=help)
+
+
+def run_paths_problem(out: str | None, metrics_file: str | None, overwrite: bool) -> str | None:
+    """What keeps a training run from writing its run directory and metrics file, or None."""
+    from jaxmeg import paths
+
+    if out is not None:
+        problem = paths.run_directory_problem(out, overwrite)
+        if problem:
+            return problem
+    if metrics_file is not None:
+        return paths.file_problem(
+            metrics_file, "--metrics-file", overwrite, ours=paths.is_metrics_file
+        )
+    return None
+
+
 def run_directory_parser(doc: str) -> argparse.ArgumentParser:
     """The parser of a script that reads a run directory (generate, evaluate): `--out RUN_DIR`,
     `--cpu-devices`, `--set` on the run's config."""

@@ -239,6 +239,10 @@ class Trainer:
             return False
         if self._stopped():
             return False
+        if self.out_dir is not None:
+            from jaxmeg.training.checkpoint import check_room
+
+            check_room(Path(self.out_dir) / "checkpoints", self.trainable)
         if self.state is None:
             with jax.set_mesh(self.trainable.mesh):
                 self.state = init_state(self.trainable, self.cfg.train.seed)
