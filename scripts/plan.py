@@ -331,7 +331,7 @@ def print_compression(cost) -> None:
     )
     settings = {
         "pipe_grad": f"rank {comp.pipe_grad_rank}, {comp.pipe_grad_phase}, "
-        f"{comp.pipe_error_feedback} error feedback",
+        f"{comp.pipe_error_feedback.replace('none', 'no')} error feedback",
         "embedding_sync": "fused: {first, last stage} x data",
         "data_grad": f"rank {comp.data_grad_rank}, stages "
         + ("all" if comp.data_grad_stages == -1 else f"< {comp.data_grad_stages}"),
