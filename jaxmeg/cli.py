@@ -26,6 +26,15 @@ def cpu_devices_problem(count: int | None) -> str | None:
     return None
 
 
+def count_problems(counts: dict[str, tuple[int | None, int]]) -> str | None:
+    """'FLAG must be >= LOW, got N' for the first flag whose value (None: not given) is below
+    its least value, else None."""
+    for flag, (value, low) in counts.items():
+        if value is not None and value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    return None
+
+
 def start_devices(count: int | None) -> None:
     """Simulates `count` CPU devices (before any jax computation); nothing for None."""
     if count:

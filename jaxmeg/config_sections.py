@@ -410,6 +410,11 @@ def from_dict(raw: dict) -> Config:
         cls = _SECTION_TYPES[section]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = values or {}
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"config section {section!r} must be a mapping of keys (e.g. {section}:\n"
+                f"  key: value), got {values!r}"
+            )
         for key in values:
             if key not in fields:
                 raise ConfigError(f"unknown config key {section}.{key}; known: {sorted(fields)}")
@@ -463,15 +468,9 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Config:
         )
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    with open(path) as f:
-        try:
-            raw = yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"config file {str(path)!r}{where}: {problem}") from None
-    cfg = from_dict(raw)
+    from jaxmeg.yaml_files import read_yaml
+
+    cfg = from_dict(read_yaml(path, "config file", ConfigError))
     return apply_overrides(cfg, overrides or [])
 
 

@@ -45,6 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="with --cost-report: one JSON object")
     args = parser.parse_args(argv)
+    from jaxmeg import cli
+
+    problem = cli.count_problems(
+        {"--cpu-devices": (args.cpu_devices, 1), "--steps": (args.steps, 1),
+         "--warmup": (args.warmup, 0)}
+    )  # fmt: skip
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.cpu_devices:
         from jaxmeg.parallel import simulate_cpu_devices
 

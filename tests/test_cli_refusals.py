@@ -1,0 +1,94 @@
+"""What the scripts used to accept where train.py refuses, or refused blaming the wrong thing:
+each now one `error:` (or `config error:`) line naming the flag or field, before compiling."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxmeg import config as C
+from tests.test_cli_errors import assert_clean_error
+from tests.test_train_cli import CLEAN_ENV, ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, env=CLEAN_ENV,
+    )  # fmt: skip
+
+
+PLAN = ["--config", "configs/gpt_1.3b.yaml", "--gpus", "8", "--batch", "64"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tensor", "3"], "--tensor 3: model.heads (16) must be divisible by parallel.tensor"),
+        (["--schedule", "zb_h1", "--pipe", "1"], "--schedule=zb_h1 needs --pipe >= 2, got 1"),
+        (["--schedule", "zbv", "--chunks", "3"], "--schedule=zbv runs 2 chunk(s) per stage"),
+        (["--context", "16"], "--context 16 needs at least 16 GPUs, got --gpus 8"),
+        (["--top", "0"], "--top must be >= 1, got 0"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_what_train_refuses(args, message):
+    result = script("plan", *PLAN, *args)
+    assert_clean_error(result, f"error: {message}")
+    assert "80 GB" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--cpu-devices", "0"], "--cpu-devices must be >= 1, got 0"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    ],
+)  # fmt: skip
+def test_bench_refuses_counts_before_compiling(args, message):
+    result = script("bench", "--config", "configs/gpt_tiny.yaml", *args)
+    assert_clean_error(result, f"error: {message}")
+    assert "median" not in result.stderr
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  hidden: 128\n  layers: 4\n  hidden: 256\n")
+    with pytest.raises(C.ConfigError, match=r"line 4.*'hidden' is given twice \(lines 2 and 4\)"):
+        C.load(path)
+
+
+def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel: 4\n")
+    with pytest.raises(C.ConfigError, match="config section 'parallel' must be a mapping"):
+        C.load(path)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [("a: [\n", "at line 2"), ("5\n", "must be a mapping of keys, got int"),
+     ("name: x\n", "missing 10 required keyword-only arguments: .gpus_per_node")],
+)  # fmt: skip
+def test_a_garbage_hardware_file_is_one_line(text, message, tmp_path):
+    from jaxmeg.perf.hardware import load_hardware
+
+    path = tmp_path / "hw.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_hardware(str(path))
+
+
+def test_generation_refuses_a_context_mesh():
+    from jaxmeg.training.generation import check_request
+    from tests.helpers import tiny_config, trainable_for
+
+    trainable = trainable_for(tiny_config(context=2))
+    with pytest.raises(
+        ValueError, match="parallel.context must be 1, got data=1, pipe=1, context=2"
+    ):
+        check_request(trainable, prompt_len=1, max_new_tokens=1)
