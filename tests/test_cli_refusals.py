@@ -3,23 +3,12 @@ each now one `error:` (or `config error:`) line naming the flag or field, before
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from jaxmeg import config as C
-from tests.test_cli_errors import assert_clean_error
-from tests.test_train_cli import CLEAN_ENV, ROOT
+from tests.test_cli_errors import assert_clean_error, script_cli
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def script(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=100, env=CLEAN_ENV,
-    )  # fmt: skip
 
 
 PLAN = ["--config", "configs/gpt_1.3b.yaml", "--gpus", "8", "--batch", "64"]
@@ -36,7 +25,7 @@ PLAN = ["--config", "configs/gpt_1.3b.yaml", "--gpus", "8", "--batch", "64"]
     ],
 )  # fmt: skip
 def test_plan_refuses_what_train_refuses(args, message):
-    result = script("plan", *PLAN, *args)
+    result = script_cli("plan", *PLAN, *args)
     assert_clean_error(result, f"error: {message}")
     assert "80 GB" not in result.stderr
 
@@ -50,7 +39,7 @@ def test_plan_refuses_what_train_refuses(args, message):
     ],
 )  # fmt: skip
 def test_bench_refuses_counts_before_compiling(args, message):
-    result = script("bench", "--config", "configs/gpt_tiny.yaml", *args)
+    result = script_cli("bench", "--config", "configs/gpt_tiny.yaml", *args)
     assert_clean_error(result, f"error: {message}")
     assert "median" not in result.stderr
 

@@ -20,7 +20,7 @@ import pytest
 
 from jaxmeg import cli, paths
 from jaxmeg.training.run_log import RunLog
-from tests.test_cli_errors import assert_clean_error, train_cli
+from tests.test_cli_errors import assert_clean_error, script_cli, train_cli
 from tests.test_train_cli import CLEAN_ENV, ROOT
 
 pytestmark = pytest.mark.timeout(180)
@@ -209,13 +209,6 @@ def test_the_write_helper_names_the_path_and_keeps_the_old_file(code, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.bin"]
 
 
-def script(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=150, env=CLEAN_ENV,
-    )  # fmt: skip
-
-
 def test_preprocess_onto_an_existing_prefix_is_refused(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("hello world, hello tokens " * 50)
@@ -223,11 +216,11 @@ def test_preprocess_onto_an_existing_prefix_is_refused(tmp_path):
     (tmp_path / "corpus.bin").write_bytes(b"a run trained on this")
     args = ["--input", str(text), "--output-prefix", str(prefix), "--vocab-size", "300",
             "--no-progress"]  # fmt: skip
-    result = script("preprocess_data", *args)
+    result = script_cli("preprocess_data", *args)
     assert_clean_error(result, f"error: --output-prefix {prefix}: {prefix}.bin already exists")
     assert "--overwrite" in result.stderr
     assert (tmp_path / "corpus.bin").read_bytes() == b"a run trained on this"
-    assert script("preprocess_data", *args, "--overwrite").returncode == 0
+    assert script_cli("preprocess_data", *args, "--overwrite").returncode == 0
     assert (tmp_path / "corpus.bin").read_bytes() != b"a run trained on this"
 
 
@@ -247,7 +240,7 @@ def test_token_file_write_failure_leaves_no_temporary(tmp_path, monkeypatch):
 def imported_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("imported") / "run"
     fixtures = ROOT / "tests" / "fixtures" / "hf" / "gpt2"
-    result = script("convert_hf", "import", "--from", str(fixtures), "--run", str(run))
+    result = script_cli("convert_hf", "import", "--from", str(fixtures), "--run", str(run))
     assert result.returncode == 0, result.stderr[-2000:]
     return run
 
@@ -256,16 +249,18 @@ def test_export_never_replaces_a_models_files_or_writes_into_the_run(imported_ru
     target = tmp_path / "model"
     target.mkdir()
     (target / "config.json").write_text('{"mine": true}')
-    result = script("convert_hf", "export", "--run", str(imported_run), "--to", str(target))
+    result = script_cli("convert_hf", "export", "--run", str(imported_run), "--to", str(target))
     assert_clean_error(result, f"error: --to {target} already holds {target / 'config.json'}")
     assert (
         "--overwrite" in result.stderr and (target / "config.json").read_text() == '{"mine": true}'
     )
-    inside = script("convert_hf", "export", "--run", str(imported_run), "--to", str(imported_run))
+    inside = script_cli(
+        "convert_hf", "export", "--run", str(imported_run), "--to", str(imported_run)
+    )
     assert_clean_error(inside, f"--to {imported_run} is inside the run directory")
     assert not (imported_run / "config.json").exists()
 
 
 def test_convert_refuses_a_directory_given_twice(tmp_path):
-    result = script("convert_hf", "import", "--from", "a", "--hf", "b", "--run", str(tmp_path))
+    result = script_cli("convert_hf", "import", "--from", "a", "--hf", "b", "--run", str(tmp_path))
     assert_clean_error(result, "error: --from and --hf name the same directory; give it once")
