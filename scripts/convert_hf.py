@@ -138,6 +138,7 @@ def import_checkpoint(
         tokenizer = (run_dir / "tokenizer.json").absolute() if has_tokenizer else "none"
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tokenizer)))
     model = hf.model_config(hf_config, cfg.model.seq_len)
+    _check_tokenizer(cfg.data.tokenizer, run_dir, hf_dir, model.vocab_size)
     changed = [n for n in hf.CONFIG_JSON_FIELDS if getattr(cfg.model, n) != getattr(model, n)]
     if changed:
         raise C.ConfigError(
@@ -176,6 +177,28 @@ def import_checkpoint(
         hf.copy_tokenizer(hf_dir, run_dir)
         config_path.write_text(yaml.safe_dump(C.to_dict(cfg), sort_keys=False))
     return config_path
+
+
+def _check_tokenizer(tokenizer: str, run_dir: Path, hf_dir, vocab_size: int) -> None:
+    """Refuses, before anything is written, a data.tokenizer that does not exist or whose ids
+    do not fit the model's vocabulary (every id past it would fail at the first batch)."""
+    from jaxmeg import config as C
+    from jaxmeg.data import load_tokenizer
+
+    if tokenizer == "none":
+        return
+    path = Path(tokenizer)
+    if path == (run_dir / "tokenizer.json").absolute():  # the model's own, copied at the end
+        path = Path(hf_dir) / "tokenizer.json"
+    elif not path.exists():
+        raise C.ConfigError(f"data.tokenizer {tokenizer} does not exist")
+    size = load_tokenizer(path).get_vocab_size()
+    if size > vocab_size:
+        raise C.ConfigError(
+            f"data.tokenizer {tokenizer} has {size} token ids, more than the model's "
+            f"vocabulary of {vocab_size} (vocab_size in {hf_dir}/config.json): its ids past "
+            f"{vocab_size - 1} have no embedding; give the model's own tokenizer"
+        )
 
 
 def _saved_config(checkpoints: Path):

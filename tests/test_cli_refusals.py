@@ -7,6 +7,7 @@ import pytest
 
 from jaxmeg import config as C
 from tests.test_cli_errors import assert_clean_error, script_cli
+from tests.test_train_cli import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,3 +82,21 @@ def test_generation_refuses_a_context_mesh():
         ValueError, match="parallel.context must be 1, got data=1, pipe=1, context=2"
     ):
         check_request(trainable, prompt_len=1, max_new_tokens=1)
+
+
+def test_import_refuses_a_missing_or_too_large_tokenizer(tmp_path):
+    import shutil
+
+    from jaxmeg.data import train_bpe_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / "gpt2", model)
+    missing = tmp_path / "nope.json"
+    result = script_cli("convert_hf", "import", "--from", str(model), "--run",
+                        str(tmp_path / "a"), "--set", f"data.tokenizer={missing}")  # fmt: skip
+    assert_clean_error(result, f"config error: data.tokenizer {missing} does not exist")
+    texts = [f"word{i} other{i * 7} thing{i * 13}" for i in range(400)]
+    train_bpe_tokenizer(texts, 400, model / "tokenizer.json", show_progress=False)
+    result = script_cli("convert_hf", "import", "--from", str(model), "--run", str(tmp_path / "b"))
+    assert_clean_error(result, "token ids, more than the model's vocabulary of 256")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
