@@ -418,3 +418,13 @@ def pinned_layout_problem(
                 text = text.replace(name, flag)
             return text
     return None
+
+
+def check_attention_runs_here(cfg, platform: str) -> None:
+    """model.attention=cudnn runs cuDNN's fused kernel, which only a GPU has: a run on other
+    devices is refused by name (compiling for a GPU target elsewhere still may use it)."""
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(
+            f"model.attention=cudnn runs cuDNN's fused attention, which needs a GPU; these "
+            f"devices are {platform}: use model.attention=auto (cuDNN where it runs) or xla"
+        )

@@ -100,3 +100,12 @@ def test_import_refuses_a_missing_or_too_large_tokenizer(tmp_path):
     result = script_cli("convert_hf", "import", "--from", str(model), "--run", str(tmp_path / "b"))
     assert_clean_error(result, "token ids, more than the model's vocabulary of 256")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_cudnn_attention_on_cpu_devices_is_a_config_error():
+    from jaxmeg.training.trainer import Trainer
+    from tests.helpers import replace_model, tiny_config
+
+    cfg = replace_model(tiny_config(data=2, tensor=4), attention="cudnn")
+    with pytest.raises(C.ConfigError, match="model.attention=cudnn .* needs a GPU; these devices"):
+        Trainer(cfg)

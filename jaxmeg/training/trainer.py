@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxmeg.config import Config, to_dict
+from jaxmeg.config_validation import check_attention_runs_here
 from jaxmeg.parallel import distributed, make_mesh
 from jaxmeg.training import partitioning
 from jaxmeg.training.batches import (
@@ -188,6 +189,7 @@ class Trainer:
         # Bad layouts and batches are reported before the dataset is built (minutes of
         # tokenizing on a first run), with the vocabulary the data is expected to have.
         partitioning.resolve(expected_vocab(cfg), cluster_job, partition=False)
+        check_attention_runs_here(cfg, jax.devices()[0].platform)
         self.dataset = open_dataset(cfg, show_progress)
         self.trainable = prepare(cfg, self.dataset, cluster_job, out_dir)
         self.cfg = cfg = self.trainable.cfg
