@@ -109,3 +109,24 @@ def test_cudnn_attention_on_cpu_devices_is_a_config_error():
     cfg = replace_model(tiny_config(data=2, tensor=4), attention="cudnn")
     with pytest.raises(C.ConfigError, match="model.attention=cudnn .* needs a GPU; these devices"):
         Trainer(cfg)
+
+
+def test_resuming_on_another_dataset_names_the_dataset_not_the_vocabulary(tmp_path):
+    import dataclasses
+
+    from jaxmeg.training.checkpoint import IncompatibleCheckpoint, check_compatible
+    from tests.helpers import replace_model, tiny_config
+
+    def on(dataset: str, vocab: int) -> C.Config:
+        cfg = replace_model(tiny_config(), vocab_size=vocab)
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=dataset))
+
+    meta = {"config": C.to_dict(on("data/a", 300))}
+    with pytest.raises(
+        IncompatibleCheckpoint,
+        match="trained on data.dataset data/a, this run "
+        "reads data/b, whose vocabulary differs .model.vocab_size 300 there, 500",
+    ):
+        check_compatible(meta, on("data/b", 500), tmp_path)
+    with pytest.raises(IncompatibleCheckpoint, match="model.vocab_size is 300 there, 500 here"):
+        check_compatible(meta, on("data/a", 500), tmp_path)  # the same data: the field itself

@@ -210,6 +210,15 @@ def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
 
 def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
     mismatches = shape_mismatches(meta, cfg)
+    saved_data = _field(meta.get("config", {}), "data.dataset")
+    vocab = next((m for m in mismatches if m[0] == "model.vocab_size"), None)
+    if vocab and saved_data not in (None, cfg.data.dataset):  # name the cause, not its effect
+        raise IncompatibleCheckpoint(
+            f"checkpoint {path} was trained on data.dataset {saved_data}, this run reads "
+            f"{cfg.data.dataset}, whose vocabulary differs (model.vocab_size {vocab[1]} there, "
+            f"{vocab[2]} here). Nothing was changed; resume with the checkpoint's data.dataset, "
+            f"or pass another --out"
+        )
     if mismatches:
         fields = "; ".join(f"{name} is {was} there, {now} here" for name, was, now in mismatches)
         raise IncompatibleCheckpoint(
