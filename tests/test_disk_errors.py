@@ -264,3 +264,11 @@ def test_export_never_replaces_a_models_files_or_writes_into_the_run(imported_ru
 def test_convert_refuses_a_directory_given_twice(tmp_path):
     result = script_cli("convert_hf", "import", "--from", "a", "--hf", "b", "--run", str(tmp_path))
     assert_clean_error(result, "error: --from and --hf name the same directory; give it once")
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_one_line(tiny_state, tmp_path):
+    from jaxmeg.training.checkpoint import Checkpointer
+
+    (tmp_path / "run").write_text("a file where the run directory goes")
+    with pytest.raises(paths.PathError, match="Not a directory; a file stands where"):
+        Checkpointer(tmp_path / "run" / "checkpoints", tiny_state[0])

@@ -297,7 +297,10 @@ class Checkpointer:
         self._saving: int | None = None  # the step of the save in flight
         self._failure: Exception | None = None
         _quiet_orbax()
-        self.manager = self._open_manager()
+        try:
+            self.manager = self._open_manager()
+        except OSError as err:  # a directory that cannot be made: read-only, a file on the way
+            raise paths.os_error(err, self.directory) or err from err
         layout, dims = trainable.layout, _without_links(vocab_dims(trainable))
         vocab_size, padded = trainable.cfg.model.vocab_size, trainable.vocab
         abstract = abstract_state(trainable)
