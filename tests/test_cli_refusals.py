@@ -130,3 +130,12 @@ def test_resuming_on_another_dataset_names_the_dataset_not_the_vocabulary(tmp_pa
         check_compatible(meta, on("data/b", 500), tmp_path)
     with pytest.raises(IncompatibleCheckpoint, match="model.vocab_size is 300 there, 500 here"):
         check_compatible(meta, on("data/a", 500), tmp_path)  # the same data: the field itself
+
+
+def test_plot_schedule_names_an_unusable_out(tmp_path):
+    args = ["--schedule", "1f1b", "--stages", "2", "--microbatches", "4"]
+    missing = tmp_path / "no-such-dir" / "s.png"
+    result = script_cli("plot_schedule", *args, "--out", str(missing))
+    assert_clean_error(result, f"error: --out {missing}: directory {missing.parent} does not exist")
+    result = script_cli("plot_schedule", *args, "--out", str(tmp_path))
+    assert_clean_error(result, f"error: --out {tmp_path} is a directory")
