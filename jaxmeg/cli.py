@@ -26,6 +26,15 @@ def cpu_devices_problem(count: int | None) -> str | None:
     return None
 
 
+def count_problems(counts: dict[str, tuple[int | None, int]]) -> str | None:
+    """'FLAG must be >= LOW, got N' for the first flag whose value (None: not given) is below
+    its least value, else None."""
+    for flag, (value, low) in counts.items():
+        if value is not None and value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    return None
+
+
 def start_devices(count: int | None) -> None:
     """Simulates `count` CPU devices (before any jax computation); for None, the machine's
     devices: on NVIDIA GPUs jax may take `gpu_target.GPU_MEMORY_FRACTION` of their memory (the
@@ -97,6 +106,25 @@ def load_target(args: argparse.Namespace, cfg):
         for size in sizes.values():
             gpus *= size
     return gpu_target.load_target(args.target, gpus)
+
+
+def add_overwrite(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--overwrite", action="store_true", help=help)
+
+
+def run_paths_problem(out: str | None, metrics_file: str | None, overwrite: bool) -> str | None:
+    """What keeps a training run from writing its run directory and metrics file, or None."""
+    from jaxmeg import paths
+
+    if out is not None:
+        problem = paths.run_directory_problem(out, overwrite)
+        if problem:
+            return problem
+    if metrics_file is not None:
+        return paths.file_problem(
+            metrics_file, "--metrics-file", overwrite, ours=paths.is_metrics_file
+        )
+    return None
 
 
 def run_directory_parser(doc: str) -> argparse.ArgumentParser:

@@ -392,3 +392,39 @@ def validate(cfg: Config, num_devices: int) -> Config:
             train=dataclasses.replace(tr, microbatch_size=b, microbatches=micro),
         )
     )
+
+
+def pinned_layout_problem(
+    heads: int, tensor=None, pipe=None, chunks=None, schedule=None, context=None, gpus=None
+) -> str | None:
+    """What train.py would refuse in a layout pinned on plan.py's command line (None: not
+    pinned), through the checks `validate` runs, or None: a layout train.py refuses is never
+    planned."""
+    if tensor is not None and tensor >= 1 and heads % tensor:
+        return f"--tensor {tensor}: model.heads ({heads}) must be divisible by parallel.tensor"
+    if context is not None and gpus is not None and context > gpus:
+        return f"--context {context} needs at least {context} GPUs, got --gpus {gpus}"
+    if schedule is not None and schedules.splits_backward(schedule):
+        required = schedules.CHUNKS_REQUIRED.get(schedule)
+        default_chunks = required or (2 if schedule == "interleaved_zb" else 1)
+        par = ParallelConfig(schedule=schedule, chunks=chunks or default_chunks)
+        try:
+            _validate_zero_bubble(par, pipe if pipe is not None else 2)
+        except ConfigError as err:
+            flags = {"parallel.schedule": "--schedule", "parallel.pipe": "--pipe",
+                     "parallel.chunks": "--chunks"}  # fmt: skip
+            text = str(err)
+            for name, flag in flags.items():
+                text = text.replace(name, flag)
+            return text
+    return None
+
+
+def check_attention_runs_here(cfg, platform: str) -> None:
+    """model.attention=cudnn runs cuDNN's fused kernel, which only a GPU has: a run on other
+    devices is refused by name (compiling for a GPU target elsewhere still may use it)."""
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(
+            f"model.attention=cudnn runs cuDNN's fused attention, which needs a GPU; these "
+            f"devices are {platform}: use model.attention=auto (cuDNN where it runs) or xla"
+        )

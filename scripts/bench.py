@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="with --cost-report: one JSON object")
     cli.add_target(parser)
     args = parser.parse_args(argv)
-    problem = cli.target_problem(args) or cli.cpu_devices_problem(args.cpu_devices)
+    problem = cli.target_problem(args) or cli.count_problems(
+        {"--cpu-devices": (args.cpu_devices, 1), "--steps": (args.steps, 1),
+         "--warmup": (args.warmup, 0)}
+    )  # fmt: skip
     if args.target and not args.cost_report:
         problem = problem or "--target compiles only: add --cost-report"
     if problem:

@@ -24,6 +24,7 @@ AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -118,12 +119,16 @@ def import_checkpoint(
     import yaml
 
     from jaxmeg import config as C
+    from jaxmeg import paths
     from jaxmeg.models import hf
     from jaxmeg.training.checkpoint import Checkpointer, schedule_of
     from jaxmeg.training.state import state_shardings, to_stage_layout
 
     run_dir = Path(run_dir)
     config_path, checkpoints = run_dir / RUN_CONFIG, run_dir / "checkpoints"
+    problem = paths.directory_problem(str(run_dir), "--run")
+    if problem:
+        raise paths.PathError(problem)
     if config_path.exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
         raise ValueError(f"{run_dir} already holds a run; pass a new --out (nothing is changed)")
     hf_config, tensors = hf.read_checkpoint(hf_dir)
@@ -133,6 +138,7 @@ def import_checkpoint(
         tokenizer = (run_dir / "tokenizer.json").absolute() if has_tokenizer else "none"
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tokenizer)))
     model = hf.model_config(hf_config, cfg.model.seq_len)
+    _check_tokenizer(cfg.data.tokenizer, run_dir, hf_dir, model.vocab_size)
     changed = [n for n in hf.CONFIG_JSON_FIELDS if getattr(cfg.model, n) != getattr(model, n)]
     if changed:
         raise C.ConfigError(
@@ -162,14 +168,37 @@ def import_checkpoint(
         "config": C.to_dict(single),
         "imported_from": str(Path(hf_dir).absolute()),
     }
-    checkpointer = Checkpointer(checkpoints, trainable, single.checkpoint.keep)
-    try:
-        checkpointer.save(0, state, meta, wait=True)
-    finally:
-        checkpointer.close()
-    hf.copy_tokenizer(hf_dir, run_dir)
-    config_path.write_text(yaml.safe_dump(C.to_dict(cfg), sort_keys=False))
+    with _undone_on_error(run_dir, "--run", parts=(checkpoints, config_path)):
+        checkpointer = Checkpointer(checkpoints, trainable, single.checkpoint.keep)
+        try:
+            checkpointer.save(0, state, meta, wait=True)
+        finally:
+            checkpointer.close()
+        hf.copy_tokenizer(hf_dir, run_dir)
+        config_path.write_text(yaml.safe_dump(C.to_dict(cfg), sort_keys=False))
     return config_path
+
+
+def _check_tokenizer(tokenizer: str, run_dir: Path, hf_dir, vocab_size: int) -> None:
+    """Refuses, before anything is written, a data.tokenizer that does not exist or whose ids
+    do not fit the model's vocabulary (every id past it would fail at the first batch)."""
+    from jaxmeg import config as C
+    from jaxmeg.data import load_tokenizer
+
+    if tokenizer == "none":
+        return
+    path = Path(tokenizer)
+    if path == (run_dir / "tokenizer.json").absolute():  # the model's own, copied at the end
+        path = Path(hf_dir) / "tokenizer.json"
+    elif not path.exists():
+        raise C.ConfigError(f"data.tokenizer {tokenizer} does not exist")
+    size = load_tokenizer(path).get_vocab_size()
+    if size > vocab_size:
+        raise C.ConfigError(
+            f"data.tokenizer {tokenizer} has {size} token ids, more than the model's "
+            f"vocabulary of {vocab_size} (vocab_size in {hf_dir}/config.json): its ids past "
+            f"{vocab_size - 1} have no embedding; give the model's own tokenizer"
+        )
 
 
 def _saved_config(checkpoints: Path):
@@ -189,7 +218,7 @@ def _saved_config(checkpoints: Path):
         manager.close()
 
 
-def export_checkpoint(run_dir: str | Path, hf_dir: str | Path) -> int:
+def export_checkpoint(run_dir: str | Path, hf_dir: str | Path, overwrite: bool = False) -> int:
     """Writes HF_DIR/config.json and model.safetensors of RUN_DIR's newest checkpoint (any
     jaxmeg run, imported or not); returns its step."""
     import jax
@@ -203,6 +232,7 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path) -> int:
         raise ValueError(f"{run_dir} holds no checkpoints to export ({checkpoints} is missing)")
     if Path(hf_dir).exists() and not Path(hf_dir).is_dir():
         raise ValueError(f"{hf_dir} exists and is not a directory; export writes a directory")
+    _check_export_target(Path(run_dir), Path(hf_dir), overwrite)
     cfg = _one_device_config(_saved_config(checkpoints))
     trainable = _trainable(cfg)
     checkpointer = Checkpointer(checkpoints, trainable, cfg.checkpoint.keep)
@@ -211,9 +241,56 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path) -> int:
     finally:
         checkpointer.close()
     params = to_canonical_layout(jax.device_get(state["params"]), trainable.layout)
-    hf.write_checkpoint(hf_dir, cfg.model, _padded_to(params, trainable, pad=False))
-    _export_tokenizer(run_dir, cfg, Path(hf_dir))
+    with _undone_on_error(Path(hf_dir), "--to"):
+        hf.write_checkpoint(hf_dir, cfg.model, _padded_to(params, trainable, pad=False))
+        _export_tokenizer(run_dir, cfg, Path(hf_dir))
     return step
+
+
+def _check_export_target(run_dir: Path, hf_dir: Path, overwrite: bool) -> None:
+    """Refuses a target that is the run itself (or inside it), or that holds a model's files
+    that export would replace (unless `overwrite`), or that cannot be written."""
+    from jaxmeg import paths
+    from jaxmeg.models import hf
+
+    target, run = hf_dir.absolute().resolve(), run_dir.absolute().resolve()
+    if target == run or run in target.parents:
+        raise paths.PathError(
+            f"--to {hf_dir} is inside the run directory {run_dir}; give a directory outside it"
+        )
+    problem = paths.directory_problem(str(hf_dir), "--to")
+    if problem:
+        raise paths.PathError(problem)
+    held = [hf_dir / n for n in (hf.CONFIG_FILE, hf.WEIGHTS_FILE) if (hf_dir / n).exists()]
+    if held and not overwrite:
+        raise paths.PathError(
+            f"--to {hf_dir} already holds {held[0]}; pass --overwrite to replace it, or give "
+            f"another directory"
+        )
+
+
+@contextlib.contextmanager
+def _undone_on_error(directory: Path, flag: str, parts: Sequence[Path] = ()):
+    """An OS error while writing `directory` (full, read-only) as one line. What this wrote is
+    removed again on any failure: the directory if it created it, else the `parts` it created
+    (a half-written import would otherwise be trained from scratch as another model)."""
+    import shutil
+
+    from jaxmeg import paths
+
+    created = [p for p in (directory, *parts) if not p.exists()]
+    try:
+        yield
+    except Exception as err:
+        for path in created[:1] if directory in created else created:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        problem = paths.os_error(err, directory, flag) if isinstance(err, OSError) else None
+        if problem is None:
+            raise
+        raise problem from err
 
 
 def _export_tokenizer(run_dir, saved_cfg, hf_dir: Path) -> None:
@@ -262,11 +339,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         command.add_argument("--run", "--out", dest="out", required=True,
                              help="jaxmeg run directory")  # fmt: skip
     add_overrides(commands["import"], "a value of the run's config besides the model (repeatable)")
-    return parser.parse_args(argv)
+    commands["export"].add_argument(
+        "--overwrite", action="store_true", help="replace the model files DIR already holds"
+    )
+    args = parser.parse_args(argv)
+    args.repeated = _repeated_flag(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def _repeated_flag(argv: Sequence[str]) -> str | None:
+    """'--from and --hf' when one of the flags that share a value is given twice: the last
+    would silently win."""
+    for names in (("--from", "--to", "--hf"), ("--run", "--out")):
+        given = [a.split("=")[0] for a in argv if a.split("=")[0] in names]
+        if len(given) > 1:
+            return " and ".join(given)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.repeated:
+        print(f"error: {args.repeated} name the same directory; give it once", file=sys.stderr)
+        return 2
 
     def convert() -> None:
         if args.command == "import":
@@ -274,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path} and step 0 in {Path(args.out) / 'checkpoints'}; train with: "
                   f"python scripts/train.py --out {args.out}")  # fmt: skip
         else:
-            step = export_checkpoint(args.out, args.hf)
+            step = export_checkpoint(args.out, args.hf, args.overwrite)
             print(f"wrote step {step} of {args.out} to {args.hf}")
 
     return run_reporting_errors(convert)

@@ -183,6 +183,7 @@ def model_shape(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from jaxmeg.config_validation import pinned_layout_problem
     from jaxmeg.perf.hardware import load_hardware
     from jaxmeg.perf.model import parameter_count
     from jaxmeg.perf.planner import context_sizes, plan
@@ -190,6 +191,10 @@ def main(argv=None) -> int:
     try:
         shape = model_shape(args)
         hw = load_hardware(args.hardware)
+        problem = pinned_layout_problem(shape.heads, args.tensor, args.pipe, args.chunks,
+                                        args.schedule, args.context, args.gpus)  # fmt: skip
+        if problem or args.top < 1:
+            raise ValueError(problem or f"--top must be >= 1, got {args.top}")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -331,7 +336,7 @@ def print_compression(cost) -> None:
     )
     settings = {
         "pipe_grad": f"rank {comp.pipe_grad_rank}, {comp.pipe_grad_phase}, "
-        f"{comp.pipe_error_feedback} error feedback",
+        f"{comp.pipe_error_feedback.replace('none', 'no')} error feedback",
         "embedding_sync": "fused: {first, last stage} x data",
         "data_grad": f"rank {comp.data_grad_rank}, stages "
         + ("all" if comp.data_grad_stages == -1 else f"< {comp.data_grad_stages}"),

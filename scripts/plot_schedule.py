@@ -65,14 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.stages is None or args.microbatches is None:
         parser.error("--stages and --microbatches are required (or --table)")
+    from jaxmeg import paths
+
     try:
         schedule = schedules.build(
             args.schedule, args.stages, args.microbatches, args.chunks, args.warmup
         )
+        problem = paths.file_problem(args.out, "--out", overwrite=True)  # an image: redrawn
+        if problem:
+            raise ValueError(problem)
+        try:
+            plot(schedule, args.out)
+        except OSError as err:  # a disk that filled or turned read-only while drawing
+            raise paths.os_error(err, args.out, "--out") or err from err
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    plot(schedule, args.out)
     print(args.out)
     return 0
 

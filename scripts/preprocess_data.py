@@ -19,6 +19,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def output_problem(prefix: str, overwrite: bool) -> str | None:
+    """What keeps the token file from being written at `prefix`, or None: runs that trained
+    on an existing PREFIX would read other data if it were replaced without --overwrite."""
+    from jaxmeg import paths
+    from jaxmeg.data.corpus import output_prefix
+    from jaxmeg.data.token_file import existing_files
+
+    if not prefix.strip():
+        return "--output-prefix is empty; give a path prefix"
+    target = output_prefix(prefix)
+    problem = paths.directory_problem(str(target.parent), "--output-prefix")
+    if problem:
+        return problem
+    existing = existing_files(target)
+    if existing and not overwrite:
+        return (
+            f"--output-prefix {prefix}: {existing[0]} already exists (runs that trained on it "
+            f"would read other data); pass --overwrite to replace it, or give another prefix"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -37,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     tok.add_argument("--vocab-size", type=int, default=32000, help="train a byte-level BPE")
     parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the files of an existing PREFIX"
+    )
     args = parser.parse_args(argv)
+    problem = output_problem(args.output_prefix, args.overwrite)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     from jaxmeg.data import prepare_dataset
 
     try:

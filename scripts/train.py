@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -65,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--no-resume", action="store_true", help="refuse to start if --out holds checkpoints"
+    )
+    cli.add_overwrite(
+        parser, "replace a --metrics-file or OUT/metrics.jsonl that jaxmeg did not write"
     )
     parser.add_argument(
         "--cluster",
@@ -131,20 +133,7 @@ def check_paths(args: argparse.Namespace) -> str | None:
         return cli.target_problem(args)
     if args.target and not args.compile_only:
         return "--target compiles for GPUs this machine does not have: add --compile-only"
-    if args.out:
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            return f"--out {args.out} is a file; it must be a run directory (new or existing)"
-        existing = next((p for p in [out, *out.parents] if p.exists()), None)
-        if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-            return f"--out {args.out}: {existing} is not writable"
-    if args.metrics_file:
-        metrics = Path(args.metrics_file)
-        if metrics.is_dir():
-            return f"--metrics-file {args.metrics_file} is a directory; give a file path"
-        if not metrics.parent.is_dir() and metrics.parent != Path(""):
-            return f"--metrics-file {args.metrics_file}: directory {metrics.parent} does not exist"
-    return None
+    return cli.run_paths_problem(args.out, args.metrics_file, args.overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:

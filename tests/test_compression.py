@@ -58,9 +58,11 @@ def test_lazy_error_propagation_telescopes_in_fp64():
         assert float(jnp.abs(error).max()) > 1e-3  # rank 3 of 12 x 20 really loses something
 
 
-def test_the_defaults_are_the_papers_epilogue_with_the_authors_lazy_error():
+def test_the_defaults_are_the_papers_epilogue_without_error_feedback():
+    # `none`, not the authors' `lazy`: the study in docs/compression.md measured `lazy` losing
+    # quality on every seed and `none` within the noise floor.
     comp = C.CompressionConfig()
-    assert (comp.pipe_grad_phase, comp.pipe_error_feedback) == ("epilogue", "lazy")
+    assert (comp.pipe_grad_phase, comp.pipe_error_feedback) == ("epilogue", "none")
     cfg = config((1, 2, 1), rank=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -147,8 +149,9 @@ def loss_grads_links(cfg, tokens):
 )
 @pytest.mark.parametrize(
     "comp",
-    [dict(pipe_error_feedback="lazy_flush", pipe_grad_phase="all"), dict()],
-    ids=["lazy_flush-all", "defaults-lazy-epilogue"],
+    [dict(pipe_error_feedback="lazy_flush", pipe_grad_phase="all"),
+     dict(pipe_error_feedback="lazy")],
+    ids=["lazy_flush-all", "lazy-epilogue"],
 )  # fmt: skip
 def test_compressed_links_at_full_rank_equal_uncompressed(mesh, schedule, comp, monkeypatch):
     """(zb_h1: the split backward's I sends the compressed cotangent.)"""
@@ -175,7 +178,7 @@ def test_low_rank_links_change_the_gradients_and_keep_state():
     mesh = (1, 4, 1)
     tokens = random_batch(config(mesh), seed=3)
     _, grads = loss_grads_links(config(mesh), tokens)
-    _, got, state = loss_grads_links(config(mesh, rank=1), tokens)
+    _, got, state = loss_grads_links(config(mesh, rank=1, pipe_error_feedback="lazy"), tokens)
     first = np.asarray(jax.tree.leaves(grads["blocks"])[0])
     assert not np.allclose(np.asarray(jax.tree.leaves(got["blocks"])[0]), first, rtol=1e-3)
     assert state["q"].shape == (4, 1, 1, COLS, 1) and state["error"].shape == (4, 1, 1, ROWS, COLS)
@@ -242,7 +245,7 @@ def test_link_state_survives_a_checkpoint_and_a_reshard(tmp_path, capsys):
     from jaxmeg.config import to_dict
     from jaxmeg.training.checkpoint import Checkpointer
 
-    saved_on = trainable_for(config((1, 2, 2), rank=2))
+    saved_on = trainable_for(config((1, 2, 2), rank=2, pipe_error_feedback="lazy"))
     state = init_state(saved_on, seed=0)
     rng = np.random.default_rng(0)
     state["links"] = {
@@ -254,12 +257,14 @@ def test_link_state_survives_a_checkpoint_and_a_reshard(tmp_path, capsys):
     writer.save(1, state, {"config": to_dict(saved_on.cfg)}, wait=True)
     writer.close()
     for mesh in [(1, 2, 2), (1, 2, 1)]:  # the same links on another tensor size
-        reader = Checkpointer(tmp_path, trainable_for(config(mesh, rank=2)))
+        reader = Checkpointer(
+            tmp_path, trainable_for(config(mesh, rank=2, pipe_error_feedback="lazy"))
+        )
         _, restored, _ = reader.restore_latest()
         reader.close()
         for key, value in expected.items():
             np.testing.assert_array_equal(np.asarray(restored["links"][key]), value, err_msg=key)
-    other = trainable_for(config((1, 4, 1), rank=2))  # other links: they start afresh
+    other = trainable_for(config((1, 4, 1), rank=2, pipe_error_feedback="lazy"))  # afresh
     reader = Checkpointer(tmp_path, other)
     _, restored, _ = reader.restore_latest()
     reader.close()

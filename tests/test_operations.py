@@ -325,6 +325,26 @@ def test_sigterm_during_start_up_of_a_fresh_run_writes_nothing(tmp_path, small_c
             assert "then exiting (no --out)" in text and "checkpointing" not in text
 
 
+def test_sigterm_announcement_is_not_lost_when_the_run_ends_first(monkeypatch):
+    # A watcher that is slow to announce (as on a loaded machine) must still announce before the
+    # `with` block lets the process go on to exit; the old code left it to a daemon thread.
+    from jaxmeg.training import signals as S
+
+    said: list[str] = []
+
+    def slow_say(message: str) -> None:
+        time.sleep(0.5)
+        said.append(message)
+
+    monkeypatch.setattr(S, "say", slow_say)
+    with S.StopSignals(checkpointing=False) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: stop.received is not None, timeout=10, interval=0.001)
+    assert said and said[0].startswith("SIGTERM: finishing this step, then exiting (no --out)")
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the handlers were put back
+    assert not stop._watcher.is_alive()  # the watcher ended at the pipe's end-of-file
+
+
 def test_second_sigterm_stops_at_once(tmp_path, small_corpus):
     out = tmp_path / "run"
     # Long steps (a big batch), so that both signals arrive while XLA runs one: the main thread

@@ -62,6 +62,14 @@ def _read_texts(paths: list[Path], text_key: str = "text") -> Iterator[str]:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
+def output_prefix(prefix: str | Path) -> Path:
+    """The PREFIX a token file is written to: a directory (or a path ending in /) gets
+    DIR/tokens."""
+    if str(prefix).endswith(("/", "\\")) or Path(prefix).is_dir():
+        return Path(prefix) / "tokens"
+    return Path(prefix)
+
+
 def prepare_dataset(
     inputs: list[str | Path],
     out_prefix: str | Path,
@@ -76,9 +84,7 @@ def prepare_dataset(
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"input file {str(path)!r} does not exist")
-    if str(out_prefix).endswith(("/", "\\")) or Path(out_prefix).is_dir():
-        out_prefix = Path(out_prefix) / "tokens"  # a directory: the files go inside it
-    out_prefix = Path(out_prefix)
+    out_prefix = output_prefix(out_prefix)
     if not any(_read_texts(paths, text_key)):
         raise ValueError(f"the inputs {[str(p) for p in paths]} hold no text (no document)")
     out_prefix.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from jaxmeg.data.megatron_dataset import (
     open_megatron_dataset,
     token_id_range,
 )
+from jaxmeg.paths import os_error
 
 
 def _paths(prefix: str | Path) -> tuple[Path, Path, Path]:
@@ -70,10 +71,27 @@ def write_token_file(
 ) -> dict:
     """Streams documents (lists of ids) to PREFIX.*, an EOT after each; returns the metadata."""
     bin_path, idx_path, meta_path = _paths(prefix)
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    temporaries = [p.with_name(p.name + f".tmp{os.getpid()}") for p in (bin_path, idx_path)]
+    tmp_meta = meta_path.with_name(meta_path.name + f".tmp{os.getpid()}")
+    try:
+        bin_path.parent.mkdir(parents=True, exist_ok=True)
+        info = _write_temporaries(*temporaries, tmp_meta, documents, vocab_size, eot, meta)
+        os.replace(temporaries[0], bin_path)
+        os.replace(temporaries[1], idx_path)
+        os.replace(tmp_meta, meta_path)
+    except BaseException as err:  # a half-written token file would fill the disk for nothing
+        for tmp in [*temporaries, tmp_meta]:
+            tmp.unlink(missing_ok=True)
+        problem = os_error(err, bin_path.parent, "--output-prefix")
+        if problem is None:
+            raise
+        raise problem from err
+    return info
+
+
+def _write_temporaries(tmp_bin, tmp_idx, tmp_meta, documents, vocab_size, eot, meta) -> dict:
     dtype = token_dtype(vocab_size)
     offsets, total = [0], 0
-    tmp_bin = bin_path.with_name(bin_path.name + f".tmp{os.getpid()}")
     with open(tmp_bin, "wb") as f:
         for ids in documents:
             array = np.asarray(list(ids) + [eot], dtype=np.int64)
@@ -84,8 +102,8 @@ def write_token_file(
             f.write(array.astype(dtype).tobytes())
             total += array.size
             offsets.append(total)
-    tmp_idx = idx_path.with_name(idx_path.name + f".tmp{os.getpid()}.npy")
-    np.save(tmp_idx, np.asarray(offsets, dtype=np.int64))
+    with open(tmp_idx, "wb") as f:  # np.save to a path would add .npy to the temporary's name
+        np.save(f, np.asarray(offsets, dtype=np.int64))
     info = {
         "dtype": dtype.name,
         "num_tokens": total,
@@ -94,12 +112,14 @@ def write_token_file(
         "eot": eot,
         **(meta or {}),
     }
-    tmp_meta = meta_path.with_name(meta_path.name + f".tmp{os.getpid()}")
     tmp_meta.write_text(json.dumps(info, indent=1))
-    os.replace(tmp_bin, bin_path)
-    os.replace(tmp_idx, idx_path)
-    os.replace(tmp_meta, meta_path)
     return info
+
+
+def existing_files(prefix: str | Path) -> list[Path]:
+    """The files of a token file at PREFIX that exist (its tokenizer too)."""
+    candidates = [*_paths(prefix), Path(str(prefix) + ".tokenizer.json")]
+    return [p for p in candidates if p.exists()]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import functools
 import re
 from pathlib import Path
 
-import yaml
+from jaxmeg.yaml_files import read_mapping
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 
@@ -63,13 +63,16 @@ def load_hardware(name_or_path: str) -> Hardware:
     if not path.is_file():
         known = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
         raise ValueError(f"unknown hardware {name_or_path!r}; known profiles: {known}")
-    raw = yaml.safe_load(path.read_text())
+    raw = read_mapping(path, "hardware file")
     fields = {f.name for f in dataclasses.fields(Hardware)}
     unknown = set(raw) - fields
     if unknown:
         raise ValueError(f"{path}: unknown hardware keys {sorted(unknown)}")
     raw["device_kinds"] = tuple(raw.get("device_kinds", ()))
-    return Hardware(**raw)
+    try:
+        return Hardware(**raw)
+    except TypeError as err:  # a key the profile needs is missing
+        raise ValueError(f"{path}: {err.args[0].split('__init__() ')[-1]}") from None
 
 
 @functools.cache

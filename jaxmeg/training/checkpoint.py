@@ -30,10 +30,15 @@ reshape into the new run's pipeline layout.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import os
+import shutil
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxmeg import paths
 from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import named
 from jaxmeg.pipeline.powersgd import leaf_key
@@ -100,23 +106,54 @@ def read_error_reason(err: Exception, limit: int = 240) -> str:
     return f"{type(err).__name__}: {text}"
 
 
-def _drop_closed_event_loop_reports() -> None:
-    """When one array of a step fails to read, orbax's asyncio loop closes while tensorstore still
-    finishes the step's other reads, and each of those reports 'Event loop is closed' as an
-    unraisable exception: dozens of tracebacks that bury the line saying which checkpoint was
-    unreadable. Drops exactly those reports; everything else still reaches the previous hook."""
+def _quiet_orbax() -> None:
+    """Orbax reports a failed read or write many times over: each of the step's other reads
+    finishes after its asyncio loop closed and reports 'Event loop is closed' or an ignored
+    coroutine exception as an unraisable exception, and its background threads log tracebacks
+    at ERROR level. Hundreds of lines that bury the one line saying which checkpoint failed and
+    what to do; this drops exactly those reports and logs (everything else still reaches the
+    previous hook), unless `JAXMEG_DEBUG` asks for them."""
     previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_event_loop", False):
+    if getattr(previous, "drops_orbax_reports", False) or paths.debugging():
         return
 
     def hook(unraisable) -> None:
-        err = unraisable.exc_value
+        err, where = unraisable.exc_value, unraisable.object
         if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+            return
+        if asyncio.iscoroutine(where) and "orbax" in getattr(where, "__qualname__", "") + str(
+            getattr(getattr(where, "cr_code", None), "co_filename", "")
+        ):
             return
         previous(unraisable)
 
-    hook.drops_closed_event_loop = True
+    hook.drops_orbax_reports = True
     sys.unraisablehook = hook
+    logging.getLogger("absl").addFilter(_drop_orbax_errors)
+
+
+def _drop_orbax_errors(record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname)
+
+
+def _release_waiting_threads() -> None:
+    """A save that fails before its directory exists leaves orbax's commit threads (which are
+    not daemons) waiting for a signal that never comes, and the interpreter would wait for them
+    at exit for the coordination timeout. Cancels them and gives them their signals, so they
+    return at once."""
+    try:
+        from orbax.checkpoint._src.futures import future
+    except ImportError:  # another orbax: nothing to release that we know of
+        return
+    if not paths.debugging():  # the cancelled threads' coroutines, reported at exit
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+    for thread in threading.enumerate():
+        if isinstance(thread, future._SignalingThread) and thread.is_alive():
+            thread.cancel()
+            try:
+                future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+            except Exception:  # noqa: BLE001 - best effort; the thread may have finished
+                pass
 
 
 def _unless_out_of_memory(err: Exception) -> Exception:
@@ -173,6 +210,15 @@ def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
 
 def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
     mismatches = shape_mismatches(meta, cfg)
+    saved_data = _field(meta.get("config", {}), "data.dataset")
+    vocab = next((m for m in mismatches if m[0] == "model.vocab_size"), None)
+    if vocab and saved_data not in (None, cfg.data.dataset):  # name the cause, not its effect
+        raise IncompatibleCheckpoint(
+            f"checkpoint {path} was trained on data.dataset {saved_data}, this run reads "
+            f"{cfg.data.dataset}, whose vocabulary differs (model.vocab_size {vocab[1]} there, "
+            f"{vocab[2]} here). Nothing was changed; resume with the checkpoint's data.dataset, "
+            f"or pass another --out"
+        )
     if mismatches:
         fields = "; ".join(f"{name} is {was} there, {now} here" for name, was, now in mismatches)
         raise IncompatibleCheckpoint(
@@ -226,6 +272,21 @@ def _link_shapes(links) -> dict[str, list[int]]:
     return {leaf_key(path): list(v.shape) for path, v in leaves}
 
 
+def _nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def check_room(directory: str | Path, trainable: Trainable) -> None:
+    """Refuses, before anything compiles, a checkpoint directory whose disk cannot take one
+    checkpoint of this model (a new one is written before the oldest is removed)."""
+    needed, free = _nbytes(abstract_state(trainable)), paths.free_bytes(directory)
+    if free < needed:
+        raise paths.PathError(
+            f"{directory}: a checkpoint of this model needs about {paths.size_text(needed)} "
+            f"and only {paths.size_text(free)} are free there; free space or pass another --out"
+        )
+
+
 class Checkpointer:
     """Saves and restores one run's train state under `directory`."""
 
@@ -233,7 +294,13 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.trainable = trainable
         self.keep = keep
-        self.manager = self._open_manager()
+        self._saving: int | None = None  # the step of the save in flight
+        self._failure: Exception | None = None
+        _quiet_orbax()
+        try:
+            self.manager = self._open_manager()
+        except OSError as err:  # a directory that cannot be made: read-only, a file on the way
+            raise paths.os_error(err, self.directory) or err from err
         layout, dims = trainable.layout, _without_links(vocab_dims(trainable))
         vocab_size, padded = trainable.cfg.model.vocab_size, trainable.vocab
         abstract = abstract_state(trainable)
@@ -274,19 +341,61 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict[str, Any], wait: bool = False) -> None:
-        """Starts an asynchronous save of `state` at `step` (waits for it if `wait`)."""
+        """Starts an asynchronous save of `state` at `step` (waits for it if `wait`). A save
+        that fails (now, or while it runs in the background: then the next save or wait says
+        so) raises a PathError that names the directory and the space a checkpoint needs."""
         items = {
             "state": ocp.args.StandardSave(self._to_stored(_without_links(state))),
             "meta": ocp.args.JsonSave({**meta, "links": _link_shapes(self._links)}),
         }
         if self._links:  # per-link compression state, saved as it is (not canonical)
             items["links"] = ocp.args.StandardSave(state["links"])
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._check_not_failed()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as err:
+            self._failed(err, self._saving or step)
+        self._saving = step
         if wait:
             self.wait()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self._check_not_failed()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            self._failed(err, self._saving)
+        self._saving = None
+
+    def _check_not_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def needed_bytes(self) -> int:
+        """About how many bytes one checkpoint takes (its arrays, before compression)."""
+        return _nbytes([self._abstract, self._links or {}])
+
+    def _failed(self, err: Exception, step: int | None) -> None:
+        """Ends a failed save: orbax's threads released, its temporary directories removed
+        (they would keep a full disk full), and one PathError (or `err` itself, when it is no
+        OS error) raised, then and at every later save, wait or close."""
+        _release_waiting_threads()
+        if jax.process_index() == 0:
+            for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        problem = paths.os_error(err, self.directory)
+        if problem is None:
+            self._failure = err
+            raise err
+        needed, free = self.needed_bytes(), paths.free_bytes(self.directory)
+        earlier = self.steps()
+        kept = f"the checkpoints of steps {earlier} are intact" if earlier else "none is kept"
+        self._failure = paths.PathError(
+            f"could not save the checkpoint of step {step} in {problem}. A checkpoint "
+            f"needs about {paths.size_text(needed)} ({paths.size_text(free)} free there); "
+            f"its partial files were removed and {kept}"
+        )
+        raise self._failure from err
 
     def restore_latest(self) -> tuple[int, Any, dict] | None:
         """(step, state in this run's layout, meta) of the newest readable step; None when the
@@ -298,7 +407,6 @@ class Checkpointer:
             if _everywhere(err is None):
                 state, meta = stored
                 return step, self._with_links(self._from_stored(state), step, meta), meta
-            _drop_closed_event_loop_reports()
             why = read_error_reason(err) if err else "on another process"
             if age == len(steps) - 1:
                 raise UnreadableCheckpoint(
@@ -372,5 +480,10 @@ class Checkpointer:
         self.manager = self._open_manager()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if self._failure is None:
+            self.wait()
+        try:
+            self.manager.close()
+        except Exception:  # noqa: BLE001 - after a failed save, closing only re-reports it
+            if self._failure is None:
+                raise

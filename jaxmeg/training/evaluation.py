@@ -144,6 +144,7 @@ def inference_trainable(cfg: Config) -> Trainable:
     """`cfg` validated on the first data x pipe x context x tensor devices (all of them where an
     axis is -1), and its Trainable."""
     from jaxmeg import config as C
+    from jaxmeg.config_validation import check_attention_runs_here
     from jaxmeg.parallel import make_mesh
 
     par = cfg.parallel
@@ -155,6 +156,7 @@ def inference_trainable(cfg: Config) -> Trainable:
             f"there are {len(jax.devices())} devices (--cpu-devices N simulates N on a CPU)"
         )
     cfg = C.validate(cfg, count)
+    check_attention_runs_here(cfg, jax.devices()[0].platform)
     return Trainable.create(cfg, make_mesh(cfg.parallel, jax.devices()[:count]))
 
 

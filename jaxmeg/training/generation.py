@@ -34,10 +34,11 @@ def check_request(trainable: Trainable, prompt_len: int, max_new_tokens: int,
     """ValueError naming the value when a generation cannot run on this model and mesh."""
     cfg = trainable.cfg
     mesh = trainable.mesh.shape
-    if mesh["data"] != 1 or mesh["pipe"] != 1:
+    others = {axis: mesh.get(axis, 1) for axis in ("data", "pipe", "context")}
+    if any(size != 1 for size in others.values()):
         raise ValueError(
-            f"generation runs on a tensor-parallel mesh: parallel.data and parallel.pipe must be "
-            f"1, got {mesh['data']} and {mesh['pipe']}"
+            "generation runs on a tensor-parallel mesh: parallel.data, parallel.pipe and "
+            "parallel.context must be 1, got " + ", ".join(f"{n}={s}" for n, s in others.items())
         )
     if prompt_len < 1:
         raise ValueError("the prompt is empty; generation needs at least one prompt token")

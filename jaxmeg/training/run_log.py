@@ -7,6 +7,7 @@ A resumed run first drops what the interrupted run recorded after the step it re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+from jaxmeg import paths
 
 
 def say(message: str) -> None:
@@ -45,6 +48,15 @@ def drop_records_after(path: str | Path, step: int) -> None:
     os.replace(temporary, path)  # atomic: a crash here leaves the old or the new file
 
 
+@contextlib.contextmanager
+def _named_os_errors(metrics_file: str):
+    """An OS error on the metrics file (a full disk, /dev/full, a directory gone) as one line."""
+    try:
+        yield
+    except OSError as err:
+        raise paths.os_error(err, metrics_file, "metrics file") or err from err
+
+
 class RunLog:
     def __init__(
         self,
@@ -64,7 +76,11 @@ class RunLog:
         if metrics_file and lead and resumed:
             drop_records_after(metrics_file, first_step)
         mode = "a" if resumed else "w"
-        self.sink = open(metrics_file, mode) if metrics_file and lead else None
+        self.metrics_file = metrics_file
+        self.sink = None
+        if metrics_file and lead:
+            with _named_os_errors(metrics_file):
+                self.sink = open(metrics_file, mode)
         self.writer = None
         if tensorboard_dir is not None and lead:
             from tensorboardX import SummaryWriter
@@ -85,8 +101,9 @@ class RunLog:
         step = record["step"]
         if step % self.log_every == 0:
             if self.sink:
-                self.sink.write(json.dumps(record) + "\n")
-                self.sink.flush()
+                with _named_os_errors(self.metrics_file):
+                    self.sink.write(json.dumps(record) + "\n")
+                    self.sink.flush()
             if self.writer:
                 for key, value in record.items():
                     if key != "step" and isinstance(value, (int, float)):
@@ -105,6 +122,9 @@ class RunLog:
         if self.bar is not None:
             self.bar.close()
         if self.sink:
-            self.sink.close()
+            try:
+                self.sink.close()
+            except OSError:  # a failed flush of a full disk, already reported by record()
+                pass
         if self.writer:
             self.writer.close()

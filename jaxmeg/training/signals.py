@@ -24,13 +24,20 @@ class StopSignals:
     The first signal puts the default handlers back, so a second one ends a hung run at once.
     Python runs signal handlers only between bytecodes, so a main thread stuck in XLA would
     never run them; a watcher thread on the signal wake-up fd counts signals as they arrive
-    and ends the process on the second one in that case too."""
+    and ends the process on the second one in that case too.
+
+    The watcher also announces the first signal. Leaving the block closes the pipe's write end
+    and waits (boundedly) for the watcher to read it to the end, so a signal that stopped the
+    run is always announced, even when the run ends before the watcher was first scheduled."""
+
+    JOIN_SECONDS = 10.0  # how long leaving the block waits for the watcher's announcement
 
     def __init__(self, checkpointing: bool = True):
         self.checkpointing = checkpointing
         self.received: int | None = None
         self._previous: dict = {}
         self._wakeup: tuple[int, int, int] | None = None  # read fd, write fd, previous fd
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -52,12 +59,13 @@ class StopSignals:
         os.set_blocking(write_fd, False)
         previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self._wakeup = (read_fd, write_fd, previous)
-        threading.Thread(
+        self._watcher = threading.Thread(
             target=_exit_on_second_signal,
             args=(read_fd, self.checkpointing),
-            daemon=True,
+            daemon=True,  # a watcher that cannot finish never keeps the process alive
             name="jaxmeg-signals",
-        ).start()
+        )
+        self._watcher.start()
 
     def stop_agreed(self) -> bool:
         """Whether to stop now. Every process gets the same answer: a signal can reach the
@@ -80,7 +88,11 @@ class StopSignals:
         if self._wakeup is not None:
             _, write_fd, previous = self._wakeup
             signal.set_wakeup_fd(previous)
-            os.close(write_fd)  # the watcher reads end-of-file and returns
+            self._wakeup = None
+            os.close(write_fd)  # the watcher reads every byte written so far, then end-of-file
+            # Without this wait the process could exit before the daemon watcher ran, and the
+            # announcement of a signal that stopped the run would be lost.
+            self._watcher.join(timeout=self.JOIN_SECONDS)
 
 
 def _exit_on_second_signal(read_fd: int, checkpointing: bool) -> None:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxmeg.config import Config, to_dict
+from jaxmeg.config_validation import check_attention_runs_here
 from jaxmeg.parallel import distributed, make_mesh
 from jaxmeg.training import partitioning
 from jaxmeg.training.batches import (
@@ -200,6 +201,7 @@ class Trainer:
         # Bad layouts and batches are reported before the dataset is built (minutes of
         # tokenizing on a first run), with the vocabulary the data is expected to have.
         partitioning.resolve(expected_vocab(cfg), cluster_job, partition=False)
+        check_attention_runs_here(cfg, jax.devices()[0].platform)
         self.dataset = open_dataset(cfg, show_progress)
         self.trainable = prepare(cfg, self.dataset, cluster_job, out_dir)
         self.cfg = cfg = self.trainable.cfg
@@ -251,6 +253,10 @@ class Trainer:
             return False
         if self._stopped():
             return False
+        if self.out_dir is not None:
+            from jaxmeg.training.checkpoint import check_room
+
+            check_room(Path(self.out_dir) / "checkpoints", self.trainable)
         if self.state is None:
             with jax.set_mesh(self.trainable.mesh):
                 self.state = init_state(self.trainable, self.cfg.train.seed)
