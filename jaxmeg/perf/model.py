@@ -54,7 +54,7 @@ from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, insid
     pipe_link,
     tensor_link,
 )
-from jaxmeg.pipeline import schedules
+from jaxmeg.pipeline import schedules, timing
 from jaxmeg.pipeline.analysis import held_microbatches
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_table import STEADY_STATE_MICROBATCHES_PER_STAGE, build_tick_table
@@ -465,7 +465,7 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     # the pace of its slowest stage, counted as the busiest one plus the head.
     forward = layers * layer.forward + logits_f
     backward = layers * (layer.backward + layer.recompute(layout.recompute)) + 2 * logits_f
-    bubble = schedules.bubble_fraction(layout.schedule, p, m, v)
+    bubble = timing.bubble_fraction(layout.schedule, p, m, v)
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back
