@@ -38,6 +38,7 @@ from jaxmeg.parallel.hlo import (
     _result_bytes,
     replica_groups,
 )
+from jaxmeg.pipeline.tick_columns import SLOT_KINDS
 
 _INSTRUCTION_RE = re.compile(
     r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
@@ -166,7 +167,9 @@ class StepCost:
 
     branch_columns: JAX name scope of a conditional -> int [ticks, p] branch index per (tick,
         stage) of the loop it sits in; of a loop without a known trip count -> its trips per
-        (tick, stage).
+        (tick, stage). Every scope is a row of the executor's slot table
+        (`jaxmeg.pipeline.tick_columns.SLOT_KINDS`), else ValueError: a misspelt scope would
+        leave its loop counted once.
     """
 
     def __init__(
@@ -175,6 +178,9 @@ class StepCost:
         self.comps, self.entry = parse(hlo_text)
         self.mesh = mesh
         self.columns = dict(branch_columns or {})
+        unknown = sorted(set(self.columns) - set(SLOT_KINDS))
+        if unknown:
+            raise ValueError(f"branch columns for scopes no slot kind names: {unknown}")
         names = list(mesh.axis_names)
         self.pipe_dim = names.index("pipe") if "pipe" in names else None
         self.p = mesh.shape.get("pipe", 1)
