@@ -175,12 +175,12 @@ class StepCost:
     def __init__(
         self, hlo_text: str, mesh: Mesh, branch_columns: Mapping[str, np.ndarray] | None = None
     ):
+        unknown = sorted(set(branch_columns or {}) - set(SLOT_KINDS))
+        if unknown:
+            raise ValueError(f"branch columns for scopes no slot kind names: {unknown}")
         self.comps, self.entry = parse(hlo_text)
         self.mesh = mesh
         self.columns = dict(branch_columns or {})
-        unknown = sorted(set(self.columns) - set(SLOT_KINDS))
-        if unknown:
-            raise ValueError(f"branch columns for scopes no slot kind names: {unknown}")
         names = list(mesh.axis_names)
         self.pipe_dim = names.index("pipe") if "pipe" in names else None
         self.p = mesh.shape.get("pipe", 1)
