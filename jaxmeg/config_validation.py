@@ -218,28 +218,42 @@ def _validate_context(cfg: Config, context: int) -> None:
         )
 
 
-def _validate_zero_bubble(par: ParallelConfig, pipe: int) -> None:
-    """The split-backward schedules' own constraints (their orders: `schedules.build`)."""
-    name = par.schedule
-    if not schedules.splits_backward(name):
-        return
-    required = schedules.CHUNKS_REQUIRED.get(name)
-    if required is not None and par.chunks != required:
+_SCHEDULE_FIELDS = {
+    "num_stages": "parallel.pipe",
+    "num_microbatches": "train.microbatches",
+    "num_chunks": "parallel.chunks",
+}
+
+
+def _check_schedule(par: ParallelConfig, pipe: int, microbatches: int) -> None:
+    """`schedules.check`'s rules for the layout, its errors led by the field at fault and
+    spelled in the config's field names."""
+    try:
+        schedules.check(par.schedule, pipe, microbatches, par.chunks)
+    except schedules.ScheduleCheckError as err:
+        message = str(err)
+        for word, field in _SCHEDULE_FIELDS.items():
+            message = message.replace(word, field)
+        raise ConfigError(f"{_SCHEDULE_FIELDS[err.field]}: {message}") from None
+
+
+def _validate_schedule_layout(par: ParallelConfig, pipe: int) -> None:
+    """What a schedule's row says of stages and `parallel.stage_layers`, before its numbers
+    (`_check_schedule`)."""
+    spec = schedules.spec(par.schedule)
+    if par.chunks > 1 and not spec.chunked:
+        chunked = [name for name, row in schedules.SPECS.items() if row.chunked]
         raise ConfigError(
-            f"parallel.schedule={name} runs {required} chunk(s) per stage, got "
-            f"parallel.chunks = {par.chunks}"
+            f"parallel.chunks = {par.chunks} needs parallel.schedule="
+            f"{', '.join(chunked[:-1])} or {chunked[-1]}, got {par.schedule}"
         )
-    if name == "interleaved_zb" and par.chunks < 2:
+    if spec.split_backward and pipe < 2:
+        raise ConfigError(f"parallel.schedule={par.schedule} needs parallel.pipe >= 2, got {pipe}")
+    if par.stage_layers and not spec.uneven_stages:
+        uneven = [name for name, row in schedules.SPECS.items() if row.uneven_stages]
         raise ConfigError(
-            f"parallel.schedule=interleaved_zb needs parallel.chunks >= 2, got {par.chunks} "
-            f"(zb_h1 is its one-chunk form)"
-        )
-    if pipe < 2:
-        raise ConfigError(f"parallel.schedule={name} needs parallel.pipe >= 2, got {pipe}")
-    if par.stage_layers and name != "zb_h1":
-        raise ConfigError(
-            f"parallel.stage_layers {list(par.stage_layers)} needs one chunk per stage; "
-            f"{name} runs {par.chunks}"
+            f"parallel.stage_layers {list(par.stage_layers)} needs a schedule with one chunk per "
+            f"stage ({', '.join(uneven)}), got parallel.schedule={par.schedule}"
         )
 
 
@@ -313,36 +327,14 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"parallel.zero_stage = {par.zero_stage} splits the optimizer over parallel.data, "
             f"which is 1; use parallel.data > 1 or zero_stage 0"
         )
-    if par.chunks > 1 and par.schedule not in schedules.CHUNKED:
-        raise ConfigError(
-            f"parallel.chunks = {par.chunks} needs parallel.schedule=interleaved_1f1b, "
-            f"breadth_first, interleaved_zb or zbv, got {par.schedule}"
-        )
-    _validate_zero_bubble(par, pipe)
-    if par.chunks > 1 and pipe == 1:
-        raise ConfigError(f"parallel.chunks = {par.chunks} needs parallel.pipe > 1, got 1")
-    if par.stage_layers and par.schedule == "interleaved_1f1b":
-        raise ConfigError(
-            f"parallel.stage_layers {list(par.stage_layers)} needs a schedule with one chunk per "
-            f"stage (gpipe, 1f1b or breadth_first with chunks = 1), got "
-            f"parallel.schedule=interleaved_1f1b"
-        )
+    _validate_schedule_layout(par, pipe)
+    b, micro = resolve_batching(tr, data, pipe)
+    _check_schedule(par, pipe, micro)
     try:
         StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers,
                            placement=schedules.placement_of(par.schedule))  # fmt: skip
     except LayoutError as err:
         raise ConfigError(str(err)) from None
-    b, micro = resolve_batching(tr, data, pipe)
-    if pipe > 1 and par.schedule == "interleaved_1f1b" and micro % pipe:
-        raise ConfigError(
-            f"interleaved_1f1b needs train.microbatches ({micro}) to be a multiple of "
-            f"parallel.pipe ({pipe})"
-        )
-    if schedules.splits_backward(par.schedule):
-        try:
-            schedules.zero_bubble.rounds(pipe, micro)
-        except ValueError as err:
-            raise ConfigError(f"train.microbatches: {err}") from None
     _validate_compression(cfg.compression, pipe, data, cfg.parallel.zero_stage)
     if par.schedule == "zbv" and cfg.compression.pipe_grad_rank:
         raise ConfigError(

@@ -203,19 +203,13 @@ def _check_tokenizer(tokenizer: str, run_dir: Path, hf_dir, vocab_size: int) -> 
 
 def _saved_config(checkpoints: Path):
     """The config that the newest checkpoint under `checkpoints` was written with (its meta)."""
-    import orbax.checkpoint as ocp
-
     from jaxmeg import config as C
+    from jaxmeg.training.checkpoint import read_meta
 
-    manager = ocp.CheckpointManager(checkpoints.absolute(), item_names=("state", "meta", "links"))
-    try:
-        step = manager.latest_step()
-        if step is None:
-            raise ValueError(f"{checkpoints} holds no checkpoint to export")
-        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-        return C.from_dict(manager.restore(step, args=args)["meta"]["config"])
-    finally:
-        manager.close()
+    found = read_meta(checkpoints)
+    if found is None:
+        raise ValueError(f"{checkpoints} holds no checkpoint to export")
+    return C.from_dict(found[1]["config"])
 
 
 def export_checkpoint(run_dir: str | Path, hf_dir: str | Path, overwrite: bool = False) -> int:

@@ -19,8 +19,9 @@ from jaxmeg.pipeline.critical_path import (
     exposed_backward_sends,
     table_orders,
 )
-from jaxmeg.pipeline.schedules import Schedule, _dependency, build
+from jaxmeg.pipeline.schedules import Schedule, build
 from jaxmeg.pipeline.tick_table import build_tick_table
+from jaxmeg.pipeline.timing import dependency as action_dependency
 
 
 def schedule(name, p, m, v=1, warmup="min_memory"):
@@ -65,7 +66,7 @@ def simulated_makespan(sch: Schedule, epsilon: Fraction, delayed=None, delay=Fra
             while position[s] < len(sch.orders[s]):
                 action = sch.orders[s][position[s]]
                 kind, mb, c = action
-                node, dependency = (kind, c * p + s, mb), _dependency(action, s, p, v)
+                node, dependency = (kind, c * p + s, mb), action_dependency(action, s, p, v)
                 if dependency is not None and dependency not in end:
                     break
                 ready = Fraction(0)

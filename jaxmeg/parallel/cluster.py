@@ -33,8 +33,9 @@ from pathlib import Path
 import yaml
 
 from jaxmeg.config import ConfigError
+from jaxmeg.shipped import find_shipped, shipped_dir, shipped_names
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+CLUSTER_DIR = shipped_dir("clusters")
 NIC_TYPES = ("infiniband", "roce", "ethernet")
 """NIC types a group or link may name. RDMA (InfiniBand, RoCE) works only inside one type."""
 
@@ -258,11 +259,9 @@ def from_dict(raw: dict, source: str = "cluster") -> Cluster:
 
 def load_cluster(name_or_path: str | Path) -> Cluster:
     """A cluster file by path, or by name from configs/clusters/."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        path = CLUSTER_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+    path = find_shipped("clusters", name_or_path)
+    if path is None:
+        known = shipped_names("clusters")
         raise ClusterError(f"cluster file {str(name_or_path)!r} does not exist; shipped: {known}")
     try:
         raw = yaml.safe_load(path.read_text())

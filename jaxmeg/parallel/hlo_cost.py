@@ -39,6 +39,7 @@ from jaxmeg.parallel.hlo import (
     _result_bytes,
     replica_groups,
 )
+from jaxmeg.pipeline.tick_columns import SLOT_KINDS
 
 _INSTRUCTION_RE = re.compile(
     r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
@@ -191,7 +192,9 @@ class StepCost:
 
     branch_columns: JAX name scope of a conditional -> int [ticks, p] branch index per (tick,
         stage) of the loop it sits in; of a loop without a known trip count -> its trips per
-        (tick, stage).
+        (tick, stage). Every scope is a row of the executor's slot table
+        (`jaxmeg.pipeline.tick_columns.SLOT_KINDS`), else ValueError: a misspelt scope would
+        leave its loop counted once.
     roofline: (peak FLOP/s, memory bytes/s) of one device, for `Cost.roofline_seconds`.
     """
 
@@ -202,6 +205,9 @@ class StepCost:
         branch_columns: Mapping[str, np.ndarray] | None = None,
         roofline: tuple[float, float] | None = None,
     ):
+        unknown = sorted(set(branch_columns or {}) - set(SLOT_KINDS))
+        if unknown:
+            raise ValueError(f"branch columns for scopes no slot kind names: {unknown}")
         self.comps, self.entry = parse(hlo_text)
         self.roofline = roofline
         self.fused = {

@@ -30,12 +30,9 @@ Words: c context, t tensor, b microbatch, s sequence, h hidden, a heads, g key/v
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from jaxmeg.perf.layout import Layout
-
-if TYPE_CHECKING:
-    from jaxmeg.perf.model import Shape
+from jaxmeg.perf.shape import Shape
 
 RING_BLOCKS_HELD = 4
 """Blocks the ring holds at once beside the activations: in the backward, the block in use and

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from pathlib import Path
 
 from jaxmeg.yaml_files import read_mapping
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+from jaxmeg.shipped import find_shipped, shipped_dir, shipped_names
+
+PROFILE_DIR = shipped_dir("hardware")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,11 +58,9 @@ class Hardware:
 
 def load_hardware(name_or_path: str) -> Hardware:
     """A profile by name (`a100_dgx`) or by path to a YAML file."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        path = PROFILE_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+    path = find_shipped("hardware", name_or_path)
+    if path is None:
+        known = shipped_names("hardware")
         raise ValueError(f"unknown hardware {name_or_path!r}; known profiles: {known}")
     raw = read_mapping(path, "hardware file")
     fields = {f.name for f in dataclasses.fields(Hardware)}

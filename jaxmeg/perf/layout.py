@@ -68,10 +68,9 @@ class Layout:
                 f"schedule must be one of {list(schedules.NAMES)} and warmup one of "
                 f"{list(schedules.WARMUPS)}, got {self.schedule!r} / {self.warmup!r}"
             )
-        interleaved = self.schedule in ("interleaved_1f1b", "interleaved_zb", "zbv")
+        spec = schedules.SPECS[self.schedule]
         if self.pipe > 1 and (
-            (self.chunks > 1 and self.schedule not in schedules.CHUNKED)
-            or (interleaved and self.chunks == 1)
+            (self.chunks > 1 and not spec.chunked) or (spec.interleaved and self.chunks == 1)
         ):
             raise ValueError(
                 f"chunks = {self.chunks} goes with schedule interleaved_1f1b, interleaved_zb, zbv "

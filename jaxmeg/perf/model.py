@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxmeg.config import ModelConfig
 from jaxmeg.perf.collectives import (
     data_parallel_collectives,
     model_state_bytes,
@@ -54,35 +53,11 @@ from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, insid
     pipe_link,
     tensor_link,
 )
-from jaxmeg.pipeline import schedules
+from jaxmeg.perf.shape import Shape, shape_of  # noqa: F401 (re-exported)
+from jaxmeg.pipeline import schedules, timing
 from jaxmeg.pipeline.analysis import held_microbatches
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_table import STEADY_STATE_MICROBATCHES_PER_STAGE, build_tick_table
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    seq_len: int
-    vocab: int
-    mlp_ratio: int = 4
-    kv_heads: int | None = None
-    """Key/value heads of grouped-query attention (`model.kv_heads`); None = heads. Only the
-    context ring's block size reads it (the parameters and FLOPs are multi-head attention's)."""
-
-
-def shape_of(model: ModelConfig) -> Shape:
-    """The Shape of a model config: h, l, a, s, V (`vocab_size`, which must be set) and the
-    MLP ratio. The one place a config becomes a Shape."""
-    if model.vocab_size < 1:
-        raise ValueError(f"model.vocab_size must be set (>= 1), got {model.vocab_size}")
-    return Shape(
-        hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
-        vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
-        kv_heads=None if model.kv_heads == -1 else model.kv_heads,
-    )  # fmt: skip
 
 
 def parameter_count(shape: Shape) -> float:
@@ -465,7 +440,7 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     # the pace of its slowest stage, counted as the busiest one plus the head.
     forward = layers * layer.forward + logits_f
     backward = layers * (layer.backward + layer.recompute(layout.recompute)) + 2 * logits_f
-    bubble = schedules.bubble_fraction(layout.schedule, p, m, v)
+    bubble = timing.bubble_fraction(layout.schedule, p, m, v)
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back

@@ -165,12 +165,8 @@ def _schedule_for(schedule: str | None, p: int, m: int, v: int) -> str | None:
     multiple of p)."""
     if schedule is None or p == 1:
         schedule = "interleaved_1f1b" if v > 1 else "1f1b"
-    if schedule == "interleaved_1f1b" and m % p:
-        return None
     try:
-        schedules.build(schedule, p, min(m, 2 * p), v)  # the checks only: chunks, rounds
-        if schedules.splits_backward(schedule):
-            schedules.zero_bubble.rounds(p, m)
+        schedules.check(schedule, p, m, v)
     except ValueError:
         return None
     return schedule

@@ -4,8 +4,9 @@ Nothing here imports model code: the executor runs `StageFunctions` given by the
 """
 
 from jaxmeg.pipeline.analysis import ScheduleError, lockstep_efficiency, validate
-from jaxmeg.pipeline.schedules import Schedule, bubble_fraction, build
+from jaxmeg.pipeline.schedules import Schedule, build
 from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
+from jaxmeg.pipeline.timing import bubble_fraction
 
 __all__ = [
     "Schedule",

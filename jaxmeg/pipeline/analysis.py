@@ -18,16 +18,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxmeg.pipeline.schedules import (
-    Schedule,
-    action_cost,
-    async_efficiency,
-    bubble_fraction,
-    build,
-    ideal_time,
-    stage_and_chunk,
-)
+from jaxmeg.pipeline.schedules import Schedule, build, stage_and_chunk
 from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
+from jaxmeg.pipeline.timing import action_cost, async_efficiency, bubble_fraction, ideal_time
 
 
 class ScheduleError(AssertionError):
@@ -225,7 +218,7 @@ def lockstep_time(
 ):
     """Sum over ticks of (max F-slot cost + max B-slot cost), one forward of a stage = 1; in
     unit ticks (one action per stage), of the max over stages of the action's cost
-    (`schedules.action_cost`: I and W half a backward each, or `split` = their measured costs)."""
+    (`timing.action_cost`: I and W half a backward each, or `split` = their measured costs)."""
     table = table if table is not None else build_tick_table(schedule)
     v = schedule.num_chunks
 

@@ -6,10 +6,10 @@ forward on (the lockstep executor has nothing left to overlap them with; for 1F1
 link). The rest of this module is the analysis of the asynchronous schedule, for comparison:
 the longest paths through its DAG, found from the orders alone, the same way for every schedule.
 
-The model is the asynchronous one of `schedules.async_time`, as a DAG: one node per action
+The model is the asynchronous one of `timing.async_time`, as a DAG: one node per action
 (kind, virtual stage, microbatch), lasting 1/v for a chunk's forward and `backward_cost`/v for
 its backward; an edge from each action to the next on its stage, and one from the action it
-waits for (`schedules._dependency`: F on virtual stage u after F on u - 1; B on u after B on
+waits for (`timing.dependency`: F on virtual stage u after F on u - 1; B on u after B on
 u + 1, or on the last virtual stage after F on u, the loss being local). An edge between two
 virtual stages is a transfer: it costs `transfer_cost` plus an infinitesimal epsilon > 0.
 Times are pairs (time, transfers) compared lexicographically, i.e. time + transfers x epsilon:
@@ -47,14 +47,15 @@ from fractions import Fraction
 
 import numpy as np
 
-from jaxmeg.pipeline.schedules import Action, Schedule, _dependency, prev_stage
+from jaxmeg.pipeline.schedules import Action, Schedule, prev_stage
 from jaxmeg.pipeline.tick_table import TickTable
+from jaxmeg.pipeline.timing import dependency
 
 PHASES = ("all", "epilogue")
 """`compression.pipe_grad_phase`: compress every backward transfer, or only the critical ones."""
 
 Node = tuple[str, int, int]
-"""(kind, virtual stage, microbatch): the keys `schedules._dependency` names."""
+"""(kind, virtual stage, microbatch): the keys `timing.dependency` names."""
 Time = tuple[Fraction, int]
 """(time, transfers): time plus an infinitesimal epsilon per transfer."""
 Send = tuple[int, int, int]
@@ -85,9 +86,9 @@ def _graph(
             node = (kind, c * p + s, mb)
             duration[node] = ((Fraction(1) if kind == "F" else backward) / v, 0)
             edges[node] = [] if before is None else [(before, _LOCAL)]
-            dependency = _dependency(action, s, p, v)
-            if dependency is not None:
-                edges[node].append((dependency, _LOCAL if dependency[1] == node[1] else transfer))
+            waits_for = dependency(action, s, p, v)
+            if waits_for is not None:
+                edges[node].append((waits_for, _LOCAL if waits_for[1] == node[1] else transfer))
             before = node
     return duration, edges
 

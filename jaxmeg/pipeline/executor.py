@@ -58,12 +58,28 @@ from jaxmeg.pipeline.tick_columns import (
     B_CHUNK,
     B_FIRST,
     B_WHOLE,
+    COMPRESS_LINK,
     F_EMBED,
     F_FIRST,
     F_LAST,
     F_MIDDLE,
+    FETCH,
+    GATHER,
     I_CHUNK,
     I_FIRST,
+    RECEIVE,
+    REDUCE_CHUNK,
+    REDUCE_POWERSGD,
+    REDUCE_TAKE,
+    REDUCE_WRITE,
+    SEND_COT,
+    SEND_COT_BACK,
+    SEND_FACTORS,
+    SEND_WHOLE,
+    SEND_X,
+    SEND_X_BACK,
+    W_CHUNK,
+    SlotKind,
     slot_columns,
 )
 from jaxmeg.pipeline.tick_table import TickTable
@@ -465,15 +481,14 @@ def make_pipeline_loss_and_grads(
                 }
 
             if whole_model:
-                kinds = {"f_embed": (F_EMBED, embed_only)}
+                kinds = {F_EMBED: embed_only}
             else:
-                kinds = {"f_first": (F_FIRST, first), "f_middle": (F_MIDDLE, middle),
-                         "f_last": (F_LAST, last)}  # fmt: skip
+                kinds = {F_FIRST: first, F_MIDDLE: middle, F_LAST: last}
             ring = {k: c[k] for k in ("inputs", "stored", "matmul_inputs", "cots", "y",
                                       "g_shared", "loss") if k in c}  # fmt: skip
-            for scope, (kind, fn) in kinds.items():
+            for kind, fn in kinds.items():
                 ring = slots.run_if(
-                    row["f_kind"] == kind, fn, ring, scope, (tokens_BxS, targets_BxS)
+                    row[kind.column] == kind.code, fn, ring, kind.scope, (tokens_BxS, targets_BxS)
                 )
             return {**c, **ring}
 
@@ -567,11 +582,11 @@ def make_pipeline_loss_and_grads(
                 return {**a, **written, "g_shared": gradients.accumulate(a["g_shared"], d_shared)}
 
             if whole_model:
-                kinds = {"b_whole": (B_WHOLE, whole)}
+                kinds = {B_WHOLE: whole}
             elif table.unit:
-                kinds = {"i_middle": (I_CHUNK, i_middle), "i_first": (I_FIRST, i_first)}
+                kinds = {I_CHUNK: i_middle, I_FIRST: i_first}
             else:
-                kinds = {"b_middle": (B_CHUNK, middle), "b_first": (B_FIRST, first)}
+                kinds = {B_CHUNK: middle, B_FIRST: first}
             # the rings it reads go through the loop too: read-only operands would be copied
             acc = {
                 k: c[k]
@@ -579,8 +594,10 @@ def make_pipeline_loss_and_grads(
                           "matmul_inputs", "wstore")
                 if k in c
             }  # fmt: skip
-            for scope, (kind, fn) in kinds.items():
-                acc = slots.run_if(row["b_kind"] == kind, fn, acc, scope, (tokens_BxS, targets_BxS))
+            for kind, fn in kinds.items():
+                acc = slots.run_if(
+                    row[kind.column] == kind.code, fn, acc, kind.scope, (tokens_BxS, targets_BxS)
+                )
             return {**c, **acc}
 
         def weight_slot(c, row):
@@ -597,20 +614,19 @@ def make_pipeline_loss_and_grads(
                 return {**a, "g_stage": sf.merge_weights(g_weights, g_rest)}
 
             acc = {k: c[k] for k in ("g_stage", "wstore")}
-            return {**c, **slots.run_if(row["w_mb"] >= 0, weights, acc, "w_chunk")}
+            return {**c, **slots.run_if(row["w_mb"] >= 0, weights, acc, W_CHUNK.scope)}
 
-        def send(x, index, patterns, scope, split=True):
-            return slots.send(x, index, patterns, scope, split=split and split_sends)
-
-        def receive(buffer, slot, value, scope):
-            return slots.receive(buffer, slot, value, scope, gather=split_sends)
+        def send(x, row, kind: SlotKind, split=True):
+            index, scope = row[kind.scope], kind.scope
+            return slots.send(x, index, patterns[scope], scope, split=split and split_sends)
 
         def arrive(buffer, row, what, scope, arrived):
             """What arrived in this tick ({"": usual, "_back": from the other side, "_local":
             this stage's own}) written into `buffer` at the slots the table names."""
             for way, value in arrived.items():
                 slot = row[f"recv_{what}{way}_slot" if way else f"recv_{what}_slot"]
-                buffer = receive(buffer, slot, value, f"recv_{scope}{way}")
+                kind = RECEIVE[scope, way]
+                buffer = slots.receive(buffer, slot, value, kind.scope, gather=split_sends)
             return buffer
 
         def send_cotangent(c, row, d_x):
@@ -618,22 +634,18 @@ def make_pipeline_loss_and_grads(
             added (lazy), then either the factors or the whole gradient go, and the receiver
             adds what arrived of both (the other is zero)."""
             if pc is None:
-                return c, send(d_x, row["send_cot"], patterns["send_cot"], "send_cot")
+                return c, send(d_x, row, SEND_COT)
             chunk = jnp.maximum(row["b_chunk"], 0)
             here = row["pipe_compress"] > 0
-            sending = (row["b_kind"] == B_CHUNK) | (row["b_kind"] == I_CHUNK)
+            sending = (row["b_kind"] == B_CHUNK.code) | (row["b_kind"] == I_CHUNK.code)
             g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
-            with jax.named_scope("compress_link"):
+            with jax.named_scope(COMPRESS_LINK.scope):
                 factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
             whole = x.astype(d_x.dtype).reshape(d_x.shape)
             # compressed links send whole: the two parts are added before they are kept
-            got_whole = send(
-                whole, row["send_whole"], patterns["send_whole"], "send_whole", split=False
-            )
+            got_whole = send(whole, row, SEND_WHOLE, split=False)
             # the rank-r factors are small: they go whole from every tensor rank
-            got_p, got_q = send(
-                factors, row["send_factors"], patterns["send_factors"], "send_factors", split=False
-            )
+            got_p, got_q = send(factors, row, SEND_FACTORS, split=False)
             rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
             return {**c, "links": new}, got_whole + rebuilt
 
@@ -645,14 +657,15 @@ def make_pipeline_loss_and_grads(
             c = dict(c)
             for slot in gathering_slots:
                 # both buffers go through the loop: one only read by it would be copied
+                gather = GATHER[slot].scope
                 c[f"{slot}_params"], c[f"{slot}_next"] = slots.run_if(
-                    row[f"{slot}_gather"] > 0, lambda st: (assemble(st[1]), st[1]),
-                    (c[f"{slot}_params"], c[f"{slot}_next"]), f"{slot}_gather",
+                    row[gather] > 0, lambda st: (assemble(st[1]), st[1]),
+                    (c[f"{slot}_params"], c[f"{slot}_next"]), gather,
                 )  # fmt: skip
                 chunk = row[f"{slot}_fetch_chunk"]
                 c[f"{slot}_next"] = slots.run_if(
                     chunk >= 0, lambda _, ch: gather_pieces(chunk_shard(ch)), c[f"{slot}_next"],
-                    f"{slot}_fetch", (chunk,),
+                    FETCH[slot].scope, (chunk,),
                 )  # fmt: skip
             return c
 
@@ -665,14 +678,14 @@ def make_pipeline_loss_and_grads(
                 return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], st[1]), st[1]
 
             pending, g_stage = slots.run_if(
-                chunk >= 0, take, (c["pending"], c["g_stage"]), "reduce_take"
+                chunk >= 0, take, (c["pending"], c["g_stage"]), REDUCE_TAKE.scope
             )
             return {**c, "pending": pending, "g_stage": g_stage}
 
         def scatter_final(c, row):
             """A sharded optimizer: after the B slot, the chunk whose last backward ran is
             reduce-scattered into the split accumulator, which only the optimizer reads."""
-            chunk = row["reduce_chunk"]
+            chunk = row[REDUCE_CHUNK.scope]
             at = jnp.maximum(chunk, 0)
 
             def scatter(st):
@@ -681,7 +694,7 @@ def make_pipeline_loss_and_grads(
                 return jax.tree.map(lambda a, r: a.at[at].set(r), st[0], part), st[1]
 
             g_reduced, g_stage = slots.run_if(
-                chunk >= 0, scatter, (c["g_reduced"], c["g_stage"]), "reduce_chunk"
+                chunk >= 0, scatter, (c["g_reduced"], c["g_stage"]), REDUCE_CHUNK.scope
             )
             return {**c, "g_reduced": g_reduced, "g_stage": g_stage}
 
@@ -689,32 +702,33 @@ def make_pipeline_loss_and_grads(
             """Reduce `pending` over `data` (the chunk `reduce_chunk` whose last backward ran in
             the tick before; PowerSGD's on its stages after the warm-up): nothing in this
             tick's slots waits for it, and `finish_reduction` writes it back."""
-            chunk = row["reduce_chunk"]
+            reduce = REDUCE_CHUNK.scope
+            chunk = row[reduce]
             due, at = chunk >= 0, jnp.maximum(chunk, 0)
             mean = gradients.reduce_over_data
             if dc is None:
-                return {**c, "pending": slots.run_if(due, mean, c["pending"], "reduce_chunk")}
+                return {**c, "pending": slots.run_if(due, mean, c["pending"], reduce)}
             on = (stage < dc.stages) & (step >= dc.warmup_steps)
-            reduced = slots.run_if(due & ~on, mean, c["pending"], "reduce_chunk")
+            reduced = slots.run_if(due & ~on, mean, c["pending"], reduce)
 
             def compressed(st):
                 return gradients.reduce_chunk_compressed(st[0], at, st[1], dc)
 
             reduced, data_state = slots.run_if(
-                due & on, compressed, (reduced, c["links"]["data"]), "reduce_powersgd"
+                due & on, compressed, (reduced, c["links"]["data"]), REDUCE_POWERSGD.scope
             )
             return {**c, "pending": reduced, "links": {**c["links"], "data": data_state}}
 
         def finish_reduction(c, row):
             """The mean written back into the stage gradients, after this tick's B slot."""
-            chunk = row["reduce_chunk"]
+            chunk = row[REDUCE_CHUNK.scope]
 
             def write(st):
                 at = jnp.maximum(chunk, 0)
                 return jax.tree.map(lambda a, r: a.at[at].set(r), st[0], st[1]), st[1]
 
             g_stage, pending = slots.run_if(
-                chunk >= 0, write, (c["g_stage"], c["pending"]), "reduce_write"
+                chunk >= 0, write, (c["g_stage"], c["pending"]), REDUCE_WRITE.scope
             )
             return {**c, "g_stage": g_stage, "pending": pending}
 
@@ -726,10 +740,9 @@ def make_pipeline_loss_and_grads(
                 c = start_reduction(c, row)
             c = forward_slot(c, row)
             y = c["y"]
-            arrived_x = {"": send(y, row["send_x"], patterns["send_x"], "send_x")}
+            arrived_x = {"": send(y, row, SEND_X)}
             if v_shape:  # a V's chunk 1 sends the other way; its turn stays on the stage
-                arrived_x["_back"] = send(y, row["send_x_back"], patterns["send_x_back"],
-                                          "send_x_back")  # fmt: skip
+                arrived_x["_back"] = send(y, row, SEND_X_BACK)
                 arrived_x["_local"] = y
             c = backward_slot(c, row)
             if table.unit:
@@ -739,8 +752,7 @@ def make_pipeline_loss_and_grads(
             c, received_cot = send_cotangent(c, row, d_x)
             arrived_cot = {"": received_cot}
             if v_shape:
-                arrived_cot["_back"] = send(d_x, row["send_cot_back"], patterns["send_cot_back"],
-                                            "send_cot_back")  # fmt: skip
+                arrived_cot["_back"] = send(d_x, row, SEND_COT_BACK)
                 arrived_cot["_local"] = d_x
             c = {**c, "cots": arrive(c["cots"], row, "cot", "cot", arrived_cot)}
             if reduce_in_loop and zero.stage:

@@ -38,47 +38,183 @@ Zero bubble (Qi et al., 2024; the orders of PyTorch's `torch.distributed.pipelin
   interleaved_zb    the same over v >= 2 chunks (`ScheduleInterleavedZeroBubble`).
   zbv               ZB-V: v = 2 in a V placement, loss on stage 0 (`ScheduleZBVZeroBubble`).
 
-`async_time` runs the orders event-driven (no ticks, zero latency). The package imports in one
-direction: this module (orders, pure data) <- `tick_table.py` (the lockstep table the executor
-runs) <- `analysis.py` (replays and times a table) <- `executor.py`.
+Each schedule is one row of `SPECS` (its orders, placement, chunk and microbatch rules), which
+every other module reads instead of testing names; `check` holds the rules. `timing.py` runs
+the orders event-driven (no ticks, zero latency). The package imports in one direction: this
+module (orders, pure data) <- `timing.py` <- `tick_table.py` (the lockstep table the executor
+runs) <- `analysis.py` (replays and times a table) <- `executor`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jaxmeg.pipeline.zero_bubble as zero_bubble
 
 Action = tuple[str, int, int]
-LOCKSTEP = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first")
-"""The schedules of whole backwards, which the F-then-B tick executor runs."""
-ZERO_BUBBLE = ("zb_h1", "interleaved_zb", "zbv")
-"""The schedules of split backwards (I, W)."""
-NAMES = LOCKSTEP + ZERO_BUBBLE
+WARMUPS = ("min_memory", "min_bubble")
+"""The 1F1B warm-ups (`parallel.pipeline_warmup`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything jaxmeg knows of one schedule: what config validation, the tick table, the
+    executor and the perf model read instead of testing its name.
+
+    orders(p, s, m, v, warmup) -> stage s's actions
+    placement: "interleaved" (virtual stage c p + s) or "v" (chunk 1 of stage s is 2p - 1 - s)
+    min_chunks, max_chunks: the chunks per stage it runs (max None: any)
+    interleaved: its chunks take turns on a stage (the planner gives it v >= 2)
+    split_backward: backwards run as I then W (zero-bubble)
+    steady_rings: its rings stop growing with m (`tick_table.build_tick_table`)
+    microbatches: "any", "multiple_of_stages" (Megatron's interleaving) or "rounds"
+        (`zero_bubble.rounds`)
+    uneven_stages: it runs `parallel.stage_layers` (one chunk per stage)
+    one_chunk_form: the schedule it becomes with one chunk, for the error that says so
+    """
+
+    name: str
+    orders: Callable[[int, int, int, int, str], tuple[Action, ...]]
+    placement: str = "interleaved"
+    min_chunks: int = 1
+    max_chunks: int | None = 1
+    interleaved: bool = False
+    split_backward: bool = False
+    steady_rings: bool = False
+    microbatches: str = "any"
+    uneven_stages: bool = False
+    one_chunk_form: str | None = None
+
+    @property
+    def chunked(self) -> bool:
+        """Whether it runs v > 1 chunks per stage."""
+        return self.max_chunks is None or self.max_chunks > 1
+
+
+def _gpipe(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    return tuple([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
+
+
+def _one_f_one_b(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    return _warmup_then_alternate(p, m, v, warmup_forwards("1f1b", p, s, v, warmup))
+
+
+def _interleaved(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    return _warmup_then_alternate(p, m, v, warmup_forwards("interleaved_1f1b", p, s, v, warmup))
+
+
+def _breadth_first(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    forwards = [("F", mb, c) for c in range(v) for mb in range(m)]
+    backwards = [("B", mb, c) for c in reversed(range(v)) for mb in range(m)]
+    return tuple(forwards + backwards)
+
+
+def _zero_bubble(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    return zero_bubble.interleaved_order(p, s, m, v)
+
+
+def _zbv(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    return zero_bubble.v_order(p, s, m)
+
+
+SPECS: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", _gpipe, uneven_stages=True),
+        ScheduleSpec("1f1b", _one_f_one_b, steady_rings=True, uneven_stages=True),
+        ScheduleSpec(
+            "interleaved_1f1b", _interleaved, max_chunks=None, interleaved=True,
+            steady_rings=True, microbatches="multiple_of_stages",
+        ),
+        ScheduleSpec("breadth_first", _breadth_first, max_chunks=None, uneven_stages=True),
+        ScheduleSpec(
+            "zb_h1", _zero_bubble, split_backward=True, steady_rings=True, microbatches="rounds",
+            uneven_stages=True,
+        ),
+        ScheduleSpec(
+            "interleaved_zb", _zero_bubble, min_chunks=2, max_chunks=None, interleaved=True,
+            split_backward=True, steady_rings=True, microbatches="rounds",
+            one_chunk_form="zb_h1",
+        ),
+        ScheduleSpec(
+            "zbv", _zbv, placement="v", min_chunks=2, max_chunks=2, interleaved=True,
+            split_backward=True, steady_rings=True, microbatches="rounds",
+        ),
+    )
+}  # fmt: skip
+"""One row per schedule `build` knows (see the module docstring for each)."""
+NAMES = tuple(SPECS)
 """The schedules `build` knows."""
-CHUNKED = ("interleaved_1f1b", "breadth_first", "interleaved_zb", "zbv")
+LOCKSTEP = tuple(n for n, spec in SPECS.items() if not spec.split_backward)
+"""The schedules of whole backwards, which the F-then-B tick executor runs."""
+ZERO_BUBBLE = tuple(n for n, spec in SPECS.items() if spec.split_backward)
+"""The schedules of split backwards (I, W)."""
+CHUNKED = tuple(n for n, spec in SPECS.items() if spec.chunked)
 """The schedules that run v > 1 chunks per stage."""
+
+
+def spec(name: str) -> ScheduleSpec:
+    """The row of schedule `name` (ValueError naming the known ones)."""
+    if name not in SPECS:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {list(NAMES)}")
+    return SPECS[name]
 
 
 def placement_of(name: str) -> str:
     """Where schedule `name` puts its chunks: `v` for zbv, else `interleaved` (virtual stage
-    c p + s); `jaxmeg.pipeline.layout.StageLayout` lays the layers out the same way."""
-    return "v" if name == "zbv" else "interleaved"
+    c p + s, also for a `Schedule` of hand-written orders); `jaxmeg.pipeline.layout.StageLayout`
+    lays the layers out the same way."""
+    return SPECS[name].placement if name in SPECS else "interleaved"
 
 
 def splits_backward(name: str) -> bool:
     """Whether schedule `name` splits a backward into I and W."""
-    return name in ZERO_BUBBLE
+    return name in SPECS and SPECS[name].split_backward
 
 
-CHUNKS_REQUIRED = {"zb_h1": 1, "zbv": 2}
-"""Schedules defined for one number of chunks only."""
-WARMUPS = ("min_memory", "min_bubble")
-"""The 1F1B warm-ups (`parallel.pipeline_warmup`)."""
+class ScheduleCheckError(ValueError):
+    """A schedule that cannot run p stages, m microbatches and v chunks; `field` is the number
+    at fault ("num_stages", "num_microbatches" or "num_chunks"), for config validation to name
+    its own field."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check(name: str, p: int, m: int, v: int) -> None:
+    """Raises ScheduleCheckError (a ValueError) naming the numbers where schedule `name` cannot
+    run p stages, m microbatches and v chunks per stage; the one home of these rules."""
+    row = spec(name)
+    for field, value in (("num_stages", p), ("num_microbatches", m), ("num_chunks", v)):
+        if value < 1:
+            raise ScheduleCheckError(f"{field} must be >= 1, got {value}", field)
+    if v > 1 and p == 1:
+        raise ScheduleCheckError(f"num_chunks = {v} needs num_stages > 1, got 1", "num_chunks")
+    if row.max_chunks is not None and v > row.max_chunks:
+        runs = "one chunk" if row.max_chunks == 1 else f"{row.max_chunks} chunks"
+        message = f"{name} runs {runs} per stage, got num_chunks = {v}"
+        raise ScheduleCheckError(message, "num_chunks")
+    if v < row.min_chunks:
+        runs = f"{name} runs {row.min_chunks} chunks per stage"
+        if row.max_chunks is None:
+            runs = f"{name} needs num_chunks >= {row.min_chunks}"
+        hint = f" ({row.one_chunk_form} is its one-chunk form)" if row.one_chunk_form else ""
+        raise ScheduleCheckError(f"{runs}, got num_chunks = {v}{hint}", "num_chunks")
+    if row.microbatches == "multiple_of_stages" and m % p:
+        raise ScheduleCheckError(
+            f"{name} needs num_microbatches ({m}) to be a multiple of num_stages ({p})",
+            "num_microbatches",
+        )
+    if row.microbatches == "rounds":
+        try:
+            zero_bubble.rounds(p, m)
+        except ValueError as err:
+            raise ScheduleCheckError(str(err), "num_microbatches") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,28 +300,9 @@ def _as_int(field: str, value: Any) -> int:
 
 
 def _check(name: str, p: int, m: int, v: int, warmup: str) -> None:
-    if name not in NAMES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {list(NAMES)}")
     if warmup not in WARMUPS:
         raise ValueError(f"warmup must be one of {list(WARMUPS)}, got {warmup!r}")
-    for field, value in (("num_stages", p), ("num_microbatches", m), ("num_chunks", v)):
-        if value < 1:
-            raise ValueError(f"{field} must be >= 1, got {value}")
-    if v > 1 and p == 1:
-        raise ValueError(f"num_chunks = {v} needs num_stages > 1, got 1")
-    if name in CHUNKS_REQUIRED and v != CHUNKS_REQUIRED[name]:
-        raise ValueError(f"{name} runs {CHUNKS_REQUIRED[name]} chunk(s) per stage, got "
-                         f"num_chunks = {v}")  # fmt: skip
-    if name == "interleaved_zb" and v < 2:
-        raise ValueError(f"interleaved_zb needs num_chunks >= 2, got {v} (zb_h1 is v = 1)")
-    if v > 1 and name not in CHUNKED:
-        raise ValueError(f"{name} runs one chunk per stage, got num_chunks = {v}")
-    if name in ("zb_h1", "interleaved_zb"):
-        zero_bubble.rounds(p, m)
-    if name == "interleaved_1f1b" and m % p:
-        raise ValueError(
-            f"interleaved_1f1b needs num_microbatches ({m}) to be a multiple of num_stages ({p})"
-        )
+    check(name, p, m, v)
 
 
 def _grouped_action(kind: str, k: int, p: int, v: int) -> Action:
@@ -228,20 +345,6 @@ def breadth_first_stall(num_stages: int, num_microbatches: int) -> int:
     return max(num_stages - num_microbatches, 0)
 
 
-def _stage_order(name: str, p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
-    if name in ("zb_h1", "interleaved_zb"):
-        return zero_bubble.interleaved_order(p, s, m, v)
-    if name == "zbv":
-        return zero_bubble.v_order(p, s, m)
-    if name == "gpipe":
-        return tuple([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
-    if name == "breadth_first":
-        forwards = [("F", mb, c) for c in range(v) for mb in range(m)]
-        backwards = [("B", mb, c) for c in reversed(range(v)) for mb in range(m)]
-        return tuple(forwards + backwards)
-    return _warmup_then_alternate(p, m, v, warmup_forwards(name, p, s, v, warmup))
-
-
 def build(
     name: str,
     num_stages: int,
@@ -267,109 +370,5 @@ def build(
             f"use m >= p",
             stacklevel=2,
         )
-    orders = tuple(_stage_order(name, p, s, m, v, warmup) for s in range(p))
+    orders = tuple(SPECS[name].orders(p, s, m, v, warmup) for s in range(p))
     return Schedule(name, p, m, v, warmup, orders)
-
-
-def bubble_fraction(
-    schedule_or_name: Schedule | str,
-    num_stages: int | None = None,
-    num_microbatches: int | None = None,
-    num_chunks: int = 1,
-) -> float:
-    """Idle over compute time of the asynchronous schedule: Megatron's (p - 1) / (v m), v = 1
-    for gpipe and 1f1b; for the split-backward schedules, read from their orders with F = I = W
-    (`async_time`; ZB-H1's is a third of 1F1B's). Takes a Schedule, or (name, p, m, v)."""
-    if isinstance(schedule_or_name, Schedule):
-        sch = schedule_or_name
-        name, p, m, v = sch.name, sch.num_stages, sch.num_microbatches, sch.num_chunks
-    elif num_stages is None or num_microbatches is None:
-        raise ValueError("bubble_fraction needs a Schedule or name, num_stages, num_microbatches")
-    else:
-        name, p, m, v = schedule_or_name, num_stages, num_microbatches, num_chunks
-    if splits_backward(name) and p > 1:
-        return _split_bubble(name, p, m, v)
-    return (p - 1) / (v * m)
-
-
-@functools.lru_cache(maxsize=256)
-def _split_bubble(name: str, p: int, m: int, v: int) -> float:
-    schedule = build(name, p, m, v)
-    return async_time(schedule) / ideal_time(schedule) - 1.0
-
-
-def ideal_time(
-    schedule: Schedule, backward_cost: float = 2.0, split: tuple[float, float] | None = None
-) -> float:
-    """One stage's compute with no bubble: m (1 + backward), a stage's forward = 1 (backward
-    = I + W with `split`)."""
-    backward = sum(split) if split else backward_cost
-    return schedule.num_microbatches * (1.0 + backward)
-
-
-def action_cost(
-    kind: str, num_chunks: int, backward_cost: float = 2.0, split: tuple[float, float] | None = None
-) -> float:
-    """A chunk's action in forwards of a whole stage: F 1/v, B backward_cost/v, and I and W half
-    of B each (each is one pass of the chunk's matmuls, as is F), or (I, W) = `split` (measured
-    ratios; B is then their sum)."""
-    i_cost, w_cost = split or (backward_cost / 2, backward_cost / 2)
-    unit = {"F": 1.0, "B": i_cost + w_cost, "I": i_cost, "W": w_cost}
-    return unit[kind] / num_chunks
-
-
-def _dependency(
-    action: Action, stage: int, p: int, v: int, placement: str = "interleaved"
-) -> tuple[str, int, int] | None:
-    """(kind, virtual stage, microbatch) that `action` on `stage` waits for, None if none.
-    F on virtual stage u needs F on u - 1; B or I on u needs B or I on u + 1 (both named "B":
-    the input cotangent it sends), or F on u if u is last; W on u needs I on u."""
-    kind, mb, c = action
-    u = virtual_stage(stage, c, p, placement)
-    if kind == "F":
-        return None if u == 0 else ("F", u - 1, mb)
-    if kind == "W":
-        return ("B", u, mb)
-    return ("F", u, mb) if u == p * v - 1 else ("B", u + 1, mb)
-
-
-def _done_key(action: Action, stage: int, p: int, placement: str) -> tuple[str, int, int]:
-    """The key `_dependency` names for a finished action (I is filed under "B")."""
-    kind, mb, c = action
-    return ("B" if kind == "I" else kind, virtual_stage(stage, c, p, placement), mb)
-
-
-def async_time(
-    schedule: Schedule, backward_cost: float = 2.0, split: tuple[float, float] | None = None
-) -> float:
-    """Makespan when every stage runs its order as soon as its input is there (no ticks, no
-    communication time): start = max(stage free, dependency finished); costs `action_cost`.
-    Raises ValueError if the orders deadlock."""
-    p, v, placement = schedule.num_stages, schedule.num_chunks, schedule.placement
-    orders = [schedule.order(s) for s in range(p)]
-    finished: dict[tuple[str, int, int], float] = {}
-    free, position = [0.0] * p, [0] * p
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                action = orders[s][position[s]]
-                dependency = _dependency(action, s, p, v, placement)
-                if dependency is not None and dependency not in finished:
-                    break
-                cost = action_cost(action[0], v, backward_cost, split)
-                free[s] = max(free[s], finished.get(dependency, 0.0)) + cost
-                finished[_done_key(action, s, p, placement)] = free[s]
-                position[s] += 1
-                progressed = True
-        if not progressed:
-            stuck = {s: orders[s][position[s]] for s in range(p) if position[s] < len(orders[s])}
-            raise ValueError(f"schedule {schedule.name} deadlocks; next actions by stage: {stuck}")
-    return max(free)
-
-
-def async_efficiency(
-    schedule: Schedule, backward_cost: float = 2.0, split: tuple[float, float] | None = None
-) -> float:
-    """ideal_time / async_time; Megatron's analysis says 1 / (1 + bubble_fraction)."""
-    return ideal_time(schedule, backward_cost, split) / async_time(schedule, backward_cost, split)

@@ -2,6 +2,11 @@
 slot kind runs, the chunk whose gradients become final, where ZeRO-3 gathers a chunk's weights,
 which pairs each direction sends on (`send_patterns`); `slot_columns` gathers them all. All are
 derived from the table in NumPy, before anything is traced.
+
+`SLOT_KINDS` is the one table of what the tick runs under a name scope of its own (a slot body,
+a send, a receive, a unit beside the slots): the columns key their branch columns by its
+scopes, the executor names its loops and switches from its rows, and
+`jaxmeg.parallel.hlo_cost` weights the compiled loops by them and refuses a scope it lacks.
 """
 
 from __future__ import annotations
@@ -13,23 +18,81 @@ import numpy as np
 from jaxmeg.pipeline.tick_table import FIELDS, TickTable
 
 IDLE = 0
-F_FIRST, F_MIDDLE, F_LAST, F_EMBED = 1, 2, 3, 4
-B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST = 1, 2, 3, 4, 5
-"""B slot kinds: a whole backward, or I (split backward) of a chunk / of the first virtual stage."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotKind:
+    """One thing the tick runs under its own name scope, as a loop of 0 or 1 trips or a switch.
+
+    scope: the name scope of its loop or switch in the compiled step, and the key of its
+        branch column (`SlotColumns.branch_columns`)
+    column, code: a slot body runs where `column` (f_kind or b_kind) holds `code`
+    """
+
+    scope: str
+    what: str
+    column: str = ""
+    code: int = 0
+
+
+F_FIRST = SlotKind("f_first", "F of the first virtual stage: embed + chunk", "f_kind", 1)
+F_MIDDLE = SlotKind("f_middle", "F of a middle virtual stage: the chunk", "f_kind", 2)
+F_LAST = SlotKind("f_last", "F of the last virtual stage: chunk + head + loss", "f_kind", 3)
+F_EMBED = SlotKind("f_embed", "F with p v = 1: the embedding only", "f_kind", 4)
+B_CHUNK = SlotKind("b_middle", "B of a chunk", "b_kind", 1)
+B_FIRST = SlotKind("b_first", "B of the first virtual stage: chunk + embedding", "b_kind", 2)
+B_WHOLE = SlotKind("b_whole", "B with p v = 1: chunk + head + loss, embedding", "b_kind", 3)
+I_CHUNK = SlotKind("i_middle", "I (split backward) of a chunk", "b_kind", 4)
+I_FIRST = SlotKind("i_first", "I of the first virtual stage, and the embedding", "b_kind", 5)
+W_CHUNK = SlotKind("w_chunk", "W: the weight gradients of a split backward")
+SEND_X = SlotKind("send_x", "the activation to stage s + 1")
+SEND_COT = SlotKind("send_cot", "the cotangent to stage s - 1")
+SEND_X_BACK = SlotKind("send_x_back", "a V's activation the other way")
+SEND_COT_BACK = SlotKind("send_cot_back", "a V's cotangent the other way")
+SEND_WHOLE = SlotKind("send_whole", "compressed links: the cotangents sent whole")
+SEND_FACTORS = SlotKind("send_factors", "compressed links: the rank-r factors")
+SENDS = (SEND_X, SEND_COT, SEND_X_BACK, SEND_COT_BACK, SEND_WHOLE, SEND_FACTORS)
+"""The sends (`slots.send`); their columns hold the index of the tick's pattern."""
+RECEIVE = {
+    (what, way): SlotKind(f"recv_{what}{way}", f"{what} arriving {way or '_usual'}")
+    for what in ("x", "cot")
+    for way in ("", "_back", "_local")
+}
+"""The ring writes of what arrived (`slots.receive`), by (x or cot, way)."""
+GATHER = {slot: SlotKind(f"{slot}_gather", f"ZeRO-3: the {slot} slot takes its next chunk")
+          for slot in ("f", "b")}  # fmt: skip
+FETCH = {slot: SlotKind(f"{slot}_fetch", f"ZeRO-3: the {slot} slot gathers the chunk after")
+         for slot in ("f", "b")}  # fmt: skip
+COMPRESS_LINK = SlotKind("compress_link", "compressed links: encode the cotangent")
+REDUCE_CHUNK = SlotKind("reduce_chunk", "a chunk's data mean (or reduce-scatter)")
+REDUCE_POWERSGD = SlotKind("reduce_powersgd", "a chunk's PowerSGD reduction")
+REDUCE_TAKE = SlotKind("reduce_take", "a final chunk's gradients to `pending`")
+REDUCE_WRITE = SlotKind("reduce_write", "the mean written back into the stage gradients")
+F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED)
+B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST)
+SLOT_KINDS: dict[str, SlotKind] = {
+    kind.scope: kind
+    for kind in (
+        *F_KINDS, *B_KINDS, W_CHUNK, *SENDS, *RECEIVE.values(), *GATHER.values(),
+        *FETCH.values(), COMPRESS_LINK, REDUCE_CHUNK, REDUCE_POWERSGD, REDUCE_TAKE, REDUCE_WRITE,
+    )
+}  # fmt: skip
+"""The one table: every scope the executor's tick runs something under."""
 
 
 def kind_columns(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static)."""
     p, v = table.num_stages, num_chunks
     if p * v == 1:
-        f_kind = np.where(table.f_mb >= 0, F_EMBED, IDLE)
-        b_kind = np.where(table.b_mb >= 0, B_WHOLE, IDLE)
+        f_kind = np.where(table.f_mb >= 0, F_EMBED.code, IDLE)
+        b_kind = np.where(table.b_mb >= 0, B_WHOLE.code, IDLE)
         return f_kind.astype(np.int32), b_kind.astype(np.int32)
     f_virtual, b_virtual = table.virtual_stages(table.f_chunk), table.virtual_stages(table.b_chunk)
-    f_kind = np.where(f_virtual == 0, F_FIRST, np.where(f_virtual == p * v - 1, F_LAST, F_MIDDLE))
+    last = f_virtual == p * v - 1
+    f_kind = np.where(f_virtual == 0, F_FIRST.code, np.where(last, F_LAST.code, F_MIDDLE.code))
     first = b_virtual == 0
-    b_kind = np.where(first, B_FIRST, B_CHUNK)
-    b_kind = np.where(table.b_split > 0, np.where(first, I_FIRST, I_CHUNK), b_kind)
+    b_kind = np.where(first, B_FIRST.code, B_CHUNK.code)
+    b_kind = np.where(table.b_split > 0, np.where(first, I_FIRST.code, I_CHUNK.code), b_kind)
     f_kind = np.where(table.f_mb >= 0, f_kind, IDLE)
     b_kind = np.where(table.b_mb >= 0, b_kind, IDLE)
     return f_kind.astype(np.int32), b_kind.astype(np.int32)
@@ -154,7 +217,7 @@ class SlotColumns:
 
 def _pad(columns: dict[str, np.ndarray], before: int, after: int) -> dict[str, np.ndarray]:
     """Idle ticks around the table: nothing runs, sends or arrives in them."""
-    idle = {name: -1 if name in (*FIELDS, "reduce_chunk") and name != "b_split" else 0
+    idle = {name: -1 if name in (*FIELDS, REDUCE_CHUNK.scope) and name != "b_split" else 0
             for name in columns}  # fmt: skip
     pad = ((before, after), (0, 0))
     return {
@@ -209,67 +272,62 @@ def slot_columns(
     p, v = table.num_stages, num_chunks
     columns = {name: getattr(table, name) for name in FIELDS}
     columns["f_kind"], columns["b_kind"] = kind_columns(table, v)
-    columns["reduce_chunk"] = final_backward_chunks(table)
+    columns[REDUCE_CHUNK.scope] = final_backward_chunks(table)
     if gathering:
-        columns["f_gather"], columns["b_gather"] = gather_columns(table)
+        columns[GATHER["f"].scope], columns[GATHER["b"].scope] = gather_columns(table)
     patterns = {}
+
+    def sends(kind: SlotKind, senders: np.ndarray, step: int) -> None:
+        columns[kind.scope], patterns[kind.scope] = send_patterns(senders, step)
+
     f_senders, b_by_way = senders(table, v, True), senders(table, v, False)
     b_senders = b_by_way["usual"]
-    columns["send_x"], patterns["send_x"] = send_patterns(f_senders["usual"], 1)
+    sends(SEND_X, f_senders["usual"], 1)
     if table.placement == "v":
         if compress is not None:
             raise ValueError("compressed cotangents need the interleaved placement, not a V")
-        columns["send_x_back"], patterns["send_x_back"] = send_patterns(f_senders["back"], -1)
-        columns["send_cot_back"], patterns["send_cot_back"] = send_patterns(b_by_way["back"], 1)
+        sends(SEND_X_BACK, f_senders["back"], -1)
+        sends(SEND_COT_BACK, b_by_way["back"], 1)
     if compress is None:
-        columns["send_cot"], patterns["send_cot"] = send_patterns(b_senders, -1)
+        sends(SEND_COT, b_senders, -1)
     else:
         compress = np.asarray(compress, bool) & b_senders
         columns["pipe_compress"] = compress
-        whole = send_patterns(b_senders & ~compress, -1)
-        columns["send_whole"], patterns["send_whole"] = whole
-        columns["send_factors"], patterns["send_factors"] = send_patterns(compress, -1)
-    columns["recv_x"] = table.recv_act_slot >= 0
-    columns["recv_cot"] = table.recv_cot_slot >= 0
-    if table.placement == "v":
-        for way in ("back", "local"):
-            columns[f"recv_x_{way}"] = getattr(table, f"recv_act_{way}_slot") >= 0
-            columns[f"recv_cot_{way}"] = getattr(table, f"recv_cot_{way}_slot") >= 0
+        sends(SEND_WHOLE, b_senders & ~compress, -1)
+        sends(SEND_FACTORS, compress, -1)
+    ways = ("", "_back", "_local") if table.placement == "v" else ("",)
+    for way in ways:
+        for what, field in (("x", "act"), ("cot", "cot")):
+            columns[RECEIVE[what, way].scope] = getattr(table, f"recv_{field}{way}_slot") >= 0
 
-    kinds = {"f_first": ("f_kind", F_FIRST), "f_middle": ("f_kind", F_MIDDLE),
-             "f_last": ("f_kind", F_LAST), "f_embed": ("f_kind", F_EMBED),
-             "b_middle": ("b_kind", B_CHUNK), "b_first": ("b_kind", B_FIRST),
-             "b_whole": ("b_kind", B_WHOLE), "i_middle": ("b_kind", I_CHUNK),
-             "i_first": ("b_kind", I_FIRST)}  # fmt: skip
-    branches = {scope: columns[col] == kind for scope, (col, kind) in kinds.items()}
-    branches["w_chunk"] = table.w_mb >= 0
-    named = ("send_x", "send_cot", "send_whole", "send_factors", "recv_x", "recv_cot",
-             "f_gather", "b_gather", "send_x_back", "send_cot_back", "recv_x_back",
-             "recv_cot_back", "recv_x_local", "recv_cot_local")  # fmt: skip
-    branches.update({name: columns[name] for name in named if name in columns})
+    branches = {kind.scope: columns[kind.column] == kind.code for kind in (*F_KINDS, *B_KINDS)}
+    branches[W_CHUNK.scope] = table.w_mb >= 0
+    named = (*SENDS, *RECEIVE.values(), *GATHER.values())
+    branches.update({k.scope: columns[k.scope] for k in named if k.scope in columns})
     if compress is not None:
-        branches["compress_link"] = columns["pipe_compress"]
+        branches[COMPRESS_LINK.scope] = columns["pipe_compress"]
     deferred = reduce_in_loop and not sharded_reduction
     before, after = int(gathering), int(deferred)
     columns, branches = _pad(columns, before, after), _pad(branches, before, after)
     if gathering:
         for slot in ("f", "b"):
-            gather = columns[f"{slot}_gather"]
+            gather = columns[GATHER[slot].scope]
             gather[0] = gather[1:].any(axis=0)  # the first chunk's, ahead
             fetch = _next_gathered(gather, columns[f"{slot}_chunk"])
             columns[f"{slot}_fetch_chunk"] = fetch
-            branches[f"{slot}_gather"], branches[f"{slot}_fetch"] = gather, fetch >= 0
+            branches[GATHER[slot].scope], branches[FETCH[slot].scope] = gather, fetch >= 0
+    reduce = REDUCE_CHUNK.scope  # also the column of the chunk it reduces
     if reduce_in_loop and sharded_reduction:
-        branches["reduce_chunk"] = (columns["reduce_chunk"] >= 0).astype(np.int32)
+        branches[reduce] = (columns[reduce] >= 0).astype(np.int32)
     elif reduce_in_loop:
-        columns["final_chunk"] = columns["reduce_chunk"]
-        columns["reduce_chunk"] = _shift(columns["reduce_chunk"], 1, -1)
-        reducing = (columns["reduce_chunk"] >= 0).astype(np.int32)
+        columns["final_chunk"] = columns[reduce]
+        columns[reduce] = _shift(columns[reduce], 1, -1)
+        reducing = (columns[reduce] >= 0).astype(np.int32)
         powersgd = np.arange(p) < (powersgd_stages or 0)  # after the warm-up: stages < k
-        branches["reduce_take"] = (columns["final_chunk"] >= 0).astype(np.int32)
-        branches["reduce_chunk"] = reducing * ~powersgd
-        branches["reduce_powersgd"] = reducing * powersgd
-        branches["reduce_write"] = reducing
+        branches[REDUCE_TAKE.scope] = (columns["final_chunk"] >= 0).astype(np.int32)
+        branches[reduce] = reducing * ~powersgd
+        branches[REDUCE_POWERSGD.scope] = reducing * powersgd
+        branches[REDUCE_WRITE.scope] = reducing
     return SlotColumns(
         columns={k: np.asarray(c, np.int32) for k, c in columns.items()},
         patterns=patterns,

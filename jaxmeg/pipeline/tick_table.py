@@ -44,7 +44,7 @@ import functools
 
 import numpy as np
 
-from jaxmeg.pipeline.schedules import Schedule, build, stage_and_chunk
+from jaxmeg.pipeline.schedules import SPECS, Schedule, build, stage_and_chunk
 
 FIELDS = (
     "f_mb", "f_chunk", "f_slot",
@@ -320,10 +320,6 @@ def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int, int]:
     return _ring_sizes(_pack(steady))
 
 
-STEADY_RINGS = ("1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv")
-"""Schedules whose rings stop growing with m (sized at m = 2p when m is smaller)."""
-
-
 @functools.lru_cache(maxsize=64)
 def build_tick_table(schedule: Schedule) -> TickTable:
     """Places each stage's order into ticks (greedy, order kept) and allocates buffer slots.
@@ -339,7 +335,11 @@ def build_tick_table(schedule: Schedule) -> TickTable:
         column.flags.writeable = False
     sizes = _ring_sizes(packer)
     steady_m = STEADY_STATE_MICROBATCHES_PER_STAGE * p
-    if schedule.name in STEADY_RINGS and schedule.num_microbatches < steady_m:
+    if (
+        schedule.name in SPECS
+        and SPECS[schedule.name].steady_rings
+        and schedule.num_microbatches < steady_m
+    ):
         sizes = tuple(map(max, sizes, _steady_state_ring_sizes(schedule)))
     input_slots, cot_slots, w_slots = sizes
     return TickTable(

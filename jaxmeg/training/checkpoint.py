@@ -94,6 +94,25 @@ class UnreadableCheckpoint(RuntimeError):
 _REPR_MARKERS = (" See full TensorStore details", " [tensorstore_spec", "TensorStore({", " {'")
 
 
+ITEM_NAMES = ("state", "meta", "links")
+"""The items of a checkpoint step: the train state (canonical layout), its metadata (JSON: the
+config, the schedule) and the compression state."""
+
+
+def read_meta(checkpoints: str | Path, step: int | None = None) -> tuple[int, dict] | None:
+    """(step, meta) of checkpoint `step` (default: the newest) under the `checkpoints`
+    directory, read without the state; None where it holds no checkpoint."""
+    manager = ocp.CheckpointManager(Path(checkpoints).absolute(), item_names=ITEM_NAMES)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return step, dict(manager.restore(step, args=args)["meta"])
+    finally:
+        manager.close()
+
+
 def read_error_reason(err: Exception, limit: int = 240) -> str:
     """One readable line for an orbax/TensorStore read error: its kind and message, without the
     TensorStore spec reprs (hundreds of characters of JSON) that the message carries."""
@@ -333,9 +352,7 @@ class Checkpointer:
 
     def _open_manager(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
-        return ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta", "links")
-        )
+        return ocp.CheckpointManager(self.directory, options=options, item_names=ITEM_NAMES)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())

@@ -100,20 +100,15 @@ class Evaluator:
 
 def newest_meta(run_dir: str | Path) -> tuple[int, dict]:
     """(step, meta) of the newest checkpoint in RUN_DIR/checkpoints."""
-    import orbax.checkpoint as ocp
+    from jaxmeg.training.checkpoint import read_meta
 
     checkpoints = Path(run_dir).absolute() / "checkpoints"
     if not checkpoints.is_dir():
         raise FileNotFoundError(f"{run_dir} holds no checkpoints ({checkpoints} does not exist)")
-    manager = ocp.CheckpointManager(checkpoints, item_names=("state", "meta", "links"))
-    try:
-        step = manager.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{checkpoints} holds no checkpoint")
-        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-        return step, dict(manager.restore(step, args=args)["meta"])
-    finally:
-        manager.close()
+    found = read_meta(checkpoints)
+    if found is None:
+        raise FileNotFoundError(f"{checkpoints} holds no checkpoint")
+    return found
 
 
 def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
