@@ -397,11 +397,13 @@ def pinned_layout_problem(
     if context is not None and gpus is not None and context > gpus:
         return f"--context {context} needs at least {context} GPUs, got --gpus {gpus}"
     if schedule is not None and schedules.splits_backward(schedule):
-        required = schedules.CHUNKS_REQUIRED.get(schedule)
-        default_chunks = required or (2 if schedule == "interleaved_zb" else 1)
-        par = ParallelConfig(schedule=schedule, chunks=chunks or default_chunks)
+        par = ParallelConfig(
+            schedule=schedule, chunks=chunks or schedules.spec(schedule).min_chunks
+        )
+        p = pipe if pipe is not None else 2
         try:
-            _validate_zero_bubble(par, pipe if pipe is not None else 2)
+            _validate_schedule_layout(par, p)
+            _check_schedule(par, p, p)  # the microbatches are the planner's to choose
         except ConfigError as err:
             flags = {"parallel.schedule": "--schedule", "parallel.pipe": "--pipe",
                      "parallel.chunks": "--chunks"}  # fmt: skip

@@ -10,9 +10,8 @@ import dataclasses
 import functools
 import re
 
-from jaxmeg.yaml_files import read_mapping
-
 from jaxmeg.shipped import find_shipped, shipped_dir, shipped_names
+from jaxmeg.yaml_files import read_mapping
 
 PROFILE_DIR = shipped_dir("hardware")
 

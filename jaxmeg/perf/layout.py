@@ -92,3 +92,18 @@ class Layout:
     @property
     def global_batch(self) -> int:
         return self.data * self.microbatches * self.microbatch
+
+
+def config_layout(cfg) -> Layout:
+    """The layout a run config asks for (`jaxmeg.config.Config`), as the planner prices it."""
+    par = cfg.parallel
+    return Layout(
+        tensor=par.tensor, pipe=par.pipe, data=par.data, context=par.context,
+        chunks=par.chunks,
+        microbatch=cfg.train.microbatch_size, microbatches=cfg.train.microbatches,
+        recompute=cfg.model.remat, pipe_scatter_gather=par.uses_scatter_gather,
+        sequence_parallel=par.sequence_parallel,
+        schedule=par.schedule if par.pipe > 1 else "1f1b", warmup=par.pipeline_warmup,
+        stage_layers=tuple(par.stage_layers or ()), zero_stage=par.zero_stage,
+        outer_axis=par.outer_axis,
+    )  # fmt: skip

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
-from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import bytes_per_step, flops_per_iteration, shape_of
 from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step
@@ -59,20 +59,6 @@ def _collective_bytes(by_kind) -> dict[str, float]:
             key = f"{kind}@{'+'.join(axes)}"
         out[key] = out.get(key, 0.0) + nbytes
     return out
-
-
-def planner_layout(cfg) -> Layout:
-    par = cfg.parallel
-    return Layout(
-        tensor=par.tensor, pipe=par.pipe, data=par.data, context=par.context,
-        chunks=par.chunks,
-        microbatch=cfg.train.microbatch_size, microbatches=cfg.train.microbatches,
-        recompute=cfg.model.remat, pipe_scatter_gather=par.uses_scatter_gather,
-        sequence_parallel=par.sequence_parallel,
-        schedule=par.schedule if par.pipe > 1 else "1f1b", warmup=par.pipeline_warmup,
-        stage_layers=tuple(par.stage_layers or ()), zero_stage=par.zero_stage,
-        outer_axis=par.outer_axis,
-    )  # fmt: skip
 
 
 def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
@@ -107,7 +93,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     busiest = max(range(len(stages)), key=lambda i: stages[i].matmul_flops)
     device = stages[busiest]
     shape = shape_of(model)
-    layout = planner_layout(cfg)
+    layout = config_layout(cfg)
     predicted = bytes_per_step(shape, layout, compute_bytes=act_bytes)
     grad_bytes = 4  # gradients are reduced in fp32
     planned_flops = flops_per_iteration(
@@ -182,7 +168,7 @@ def _exposed_seconds(cost, trainable: Trainable, hw) -> float:
     (`jaxmeg.perf.links`: NVLink inside a node, the network across)."""
     from jaxmeg.perf import links
 
-    layout = planner_layout(trainable.cfg)
+    layout = config_layout(trainable.cfg)
     link_of = {"pipe": links.pipe_link, "data": links.data_link, "tensor": links.tensor_link,
                "context": links.context_link}  # fmt: skip
     seconds = 0.0

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxmeg.perf.jaxmeg_memory import jaxmeg_step_memory
+from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import shape_of
 from jaxmeg.training.compilation import memory_report
 from jaxmeg.training.state import Trainable
@@ -38,7 +39,6 @@ def predicted_step_bytes(trainable: Trainable, loss_and_grads=None) -> float | N
     """The planner's per-device figure for jaxmeg's step (`jaxmeg.perf.jaxmeg_memory`), with
     flash attention's kept statistics when the step runs cuDNN attention; None where it does
     not price the layout (context parallelism)."""
-    from jaxmeg.training.cost_report import planner_layout
     from jaxmeg.training.pipeline_step import make_loss_and_grads
 
     cfg = trainable.cfg
@@ -46,7 +46,7 @@ def predicted_step_bytes(trainable: Trainable, loss_and_grads=None) -> float | N
         return None
     table = (loss_and_grads or make_loss_and_grads(trainable)).table
     predicted = jaxmeg_step_memory(
-        shape_of(cfg.model), planner_layout(cfg), trainable.vocab,
+        shape_of(cfg.model), config_layout(cfg), trainable.vocab,
         compute_bytes=np.dtype(cfg.model.compute_dtype).itemsize,
         input_slots=table.num_input_slots, cot_slots=table.num_cot_slots,
         flash_attention=trainable.model_cfg.attention == "cudnn",
