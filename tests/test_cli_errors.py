@@ -99,6 +99,8 @@ def command_examples() -> list[tuple[str, list[str]]]:
 def _devices(words: list[str]) -> int:
     if "--cpu-devices" in words:
         return int(words[words.index("--cpu-devices") + 1])
+    if "--gpus" in words:  # --target: compile-only GPUs
+        return int(words[words.index("--gpus") + 1])
     if words[0] == "scripts/launch_local.sh":
         return int(words[1]) * 4  # the launcher gives each process 4 CPU devices
     return 1

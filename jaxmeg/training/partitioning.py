@@ -84,15 +84,19 @@ def resolve(
     job=None,
     out_dir: str | None = None,
     partition: bool = True,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[jax.Device] | int | None = None,
 ) -> RunLayout:
     """Validates `cfg` (vocabulary known) for this job's devices, places them, and turns
     `parallel.stage_layers: auto | measured` into a list (with `partition=False`, only checks
     that it can: no probe runs). Raises ConfigError before any compile for a layout that cannot
     be placed or partitioned."""
     par = cfg.parallel
-    run_devices = list(jax.devices() if devices is None else devices)
-    devices = len(run_devices)
+    if devices is None or isinstance(devices, int):  # a count: validation only
+        run_devices = list(jax.devices())
+        devices = len(run_devices) if devices is None else devices
+    else:
+        run_devices = list(devices)
+        devices = len(run_devices)
     if job is not None and par.context > 1 and isinstance(par.stage_layers, str):
         raise ConfigError(
             f"parallel.stage_layers={par.stage_layers} with a cluster file is priced for "
