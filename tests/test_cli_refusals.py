@@ -20,7 +20,7 @@ PLAN = ["--config", "configs/gpt_1.3b.yaml", "--gpus", "8", "--batch", "64"]
     [
         (["--tensor", "3"], "--tensor 3: model.heads (16) must be divisible by parallel.tensor"),
         (["--schedule", "zb_h1", "--pipe", "1"], "--schedule=zb_h1 needs --pipe >= 2, got 1"),
-        (["--schedule", "zbv", "--chunks", "3"], "zbv runs 2 chunks per stage, got --chunks = 3"),
+        (["--schedule", "zbv", "--chunks", "3"], "--chunks: zbv runs 2 chunks per stage"),
         (["--context", "16"], "--context 16 needs at least 16 GPUs, got --gpus 8"),
         (["--top", "0"], "--top must be >= 1, got 0"),
     ],
