@@ -102,12 +102,12 @@ def _fingerprint(trainable) -> dict:
     with jax.set_mesh(trainable.mesh):
         text = step.lower(abstract_state(trainable), batch, batch).as_text()
     columns = hashlib.sha256()
-    for name, column in sorted(loss_and_grads.branch_columns.items()):
+    for name, column in sorted(loss_and_grads.program.branch_columns.items()):
         columns.update(name.encode() + np.asarray(column, np.int32).tobytes())
     return {
         "lowered": hashlib.sha256(text.encode()).hexdigest(),
         "branch_columns": columns.hexdigest(),
-        "slot_bytes": int(loss_and_grads.trace_info["slot_bytes"]),
+        "slot_bytes": int(loss_and_grads.program.trace_info["slot_bytes"]),
     }
 
 

@@ -18,7 +18,7 @@ from jaxmeg import config as C
 from jaxmeg.parallel.hlo import collectives
 from jaxmeg.pipeline import compression
 from jaxmeg.training import links
-from jaxmeg.training.pipeline_step import build_schedule, make_loss_and_grads
+from jaxmeg.training.pipeline_step import build_schedule, make_loss_and_grads, schedule_for
 from jaxmeg.training.state import init_state, initial_link_state
 from jaxmeg.training.trainer import compile_step
 from tests.helpers import put_batch, random_batch, run_checked, trainable_for
@@ -227,7 +227,7 @@ def test_epilogue_column_marks_p_minus_s_minus_1_sends_per_link():
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=8))
     from jaxmeg.pipeline.tick_table import build_tick_table
 
-    table = build_tick_table(links.build_schedule(cfg, 4))
+    table = build_tick_table(schedule_for(cfg, 4))
     pc = links.pipe_compression(cfg, table)
     per_sender = pc.compress.sum(axis=0)
     assert per_sender.tolist() == [0, 3, 2, 1]  # sender s + 1 -> s: p - s - 1

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.pipeline import tick_columns
+from jaxmeg.pipeline.executor import columns as tick_columns
 from jaxmeg.pipeline.schedules import build
 from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training.cost_report import cost_report
@@ -153,7 +153,7 @@ def test_middle_stages_touch_no_shared_gradient_in_the_loop():
             train=C.TrainConfig(global_batch=m, microbatches=m),
         )
         trainable = trainable_for(cfg)
-        columns = make_loss_and_grads(trainable).branch_columns
+        columns = make_loss_and_grads(trainable).program.branch_columns
         counter = StepCost(compile_step(trainable)[0].as_text(), trainable.mesh, columns)
         touched[m] = [c.elementwise_by_shape[shape] for c in counter.per_stage()]
     assert touched[4][1] == touched[8][1] and touched[4][2] == touched[8][2], touched

@@ -16,7 +16,7 @@ import pytest
 from jaxmeg import config as C
 from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import collectives, replica_groups
-from jaxmeg.pipeline import residuals
+from jaxmeg.pipeline.executor import residuals
 from jaxmeg.training.pipeline_step import stage_functions
 from jaxmeg.training.state import abstract_state
 from jaxmeg.training.trainer import compile_step

@@ -295,7 +295,7 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
         stage_layers=tuple(par.stage_layers),
     )  # fmt: skip
     loss_and_grads = make_loss_and_grads(trainable)
-    table = loss_and_grads.table
+    table = loss_and_grads.program.table
     predicted = jaxmeg_step_memory(
         shape, layout, trainable.vocab, compute_bytes=4,
         input_slots=table.num_input_slots, cot_slots=table.num_cot_slots,
@@ -320,7 +320,8 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
         assert permutes and all(c.axes == {"pipe"} for c in permutes)
         assert {c.bytes for c in permutes} == {traffic["pipe_message"]}
         # executed, per stage: the planner's figure is a stage with neighbours on both sides
-        counter = StepCost(compiled.as_text(), trainable.mesh, loss_and_grads.branch_columns)
+        columns = loss_and_grads.program.branch_columns
+        counter = StepCost(compiled.as_text(), trainable.mesh, columns)
         sent = [c.collective_bytes[("collective-permute", ("pipe",))] for c in counter.per_stage()]
         assert max(sent) <= traffic["pipe"] * (1 + 1e-9)
         if p > 2:

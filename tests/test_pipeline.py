@@ -314,7 +314,7 @@ def test_layer_gradients_are_reduced_inside_the_tick_loop_once_per_chunk(schedul
     gradients and the loss, in one all-reduce over pipe x data. Nothing grows with m."""
     from jaxmeg.parallel import hlo_module
     from jaxmeg.parallel.hlo import collectives
-    from jaxmeg.pipeline.tick_columns import final_backward_chunks
+    from jaxmeg.pipeline.executor.columns import final_backward_chunks
     from jaxmeg.pipeline.tick_table import build_tick_table
     from jaxmeg.training.pipeline_step import build_schedule
     from jaxmeg.training.state import abstract_state

@@ -18,7 +18,7 @@ from jaxmeg.models.gpt import REMAT_POLICY, Block
 from jaxmeg.perf.jaxmeg_memory import stored_bytes
 from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import shape_of
-from jaxmeg.pipeline import residuals
+from jaxmeg.pipeline.executor import residuals
 from jaxmeg.training.pipeline_step import stage_functions
 from jaxmeg.training.state import abstract_state
 from tests.helpers import trainable_for

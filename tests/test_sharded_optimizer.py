@@ -14,7 +14,7 @@ from jaxmeg import config as C
 from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import collectives
 from jaxmeg.pipeline import schedules
-from jaxmeg.pipeline.tick_columns import gather_columns
+from jaxmeg.pipeline.executor.columns import gather_columns
 from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training.pipeline_step import build_schedule
 from jaxmeg.training.trainer import compile_step, memory_report

@@ -13,7 +13,7 @@ import pytest
 
 from jaxmeg import config as C
 from jaxmeg.parallel.hlo_cost import StepCost
-from jaxmeg.pipeline.tick_columns import SLOT_KINDS
+from jaxmeg.pipeline.executor.columns import SLOT_KINDS
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import abstract_state
 from tests.helpers import trainable_for
@@ -79,7 +79,8 @@ def test_every_slot_kind_is_a_row_and_weighted(layout):
     scopes = _tick_scopes(jaxpr.jaxpr)
     assert scopes, "no loop found in the tick"
     assert scopes <= set(SLOT_KINDS), scopes - set(SLOT_KINDS)
-    assert scopes <= set(loss_and_grads.branch_columns), scopes - set(loss_and_grads.branch_columns)
+    columns = set(loss_and_grads.program.branch_columns)
+    assert scopes <= columns, scopes - columns
 
 
 def test_a_branch_column_no_kind_names_is_refused():

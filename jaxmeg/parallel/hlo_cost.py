@@ -39,7 +39,7 @@ from jaxmeg.parallel.hlo import (
     _result_bytes,
     replica_groups,
 )
-from jaxmeg.pipeline.tick_columns import SLOT_KINDS
+from jaxmeg.pipeline.executor.columns import SLOT_KINDS
 
 _INSTRUCTION_RE = re.compile(
     r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
@@ -193,7 +193,7 @@ class StepCost:
     branch_columns: JAX name scope of a conditional -> int [ticks, p] branch index per (tick,
         stage) of the loop it sits in; of a loop without a known trip count -> its trips per
         (tick, stage). Every scope is a row of the executor's slot table
-        (`jaxmeg.pipeline.tick_columns.SLOT_KINDS`), else ValueError: a misspelt scope would
+        (`jaxmeg.pipeline.executor.columns.SLOT_KINDS`), else ValueError: a misspelt scope would
         leave its loop counted once.
     roofline: (peak FLOP/s, memory bytes/s) of one device, for `Cost.roofline_seconds`.
     """

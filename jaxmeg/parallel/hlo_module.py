@@ -94,8 +94,8 @@ _SLOT_LOOP_RE = re.compile(r'op_name="[^"]*/(\w+)/while"')
 
 
 def slot_loops(lines: list[str]) -> dict[str, str]:
-    """The 0-or-1-trip slot loops (`pipeline.slots.run_if`) of a computation, usually the tick
-    loop body: JAX name scope -> the loop's instruction line."""
+    """The 0-or-1-trip slot loops (`pipeline.executor.slots.run_if`) of a computation, usually
+    the tick loop body: JAX name scope -> the loop's instruction line."""
     found = {}
     for line in ops(lines, "while"):
         scope = _SLOT_LOOP_RE.search(line)

@@ -78,20 +78,25 @@ def _arrive(table: TickTable, t: int, what: str, sends: dict, deliver, placement
                 _fail(f"tick {t} stage {s}: {column} {slot} set but nothing arrives")
 
 
-def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
-    """Replays `table` (default: the schedule's own) and returns buffer sizes and efficiency."""
-    table = table if table is not None else build_tick_table(schedule)
-    p, v = schedule.num_stages, schedule.num_chunks
-    inputs = [dict() for _ in range(p)]
-    cots = [dict() for _ in range(p)]
-    wstore = [dict() for _ in range(p)]
-    ran = [[] for _ in range(p)]
-    peak_in, peak_cot, peak_w = [0] * p, [0] * p, [0] * p
-    last = p * v - 1
+class _Replay:
+    """A tick table played out per stage: what each ring slot holds, the peak of each ring, and
+    the order each stage ran its actions in; `_fail` at the first inconsistency."""
 
-    def neighbour(s: int, c: int, step: int) -> tuple[int, int]:
-        return stage_and_chunk(schedule.virtual_stage(s, c) + step, p, schedule.placement)
+    def __init__(self, schedule: Schedule, table: TickTable):
+        p = schedule.num_stages
+        self.schedule, self.table, self.p = schedule, table, p
+        self.last = p * schedule.num_chunks - 1
+        self.inputs = [dict() for _ in range(p)]
+        self.cots = [dict() for _ in range(p)]
+        self.wstore = [dict() for _ in range(p)]
+        self.ran = [[] for _ in range(p)]
+        self.peak_in, self.peak_cot, self.peak_w = [0] * p, [0] * p, [0] * p
 
+    def neighbour(self, s: int, c: int, step: int) -> tuple[int, int]:
+        sch = self.schedule
+        return stage_and_chunk(sch.virtual_stage(s, c) + step, self.p, sch.placement)
+
+    @staticmethod
     def deliver(held, s, slot, item, peak, what):
         if slot < 0:
             _fail(f"{what}: stage {s} receives {item} but has no slot for it")
@@ -100,90 +105,113 @@ def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
         held[slot] = item
         peak[s] = max(peak[s], len(held))
 
-    for t in range(table.num_ticks):
-        sends = {}
-        for s in range(p):
+    def forward(self, t: int) -> None:
+        table, sch, sends = self.table, self.schedule, {}
+        for s in range(self.p):
             mb, c, slot = (int(table.f_mb[t, s]), int(table.f_chunk[t, s]), int(table.f_slot[t, s]))
             if mb < 0:
                 continue
-            ran[s].append(("F", mb, c))
+            self.ran[s].append(("F", mb, c))
             where = f"tick {t} stage {s} F{mb}.{c}"
-            u = schedule.virtual_stage(s, c)
+            u = sch.virtual_stage(s, c)
             if u == 0:
-                deliver(inputs[s], s, slot, (c, mb), peak_in, where)
+                self.deliver(self.inputs[s], s, slot, (c, mb), self.peak_in, where)
             else:
-                _replay_slot(inputs[s], slot, (c, mb), where)
+                _replay_slot(self.inputs[s], slot, (c, mb), where)
             cot_slot = int(table.f_cot_slot[t, s])
-            if u != last:
-                ns, nc = neighbour(s, c, 1)
+            if u != self.last:
+                ns, nc = self.neighbour(s, c, 1)
                 sends[s] = (ns, nc, mb)
                 if cot_slot >= 0:
                     _fail(f"{where}: a cotangent slot ({cot_slot}) off the last virtual stage")
-            elif p * v > 1:
-                deliver(cots[s], s, cot_slot, (c, mb), peak_cot, where + " head cotangent")
-        _arrive(table, t, "act", sends, lambda s, slot, item, where: deliver(
-            inputs[s], s, slot, item, peak_in, where), schedule.placement)  # fmt: skip
-        sends = {}
-        for s in range(p):
+            elif self.last > 0:
+                where += " head cotangent"
+                self.deliver(self.cots[s], s, cot_slot, (c, mb), self.peak_cot, where)
+        _arrive(table, t, "act", sends, lambda s, slot, item, where: self.deliver(
+            self.inputs[s], s, slot, item, self.peak_in, where), sch.placement)  # fmt: skip
+
+    def backward(self, t: int) -> None:
+        table, sch, sends = self.table, self.schedule, {}
+        for s in range(self.p):
             mb, c = int(table.b_mb[t, s]), int(table.b_chunk[t, s])
             if mb < 0:
                 continue
             split = bool(table.b_split[t, s])
             kind = "I" if split else "B"
-            ran[s].append((kind, mb, c))
+            self.ran[s].append((kind, mb, c))
             where = f"tick {t} stage {s} {kind}{mb}.{c}"
             slot = int(table.b_slot[t, s])
-            _replay_slot(inputs[s], slot, (c, mb), where)
-            del inputs[s][slot]
-            u = schedule.virtual_stage(s, c)
-            if u == last and p * v == 1:
-                if ("F", mb, c) not in ran[s]:
+            _replay_slot(self.inputs[s], slot, (c, mb), where)
+            del self.inputs[s][slot]
+            u = sch.virtual_stage(s, c)
+            if u == self.last == 0:
+                if ("F", mb, c) not in self.ran[s]:
                     _fail(f"{where}: backward before its forward")
             else:
                 cot_slot = int(table.b_cot_slot[t, s])
-                _replay_slot(cots[s], cot_slot, (c, mb), where + " cotangent")
-                del cots[s][cot_slot]
+                _replay_slot(self.cots[s], cot_slot, (c, mb), where + " cotangent")
+                del self.cots[s][cot_slot]
             if split:
-                deliver(wstore[s], s, int(table.b_w_slot[t, s]), (c, mb), peak_w, where + " W")
+                w_slot = int(table.b_w_slot[t, s])
+                self.deliver(self.wstore[s], s, w_slot, (c, mb), self.peak_w, where + " W")
             if u != 0:
-                ps, pc = neighbour(s, c, -1)
+                ps, pc = self.neighbour(s, c, -1)
                 sends[s] = (ps, pc, mb)
-        _arrive(table, t, "cot", sends, lambda s, slot, item, where: deliver(
-            cots[s], s, slot, item, peak_cot, where), schedule.placement)  # fmt: skip
-        for s in range(p):
+        _arrive(table, t, "cot", sends, lambda s, slot, item, where: self.deliver(
+            self.cots[s], s, slot, item, self.peak_cot, where), sch.placement)  # fmt: skip
+
+    def weights(self, t: int) -> None:
+        table = self.table
+        for s in range(self.p):
             mb, c = int(table.w_mb[t, s]), int(table.w_chunk[t, s])
             if mb < 0:
                 continue
-            ran[s].append(("W", mb, c))
+            self.ran[s].append(("W", mb, c))
             slot = int(table.w_slot[t, s])
-            _replay_slot(wstore[s], slot, (c, mb), f"tick {t} stage {s} W{mb}.{c}")
-            del wstore[s][slot]
+            _replay_slot(self.wstore[s], slot, (c, mb), f"tick {t} stage {s} W{mb}.{c}")
+            del self.wstore[s][slot]
         if table.unit:
-            for s in range(p):
+            for s in range(self.p):
                 count = sum(int(col[t, s] >= 0) for col in (table.f_mb, table.b_mb, table.w_mb))
                 if count > 1:
                     _fail(f"tick {t} stage {s}: {count} actions in one unit tick")
 
-    for s in range(p):
-        if ran[s] != schedule.order(s):
+    def finish(self) -> None:
+        """Every stage ran its order and ended with empty rings that fit the table's slots."""
+        table, sch = self.table, self.schedule
+        for s in range(self.p):
+            if self.ran[s] != sch.order(s):
+                _fail(
+                    f"stage {s} ran {self.ran[s][:6]}... which is not its order "
+                    f"{sch.order(s)[:6]}..."
+                )
+            if self.inputs[s] or self.cots[s] or self.wstore[s]:
+                _fail(f"stage {s} ends with buffers still holding {self.inputs[s]} / "
+                      f"{self.cots[s]} / {self.wstore[s]}")  # fmt: skip
+        if max(self.peak_w) > table.num_w_slots:
+            _fail(f"W needs {max(self.peak_w)} wstore slots, the table has {table.num_w_slots}")
+        if max(self.peak_in) > table.num_input_slots or max(self.peak_cot) > table.num_cot_slots:
             _fail(
-                f"stage {s} ran {ran[s][:6]}... which is not its order {schedule.order(s)[:6]}..."
+                f"buffers need {max(self.peak_in)}/{max(self.peak_cot)} slots, the table has "
+                f"{table.num_input_slots}/{table.num_cot_slots}"
             )
-        if inputs[s] or cots[s] or wstore[s]:
-            _fail(f"stage {s} ends with buffers still holding {inputs[s]} / {cots[s]} / "
-                  f"{wstore[s]}")  # fmt: skip
-    if max(peak_w) > table.num_w_slots:
-        _fail(f"W needs {max(peak_w)} wstore slots, the table has {table.num_w_slots}")
-    if max(peak_in) > table.num_input_slots or max(peak_cot) > table.num_cot_slots:
-        _fail(
-            f"buffers need {max(peak_in)}/{max(peak_cot)} slots, the table has "
-            f"{table.num_input_slots}/{table.num_cot_slots}"
-        )
-    bubble = bubble_fraction(schedule.name, p, schedule.num_microbatches, v)
+
+
+def validate(schedule: Schedule, table: TickTable | None = None) -> Report:
+    """Replays `table` (default: the schedule's own) and returns buffer sizes and efficiency."""
+    table = table if table is not None else build_tick_table(schedule)
+    replay = _Replay(schedule, table)
+    for t in range(table.num_ticks):
+        replay.forward(t)
+        replay.backward(t)
+        replay.weights(t)
+    replay.finish()
+    bubble = bubble_fraction(schedule.name, schedule.num_stages, schedule.num_microbatches,
+                             schedule.num_chunks)  # fmt: skip
     return Report(
-        input_slots=tuple(peak_in),
-        cot_slots=tuple(peak_cot),
-        w_slots=tuple(peak_w),
+        input_slots=tuple(replay.peak_in),
+        cot_slots=tuple(replay.peak_cot),
+        w_slots=tuple(replay.peak_w),
         num_ticks=table.num_ticks,
         bubble=bubble,
         lockstep_efficiency=lockstep_efficiency(schedule, table=table),

@@ -72,14 +72,14 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     hw = target.hardware if target is not None else None
     roofline = (hw.peak_tflops * 1e12, hw.hbm_tb_per_s * 1e12) if hw else None
     counter = StepCost(
-        compiled.as_text(), trainable.mesh, loss_and_grads.branch_columns, roofline=roofline
+        compiled.as_text(), trainable.mesh, loss_and_grads.program.branch_columns, roofline=roofline
     )
     total, stages = counter.total(), counter.per_stage()
     mesh = trainable.mesh
 
-    table = loss_and_grads.table
+    table = loss_and_grads.program.table
     forwards = int((table.f_mb >= 0).sum())
-    slot_bytes = loss_and_grads.trace_info["slot_bytes"]
+    slot_bytes = loss_and_grads.program.trace_info["slot_bytes"]
     stored = forwards * slot_bytes * par.data
 
     act_bytes = np.dtype(model.compute_dtype).itemsize

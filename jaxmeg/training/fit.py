@@ -44,7 +44,7 @@ def predicted_step_bytes(trainable: Trainable, loss_and_grads=None) -> float | N
     cfg = trainable.cfg
     if cfg.parallel.context > 1:
         return None
-    table = (loss_and_grads or make_loss_and_grads(trainable)).table
+    table = (loss_and_grads or make_loss_and_grads(trainable)).program.table
     predicted = jaxmeg_step_memory(
         shape_of(cfg.model), config_layout(cfg), trainable.vocab,
         compute_bytes=np.dtype(cfg.model.compute_dtype).itemsize,

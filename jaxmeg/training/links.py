@@ -23,15 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config
-from jaxmeg.pipeline import compression, critical_path, powersgd, schedules
-
-
-def build_schedule(cfg: Config, pipe: int) -> schedules.Schedule:
-    par = cfg.parallel
-    return schedules.build(
-        par.schedule, pipe, cfg.train.microbatches, num_chunks=par.chunks,
-        warmup=par.pipeline_warmup,
-    )  # fmt: skip
+from jaxmeg.pipeline import compression, critical_path, powersgd
 
 
 def _matrix(cfg: Config) -> tuple[int, int]:

@@ -23,14 +23,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY
 from jaxmeg.parallel import activation_rules, attention, context, make_constrain, zero
-from jaxmeg.pipeline import gradients, schedules
+from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
-from jaxmeg.pipeline.executor import make_pipeline_loss_and_grads as executor
 from jaxmeg.pipeline.tick_table import build_tick_table
-from jaxmeg.training import links
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 
@@ -190,8 +189,17 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
     )
 
 
+def schedule_for(cfg: Config, pipe: int) -> schedules.Schedule:
+    """The schedule `parallel.schedule` names, for `pipe` stages."""
+    par = cfg.parallel
+    return schedules.build(
+        par.schedule, pipe, cfg.train.microbatches, num_chunks=par.chunks,
+        warmup=par.pipeline_warmup,
+    )  # fmt: skip
+
+
 def build_schedule(trainable: Trainable) -> schedules.Schedule:
-    return links.build_schedule(trainable.cfg, trainable.pipe)
+    return schedule_for(trainable.cfg, trainable.pipe)
 
 
 def zero_sharding(trainable: Trainable) -> ZeroSharding:
@@ -208,45 +216,48 @@ def zero_sharding(trainable: Trainable) -> ZeroSharding:
     )
 
 
-def make_loss_and_grads(trainable: Trainable) -> Callable:
+class LossAndGrads:
     """(params, tokens, targets) -> (mean loss, fp32 grads), params and grads in the run's
     layout and shardings, for every mesh (pipe = 1 included). With compression state (the
     train state's `links`, `jaxmeg.training.links`): (params, tokens, targets, links, step=)
-    -> (loss, grads, links); `step` is the optimizer step (PowerSGD's warm-up). For the cost
-    report, the function also carries its tick `table`, the executor's `branch_columns` and
-    `trace_info` (what one forward stores, filled when it is traced)."""
-    cfg = trainable.cfg
-    table = build_tick_table(build_schedule(trainable))
-    run_links = links_of(trainable)
-    run = executor(
-        stage_functions(trainable),
-        table,
-        trainable.layout,
-        trainable.mesh,
-        microbatches=cfg.train.microbatches,
-        zero=zero_sharding(trainable),
-        pipe_compression=run_links.pipe(table),
-        data_compression=run_links.data,
-        fused_embedding_sync=cfg.compression.fused_embedding_sync,
-        scatter_gather=cfg.parallel.uses_scatter_gather,
-    )
+    -> (loss, grads, links); `step` is the optimizer step (PowerSGD's warm-up).
 
-    rows = None
-    if cfg.parallel.context > 1:  # the rows in the order the context ranks hold them
-        rows = context.load_balanced_order(cfg.model.seq_len, cfg.parallel.context)
+    `program` is the built executor (`executor.Program`): its tick `table`, the
+    `branch_columns` the cost report weights the compiled slots by, and `trace_info` (what one
+    forward stores, filled when it is traced)."""
 
-    def loss_and_grads(params, tokens, targets, *link_state, step=0):
-        shared = {k: v for k, v in params.items() if k != "blocks"}
-        if rows is not None:
-            tokens, targets = tokens[:, rows], targets[:, rows]
-        if link_state:
-            link_state = (*link_state, jnp.asarray(step, jnp.int32))
-        loss, (stage_grads, shared_grads), *link_state = run(
-            params["blocks"]["layers"], shared, tokens, targets, *link_state
+    def __init__(self, trainable: Trainable):
+        cfg = trainable.cfg
+        run_links = links_of(trainable)
+        table = build_tick_table(build_schedule(trainable))
+        options = executor.ExecutorOptions(
+            microbatches=cfg.train.microbatches,
+            zero=zero_sharding(trainable),
+            pipe_compression=run_links.pipe(table),
+            data_compression=run_links.data,
+            fused_embedding_sync=cfg.compression.fused_embedding_sync,
+            scatter_gather=cfg.parallel.uses_scatter_gather,
         )
-        return loss, {**shared_grads, "blocks": {"layers": stage_grads}}, *link_state
+        self.program = executor.build(
+            stage_functions(trainable), table, trainable.layout, trainable.mesh, options
+        )
+        self.rows = None
+        if cfg.parallel.context > 1:  # the rows in the order the context ranks hold them
+            self.rows = context.load_balanced_order(cfg.model.seq_len, cfg.parallel.context)
+        self.__name__ = "loss_and_grads"
 
-    loss_and_grads.table = table
-    loss_and_grads.branch_columns = run.branch_columns
-    loss_and_grads.trace_info = run.trace_info
-    return loss_and_grads
+    def __call__(self, params, tokens, targets, links=None, step=0):
+        shared = {k: v for k, v in params.items() if k != "blocks"}
+        if self.rows is not None:
+            tokens, targets = tokens[:, self.rows], targets[:, self.rows]
+        step = None if links is None else jnp.asarray(step, jnp.int32)
+        loss, (stage_grads, shared_grads), links_out = self.program.run(
+            params["blocks"]["layers"], shared, tokens, targets, links, step
+        )
+        grads = {**shared_grads, "blocks": {"layers": stage_grads}}
+        return (loss, grads) if links is None else (loss, grads, links_out)
+
+
+def make_loss_and_grads(trainable: Trainable) -> LossAndGrads:
+    """The step's loss and gradients from the executor (`LossAndGrads`)."""
+    return LossAndGrads(trainable)

@@ -275,6 +275,30 @@ def slot_columns(
     columns[REDUCE_CHUNK.scope] = final_backward_chunks(table)
     if gathering:
         columns[GATHER["f"].scope], columns[GATHER["b"].scope] = gather_columns(table)
+    patterns = _send_columns(table, v, compress, columns)
+    branches = {kind.scope: columns[kind.column] == kind.code for kind in (*F_KINDS, *B_KINDS)}
+    branches[W_CHUNK.scope] = table.w_mb >= 0
+    named = (*SENDS, *RECEIVE.values(), *GATHER.values())
+    branches.update({k.scope: columns[k.scope] for k in named if k.scope in columns})
+    if compress is not None:
+        branches[COMPRESS_LINK.scope] = columns["pipe_compress"]
+    deferred = reduce_in_loop and not sharded_reduction
+    before, after = int(gathering), int(deferred)
+    columns, branches = _pad(columns, before, after), _pad(branches, before, after)
+    if gathering:
+        _gather_ahead(columns, branches)
+    if reduce_in_loop:
+        _reduce_columns(columns, branches, p, sharded_reduction, powersgd_stages)
+    return SlotColumns(
+        columns={k: np.asarray(c, np.int32) for k, c in columns.items()},
+        patterns=patterns,
+        branch_columns={k: np.asarray(c, np.int32) for k, c in branches.items()},
+    )
+
+
+def _send_columns(table: TickTable, v: int, compress, columns: dict) -> dict:
+    """Adds each send's pattern index, where a cotangent is compressed, and where something
+    arrives, to `columns`; returns each send's patterns."""
     patterns = {}
 
     def sends(kind: SlotKind, senders: np.ndarray, step: int) -> None:
@@ -299,37 +323,34 @@ def slot_columns(
     for way in ways:
         for what, field in (("x", "act"), ("cot", "cot")):
             columns[RECEIVE[what, way].scope] = getattr(table, f"recv_{field}{way}_slot") >= 0
+    return patterns
 
-    branches = {kind.scope: columns[kind.column] == kind.code for kind in (*F_KINDS, *B_KINDS)}
-    branches[W_CHUNK.scope] = table.w_mb >= 0
-    named = (*SENDS, *RECEIVE.values(), *GATHER.values())
-    branches.update({k.scope: columns[k.scope] for k in named if k.scope in columns})
-    if compress is not None:
-        branches[COMPRESS_LINK.scope] = columns["pipe_compress"]
-    deferred = reduce_in_loop and not sharded_reduction
-    before, after = int(gathering), int(deferred)
-    columns, branches = _pad(columns, before, after), _pad(branches, before, after)
-    if gathering:
-        for slot in ("f", "b"):
-            gather = columns[GATHER[slot].scope]
-            gather[0] = gather[1:].any(axis=0)  # the first chunk's, ahead
-            fetch = _next_gathered(gather, columns[f"{slot}_chunk"])
-            columns[f"{slot}_fetch_chunk"] = fetch
-            branches[GATHER[slot].scope], branches[FETCH[slot].scope] = gather, fetch >= 0
+
+def _gather_ahead(columns: dict, branches: dict) -> None:
+    """ZeRO-3 (padded columns): the idle tick before the table gathers each slot's first chunk,
+    and every gather fetches the slot's next chunk into its second buffer."""
+    for slot in ("f", "b"):
+        gather = columns[GATHER[slot].scope]
+        gather[0] = gather[1:].any(axis=0)  # the first chunk's, ahead
+        fetch = _next_gathered(gather, columns[f"{slot}_chunk"])
+        columns[f"{slot}_fetch_chunk"] = fetch
+        branches[GATHER[slot].scope], branches[FETCH[slot].scope] = gather, fetch >= 0
+
+
+def _reduce_columns(columns: dict, branches: dict, p: int, sharded: bool,
+                    powersgd_stages: int | None) -> None:  # fmt: skip
+    """The in-loop reduction (padded columns): a sharded optimizer reduce-scatters in the tick
+    of a chunk's last backward; otherwise the mean (PowerSGD's on stages < `powersgd_stages`)
+    starts in the tick after it (`final_chunk`: the tick it is taken in)."""
     reduce = REDUCE_CHUNK.scope  # also the column of the chunk it reduces
-    if reduce_in_loop and sharded_reduction:
+    if sharded:
         branches[reduce] = (columns[reduce] >= 0).astype(np.int32)
-    elif reduce_in_loop:
-        columns["final_chunk"] = columns[reduce]
-        columns[reduce] = _shift(columns[reduce], 1, -1)
-        reducing = (columns[reduce] >= 0).astype(np.int32)
-        powersgd = np.arange(p) < (powersgd_stages or 0)  # after the warm-up: stages < k
-        branches[REDUCE_TAKE.scope] = (columns["final_chunk"] >= 0).astype(np.int32)
-        branches[reduce] = reducing * ~powersgd
-        branches[REDUCE_POWERSGD.scope] = reducing * powersgd
-        branches[REDUCE_WRITE.scope] = reducing
-    return SlotColumns(
-        columns={k: np.asarray(c, np.int32) for k, c in columns.items()},
-        patterns=patterns,
-        branch_columns={k: np.asarray(c, np.int32) for k, c in branches.items()},
-    )
+        return
+    columns["final_chunk"] = columns[reduce]
+    columns[reduce] = _shift(columns[reduce], 1, -1)
+    reducing = (columns[reduce] >= 0).astype(np.int32)
+    powersgd = np.arange(p) < (powersgd_stages or 0)  # after the warm-up: stages < k
+    branches[REDUCE_TAKE.scope] = (columns["final_chunk"] >= 0).astype(np.int32)
+    branches[reduce] = reducing * ~powersgd
+    branches[REDUCE_POWERSGD.scope] = reducing * powersgd
+    branches[REDUCE_WRITE.scope] = reducing

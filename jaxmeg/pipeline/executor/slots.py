@@ -7,7 +7,7 @@ over `data` and `pipe`, automatic over `tensor`).
   place, so an inactive slot writes nothing and an active one only what it fills.
 - `send`: a `ppermute` over `pipe` on exactly the pairs that carry something in that tick, one
   ppermute per distinct set of pairs, chosen by an index that depends on the tick only
-  (`tick_columns.send_patterns`): every stage takes the same branch, so no stage waits in a
+  (`columns.send_patterns`): every stage takes the same branch, so no stage waits in a
   collective that another skips. With scatter/gather each tensor rank sends its slice of the
   sequence (a nested map, manual over `tensor`).
 - `receive`: writes what arrived into its ring slot, all-gathering a split message over

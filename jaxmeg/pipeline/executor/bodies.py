@@ -1,0 +1,284 @@
+"""The slot bodies: what the F, B (or I) and W slots of a tick compute, one top-level function
+per slot kind (`columns.F_KINDS`, `columns.B_KINDS`, `columns.W_CHUNK`), each a function of the
+plan, the stage, where the slot is (`At`), the ring state it passes through and the
+microbatch's tokens and targets. A slot runs the body of its kind as a loop of 0 or 1 trips
+(`slots.run_if`) that writes only what it fills.
+
+  F  first virtual stage: embed + chunk; middle: chunk; last: chunk + head + loss and the head's
+     backward, whose output cotangent goes to the `cots` ring; with p v = 1 only the embedding.
+  B  the chunk's backward from the kept residuals (`residuals`) or by rerunning it (`model.remat`
+     full), accumulating its gradients in place; the first virtual stage also the embedding's;
+     with p v = 1 chunk + head + loss under one `jax.vjp`, then the embedding: plain training.
+  I  a split backward's input half: the input cotangent, the norm and bias gradients and what W
+     needs, kept in the `wstore` ring.  W  the weight gradients dW = X^T dY from `wstore`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.pipeline import gradients
+from jaxmeg.pipeline.executor import residuals, slots
+from jaxmeg.pipeline.executor.carry import Stage
+from jaxmeg.pipeline.executor.columns import (
+    B_CHUNK,
+    B_FIRST,
+    B_WHOLE,
+    F_EMBED,
+    F_FIRST,
+    F_LAST,
+    F_MIDDLE,
+    I_CHUNK,
+    I_FIRST,
+    W_CHUNK,
+)
+from jaxmeg.pipeline.executor.plan import Plan
+
+F_STATE = ("inputs", "stored", "matmul_inputs", "cots", "y", "g_shared", "loss")
+"""What the F slot's loops pass through (what its bodies write, or read)."""
+B_STATE = ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored", "matmul_inputs",
+           "wstore")  # fmt: skip
+"""What the B slot's loops pass through: the rings it reads go through the loop too (a
+read-only operand of a loop would be copied)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class At:
+    """Where a slot runs: the chunk's weights (None when the F slot only embeds), how many of
+    its layers are real, its ring slot, the chunk's index in the gradient accumulator (B and I
+    only), and the row."""
+
+    cp: Any
+    real: Any
+    slot: Any
+    index: Any
+    row: dict
+
+
+def _run_slot(kinds: dict, plan: Plan, st: Stage, at: At, state: dict, batch) -> dict:
+    """Each kind's body as a loop of 0 or 1 trips, run where the row holds its code."""
+    for kind, fn in kinds.items():
+        active = at.row[kind.column] == kind.code
+        state = slots.run_if(active, partial(fn, plan, st, at), state, kind.scope, batch)
+    return state
+
+
+# -- F ------------------------------------------------------------------------------------------
+
+
+def _run_chunk(plan: Plan, st: Stage, at: At, x):
+    """The chunk's forward, and what it keeps for the backward (nothing when it recomputes)."""
+    if not plan.store:
+        return plan.fns.chunk(at.cp, x, at.real), []
+    if plan.table.unit:
+        taps = st.zero_taps(at.cp, x)
+        y, traced, stored, inputs = residuals.forward_split(
+            st.tapped(at.real), *plan.split.split_weights(at.cp, taps), x, taps
+        )
+        st.split.check(traced)
+        return y, (stored, inputs)
+    y, traced, stored = residuals.forward(lambda p_, x_: plan.fns.chunk(p_, x_, at.real), at.cp, x)
+    st.split.check(traced)
+    return y, stored
+
+
+def _keep(plan: Plan, at: At, r: dict, stored) -> dict:
+    """The ring writes of what the forward keeps (the stored residuals, and for a split
+    backward the matmul inputs)."""
+
+    def write(bufs, leaves):
+        return jax.tree.map(
+            lambda buf, leaf: buf.at[at.slot].set(leaf.astype(buf.dtype)), bufs, leaves
+        )
+
+    if plan.table.unit and plan.store:
+        stored, inputs = stored
+        return {"stored": write(r["stored"], stored),
+                "matmul_inputs": write(r["matmul_inputs"], inputs)}  # fmt: skip
+    return {"stored": write(r["stored"], stored)}
+
+
+def f_embed(plan, st, at, r, tokens, targets):
+    x = plan.fns.embed(st.shared, tokens).astype(st.x_abstract.dtype)
+    return {**r, "inputs": r["inputs"].at[at.slot].set(x)}
+
+
+def f_first(plan, st, at, r, tokens, targets):
+    dtype = st.x_abstract.dtype
+    x = plan.fns.embed(st.shared, tokens).astype(dtype)
+    y, stored = _run_chunk(plan, st, at, x)
+    inputs = r["inputs"].at[at.slot].set(x)
+    return {**r, "inputs": inputs, **_keep(plan, at, r, stored), "y": y.astype(dtype)}
+
+
+def f_middle(plan, st, at, r, tokens, targets):
+    y, stored = _run_chunk(plan, st, at, r["inputs"][at.slot])
+    return {**r, **_keep(plan, at, r, stored), "y": y.astype(st.x_abstract.dtype)}
+
+
+def f_last(plan, st, at, r, tokens, targets):
+    dtype = st.x_abstract.dtype
+    y, stored = _run_chunk(plan, st, at, r["inputs"][at.slot])
+    loss, (d_shared, d_y) = jax.value_and_grad(plan.fns.head_loss, argnums=(0, 1))(
+        st.shared, y, targets
+    )
+    scale = 1.0 / plan.m
+    d_shared = jax.tree.map(lambda g: g * scale, d_shared)
+    cot_slot = jnp.maximum(at.row["f_cot_slot"], 0)
+    return {
+        **r,
+        **_keep(plan, at, r, stored),
+        "cots": r["cots"].at[cot_slot].set((d_y * scale).astype(dtype)),
+        "g_shared": gradients.accumulate(r["g_shared"], d_shared),
+        "loss": r["loss"] + (loss * scale).astype(jnp.float32),
+    }
+
+
+def forward_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+    """The F slot: the forward of its kind reads its stage input and writes the ring slots it
+    fills (the embedded input, the chunk's residuals, the head's cotangent), the activation to
+    send (`y`), the shared gradients and the loss."""
+    chunk, mb = row["f_chunk"], jnp.maximum(row["f_mb"], 0)
+    cp = None if plan.whole_model else st.slot_params(c, "f", chunk)  # p v = 1: only embeds
+    at = At(cp, st.real_layers(chunk), jnp.maximum(row["f_slot"], 0), None, row)
+    batch = st.batch(mb)
+    if plan.whole_model:
+        kinds = {F_EMBED: f_embed}
+    else:
+        kinds = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
+    state = {k: c[k] for k in F_STATE if k in c}
+    return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
+
+
+# -- B and I ------------------------------------------------------------------------------------
+
+
+def _chunk_backward(plan: Plan, st: Stage, at: At, a: dict):
+    """(d_params, d_x) of the chunk, from the kept residuals or by rerunning it."""
+    x = a["inputs"][at.slot]
+    cot = a["cots"][jnp.maximum(at.row["b_cot_slot"], 0)]
+    if plan.store:
+        return residuals.backward(st.split, at.cp, x, [buf[at.slot] for buf in a["stored"]], cot)
+    _, pullback = jax.vjp(lambda p_, x_: plan.fns.chunk_recompute(p_, x_, at.real), at.cp, x)
+    return pullback(cot)
+
+
+def _embed_backward(plan: Plan, st: Stage, d_x, tokens):
+    _, pullback = jax.vjp(lambda sh: plan.fns.embed(sh, tokens), st.shared)
+    return pullback(d_x.astype(st.x_abstract.dtype))[0]
+
+
+def b_middle(plan, st, at, a, tokens, targets):
+    d_params, d_x = _chunk_backward(plan, st, at, a)
+    g_stage = gradients.accumulate_at(a["g_stage"], at.index, d_params)
+    return {**a, "g_stage": g_stage, "d_x": d_x.astype(a["d_x"].dtype)}
+
+
+def b_first(plan, st, at, a, tokens, targets):
+    d_params, d_x = _chunk_backward(plan, st, at, a)
+    d_shared = _embed_backward(plan, st, d_x, tokens)
+    return {
+        **a,
+        "g_stage": gradients.accumulate_at(a["g_stage"], at.index, d_params),
+        "g_shared": gradients.accumulate(a["g_shared"], d_shared),
+    }
+
+
+def b_whole(plan, st, at, a, tokens, targets):
+    fns = plan.fns
+
+    def chunk_head_loss(p_, sh, x_):
+        return fns.head_loss(sh, fns.chunk(p_, x_, at.real), targets)
+
+    loss, pullback = jax.vjp(chunk_head_loss, at.cp, st.shared, a["inputs"][at.slot])
+    d_params, d_shared, d_x = pullback(jnp.ones_like(loss) / plan.m)
+    d_shared = gradients.accumulate(d_shared, _embed_backward(plan, st, d_x, tokens))
+    return {
+        **a,
+        "g_stage": gradients.accumulate_at(a["g_stage"], at.index, d_params),
+        "g_shared": gradients.accumulate(a["g_shared"], d_shared),
+        "loss": a["loss"] + (loss / plan.m).astype(jnp.float32),
+    }
+
+
+def _input_backward(plan: Plan, st: Stage, at: At, a: dict):
+    """I: (d_x, the gradients of the chunk's other params, what W needs) from the stored
+    residuals, or by rerunning the chunk (`model.remat` full)."""
+    sf = plan.split
+    x = a["inputs"][at.slot]
+    cot = a["cots"][jnp.maximum(at.row["b_cot_slot"], 0)]
+    taps = st.zero_taps(at.cp, x)
+    weights, rest = sf.split_weights(at.cp, taps)
+    if plan.store:
+        kept = [buf[at.slot] for buf in a["stored"]]
+        d_rest, d_x, d_taps = residuals.backward_split(st.split, weights, rest, x, kept, cot)
+        inputs = jax.tree.map(lambda buf: buf[at.slot], a["matmul_inputs"])
+    else:
+        _, pullback, inputs = jax.vjp(
+            lambda r_, x_, t_: st.tapped(at.real, recompute=True)(weights, r_, x_, t_),
+            rest, x, taps, has_aux=True,
+        )  # fmt: skip
+        d_rest, d_x, d_taps = pullback(cot)
+    w_slot = jnp.maximum(at.row["b_w_slot"], 0)
+    wstore = jax.tree.map(
+        lambda buf, leaf: buf.at[w_slot].set(leaf.astype(buf.dtype)),
+        a["wstore"], {"inputs": inputs, "dys": d_taps},
+    )  # fmt: skip
+    g_weights, g_rest = sf.split_weights(a["g_stage"], taps)
+    g_rest = gradients.accumulate_at(g_rest, at.index, d_rest)
+    return d_x, {"g_stage": sf.merge_weights(g_weights, g_rest), "wstore": wstore}
+
+
+def i_middle(plan, st, at, a, tokens, targets):
+    d_x, written = _input_backward(plan, st, at, a)
+    return {**a, **written, "d_x": d_x.astype(a["d_x"].dtype)}
+
+
+def i_first(plan, st, at, a, tokens, targets):
+    d_x, written = _input_backward(plan, st, at, a)
+    d_shared = _embed_backward(plan, st, d_x, tokens)
+    return {**a, **written, "g_shared": gradients.accumulate(a["g_shared"], d_shared)}
+
+
+def backward_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+    """The B slot: the backward of its kind reads its stage input, residuals and output
+    cotangent, accumulates the gradients it produces and writes the input cotangent to send
+    (`d_x`)."""
+    chunk, mb = row["b_chunk"], jnp.maximum(row["b_mb"], 0)
+    cp, real = st.slot_params(c, "b", chunk), st.real_layers(chunk)
+    slot = jnp.maximum(row["b_slot"], 0)
+    batch = st.batch(mb)
+    at = At(cp, real, slot, st.chunk_at(chunk), row)
+    if plan.whole_model:
+        kinds = {B_WHOLE: b_whole}
+    elif plan.table.unit:
+        kinds = {I_CHUNK: i_middle, I_FIRST: i_first}
+    else:
+        kinds = {B_CHUNK: b_middle, B_FIRST: b_first}
+    state = {k: c[k] for k in B_STATE if k in c}
+    return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
+
+
+# -- W ------------------------------------------------------------------------------------------
+
+
+def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+    """The W slot: the weight gradients of a split backward, dW = X^T dY from what its I kept
+    in `wstore`; it sends nothing."""
+    sf = plan.split
+
+    def weights(a):
+        w_slot = jnp.maximum(row["w_slot"], 0)
+        kept = jax.tree.map(lambda buf: buf[w_slot], a["wstore"])
+        d_weights = sf.weight_grads(kept["inputs"], kept["dys"])
+        g_weights, g_rest = sf.split_weights(a["g_stage"], kept["dys"])
+        g_weights = gradients.accumulate_at(g_weights, st.chunk_at(row["w_chunk"]), d_weights)
+        return {**a, "g_stage": sf.merge_weights(g_weights, g_rest)}
+
+    state = {k: c[k] for k in ("g_stage", "wstore")}
+    return {**c, **slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)}

@@ -1,0 +1,216 @@
+"""Per device, inside the map: the stage's context (`Stage`: its params, the shared params,
+its microbatches, its index, and how to take a chunk's weights) and the loop's carry (the rings
+and accumulators every tick reads and writes), built once before the tick loop.
+
+The carry (all varying over the map's manual axes, so the slots' loops keep one type):
+  inputs, cots      the stage inputs and output cotangents, in rings (`tick_table` slots)
+  stored            the chunk residuals the F slot keeps for the B slot (`residuals`)
+  y, d_x            what the F slot sends forward and the B slot backward in this tick
+  loss, g_stage, g_shared   the accumulators (fp32)
+  wstore, matmul_inputs     split backwards: what I keeps for W, and what F keeps for I
+  f_params/b_params, f_next/b_next   ZeRO-3: each slot's gathered chunk and the next one's
+  pending / g_reduced       a chunk's gradients until reduced, or the split accumulator
+  links             the compression state
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.pipeline import gradients
+from jaxmeg.pipeline.executor import residuals, slots
+from jaxmeg.pipeline.executor.plan import Plan
+
+
+def _varying(tree, axes):
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+
+
+def _split(shape: tuple, dim: int, parts: int) -> tuple:
+    """`shape` with dim `dim` divided by `parts`."""
+    return (*shape[:dim], shape[dim] // parts, *shape[dim + 1 :])
+
+
+def _whole(shape: tuple, dim: int, parts: int) -> tuple:
+    """`shape` with dim `dim` multiplied by `parts` (the inverse of `_split`)."""
+    return (*shape[:dim], shape[dim] * parts, *shape[dim + 1 :])
+
+
+class Stage:
+    """One device's stage: what every slot body reads besides the carry and the row."""
+
+    def __init__(self, plan: Plan, stage_params, shared, tokens, targets):
+        self.plan = plan
+        params = jax.tree.map(lambda a: a[:, 0], stage_params)  # [v, Lc, ...]
+        self.params = _varying(params, plan.replica_axes)
+        zero = plan.zero
+        if plan.gathering:
+            shared = jax.tree.map(
+                lambda a, dim: (
+                    a if dim < 0 else jax.lax.all_gather(a, zero.shared_axes, axis=dim, tiled=True)
+                ),
+                shared,
+                zero.shared_dims,
+            )
+        self.shared = slots.varying_everywhere(shared, plan.manual)
+        self.tokens = tokens.reshape(plan.m, -1, tokens.shape[-1])  # [m, b, s]
+        self.targets = targets.reshape(plan.m, -1, targets.shape[-1])
+        self.index = jax.lax.axis_index("pipe")
+        self.x_abstract = jax.eval_shape(plan.fns.embed, self.shared, self.tokens[0])
+        self._trace_residuals()
+
+    # -- reading the tables -------------------------------------------------------------------
+
+    def row(self, t) -> dict[str, Any]:
+        """This stage's columns at tick t."""
+        return {name: col[t, self.index] for name, col in self.plan.tick_columns.items()}
+
+    def batch(self, mb):
+        """Microbatch mb's (tokens, targets) [b, s]."""
+        return self.tokens[mb], self.targets[mb]
+
+    def real_layers(self, chunk):
+        return self.plan.chunk_layers[jnp.maximum(chunk, 0), self.index]
+
+    def chunk_at(self, chunk):
+        """Where chunk `chunk` sits in the stage's [v, ...] leaves (static with one chunk)."""
+        return 0 if self.plan.v == 1 else jnp.maximum(chunk, 0)
+
+    # -- a chunk's weights ---------------------------------------------------------------------
+
+    def chunk_shard(self, chunk):
+        """The stage's own (ZeRO-3: split) leaves of `chunk` [Lc, ...]."""
+        if self.plan.v == 1:  # a static index: no dynamic-slice copy of the weights per slot
+            return jax.tree.map(lambda a: a[0], self.params)
+        return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], self.params)
+
+    def slot_params(self, c, slot: str, chunk):
+        """The weights the F ("f") or B ("b") slot runs `chunk` with: gathered ahead under
+        ZeRO-3, else the stage's own."""
+        return c[f"{slot}_params"] if self.plan.gathering else self.chunk_shard(chunk)
+
+    def gather_pieces(self, chunk_shard):
+        """ZeRO-3: every replica's piece of a chunk's split leaves, stacked [d, ...] (the
+        layout the all-gather writes, so the buffer it fills needs no transposing copy)."""
+        return jax.tree.map(
+            lambda a, dim: a if dim < 0 else jax.lax.all_gather(a, "data", axis=0),
+            chunk_shard,
+            self.plan.zero.chunk_dims,
+        )
+
+    def assemble(self, pieces):
+        """The chunk's weights [Lc, ...] whole from `gather_pieces`."""
+        d = self.plan.d
+        return jax.tree.map(
+            lambda a, dim: (
+                a if dim < 0 else jnp.moveaxis(a, 0, dim).reshape(_whole(a.shape[1:], dim, d))
+            ),
+            pieces,
+            self.plan.zero.chunk_dims,
+        )
+
+    # -- the chunk as the slots run it ---------------------------------------------------------
+
+    def zeros_x(self, *lead):
+        return jnp.zeros((*lead, *self.x_abstract.shape), self.x_abstract.dtype)
+
+    def zero_taps(self, cp, x):
+        """The chunk's zero taps, varying like everything else in the slot: an invariant tap's
+        pullback would sum its cotangent over `pipe` (a collective in a branch)."""
+        return slots.varying_everywhere(self.plan.split.taps(cp, x), self.plan.manual)
+
+    def tapped(self, real, recompute=False):
+        """fn(weights, rest, x, taps) -> (y, matmul inputs): the split chunk."""
+        sf = self.plan.split
+        chunk = sf.chunk_recompute if recompute else sf.chunk
+        return lambda w, r, x, t: chunk(sf.merge_weights(w, r), x, real, t)
+
+    def _trace_residuals(self):
+        """What a forward keeps (`residuals`), read from a trace of chunk 0 whose result is
+        dropped; with a split backward also what I keeps for W."""
+        plan, sf = self.plan, self.plan.split
+        if plan.gathering:  # the slots' gathered chunks, filled by their first gather
+            whole = jax.tree.map(
+                lambda a, dim: jnp.zeros(
+                    a.shape if dim < 0 else _whole(a.shape, dim, plan.d), a.dtype
+                ),
+                self.chunk_shard(0),
+                plan.zero.chunk_dims,
+            )
+            self.whole_chunk = slots.varying_everywhere(whole, plan.manual)
+            self.g_like = jax.tree.map(
+                lambda a: jnp.zeros((plan.v, *a.shape), a.dtype), self.whole_chunk
+            )
+        else:
+            self.whole_chunk, self.g_like = self.chunk_shard(0), self.params
+        self.split = self.w_avals = None
+        x = _varying(self.zeros_x(), plan.manual)
+        real = self.real_layers(0)
+        if plan.store and plan.table.unit:
+            taps = self.zero_taps(self.whole_chunk, x)
+            self.split = residuals.forward_split(
+                self.tapped(real), *sf.split_weights(self.whole_chunk, taps), x, taps
+            )[1]
+        elif plan.store:
+            self.split = residuals.trace_split(
+                lambda cp, x_: plan.fns.chunk(cp, x_, real), self.whole_chunk, x
+            )
+        if plan.table.unit:  # what I keeps for W: the matmul inputs and their output cotangents
+            taps = self.zero_taps(self.whole_chunk, x)
+            inputs = jax.eval_shape(
+                lambda cp, x_, t: sf.chunk(cp, x_, real, t)[1], self.whole_chunk, x, taps
+            )
+            self.w_avals = {"inputs": inputs, "dys": taps}
+
+    @property
+    def stored_avals(self) -> list:
+        """What one forward keeps per microbatch: the stage input and the stored residuals."""
+        return [self.x_abstract, *(self.split.stored if self.plan.store else ())]
+
+
+def _ring(n: int, tree):
+    return jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), tree)
+
+
+def initial(plan: Plan, st: Stage, links) -> dict:
+    """The loop's carry before the first tick (see the module docstring)."""
+    table, zero = plan.table, plan.zero
+    carry = {
+        "inputs": st.zeros_x(table.num_input_slots),
+        "cots": st.zeros_x(table.num_cot_slots),
+        "stored": [
+            _ring(table.num_input_slots, a) for a in (st.split.stored if plan.store else ())
+        ],
+        "loss": jnp.zeros((), jnp.float32),
+        "y": st.zeros_x(),  # the activation the F slot sends
+        "d_x": st.zeros_x(),  # the input cotangent the B slot sends
+    }
+    if table.unit:
+        carry["wstore"] = _ring(table.num_w_slots, st.w_avals)
+        if plan.store:  # the matmul inputs from the forward until I moves them to `wstore`
+            carry["matmul_inputs"] = _ring(table.num_input_slots, st.w_avals["inputs"])
+    for slot in plan.gathering_slots:  # each slot's chunk, and the one gathered for its next
+        carry[f"{slot}_params"] = st.whole_chunk
+        carry[f"{slot}_next"] = jax.tree.map(
+            lambda a, dim: jnp.zeros(a.shape if dim < 0 else (plan.d, *a.shape), a.dtype),
+            st.chunk_shard(0),
+            zero.chunk_dims,
+        )
+    carry["g_stage"] = gradients.zeros_f32(st.g_like)
+    if plan.sharded and plan.reduce_in_loop:  # the split accumulator the reductions write into
+        carry["g_reduced"] = gradients.zeros_f32(
+            jax.tree.map(
+                lambda a, dim: a if dim < 0 else jnp.zeros(_split(a.shape, dim, plan.d)),
+                carry["g_stage"],
+                zero.local_stage_dims,
+            )
+        )
+    if plan.reduce_in_loop and not plan.sharded:  # a chunk's gradients until reduced
+        carry["pending"] = jax.tree.map(lambda a: a[0], carry["g_stage"])
+    carry["g_shared"] = gradients.zeros_f32(st.shared)
+    if plan.stateful:
+        carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
+    return slots.varying_everywhere(carry, plan.manual)

@@ -1,0 +1,96 @@
+"""What the executor is given: the model as three functions (`StageFunctions`, with
+`SplitFunctions` for a split backward), how a data group splits the params (`ZeroSharding`),
+and the options of one build (`ExecutorOptions`). It knows nothing else about the model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxmeg.pipeline import compression, powersgd
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFunctions:
+    """A chunk whose backward splits into I and W (zero-bubble schedules;
+    `jaxmeg.models.split_backward`).
+
+    chunk(chunk_params, x, real_layers, taps) -> (x, matmul inputs [Lc, ...]): the chunk with
+        zero taps on its weight matmuls' outputs; chunk_recompute likewise for `model.remat`
+        full (the I slot reruns it), or None
+    taps(chunk_params, x) -> zero taps [Lc, ...]
+    split_weights(tree, taps) -> (matmul weights, rest); merge_weights(weights, rest) -> tree
+    weight_grads(matmul inputs, tap cotangents) -> the weights' gradients (W)
+    """
+
+    chunk: Callable
+    chunk_recompute: Callable | None
+    taps: Callable
+    split_weights: Callable
+    merge_weights: Callable
+    weight_grads: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFunctions:
+    """The model as the executor sees it; it knows nothing else about the model.
+
+    embed(shared, tokens_BxS) -> x_BxSxD                  first virtual stage
+    chunk(chunk_params, x_BxSxD, real_layers) -> x_BxSxD  every virtual stage; `real_layers`
+        (int32 scalar) of the chunk's layer slots are real, the rest are padding (identity)
+    head_loss(shared, x_BxSxD, targets_BxS) -> scalar     last virtual stage (microbatch mean)
+    chunk_recompute: same signature as `chunk`, or None: with None the F slot keeps the
+        chunk's residuals for the B slot (`model.remat` none / selective); with a function the
+        F slot keeps only the stage input and the B slot reruns it (`model.remat` full)
+    split: how to split the chunk's backward into I and W, for tables that do (else None)
+    """
+
+    embed: Callable
+    chunk: Callable
+    head_loss: Callable
+    chunk_recompute: Callable | None = None
+    split: SplitFunctions | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSharding:
+    """How a data group splits the params (a sharded optimizer; `jaxmeg.parallel.zero`).
+
+    stage: 0 none; 1 gradients reduce-scattered, params arrive whole; 3 params also arrive
+        split, and each slot all-gathers a chunk when its order moves to it and keeps it until
+        the next (`columns.gather_columns`).
+    stage_dims: tree like stage_params, the global dim split over `data` (-1 none).
+    shared_dims: tree like shared, the dim split over `shared_axes` (-1 none).
+    """
+
+    stage: int = 0
+    stage_dims: Any = None
+    shared_dims: Any = None
+    shared_axes: tuple[str, ...] = ("pipe", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorOptions:
+    """One build's options besides the model, the table, the layout and the mesh.
+
+    microbatches: m, each replica's rows split into m microbatches.
+    zero: the sharded optimizer, if any.
+    pipe_compression / data_compression: compressed backward links (Optimus-CC) and PowerSGD
+        over `data`; either makes the step stateful (`jaxmeg.training.links`).
+    fused_embedding_sync: the shared gradients are reduced by `gradients.fused_sync`.
+    scatter_gather (with an automatic `tensor` axis > 1): Megatron-LM's scatter/gather; each
+        tensor rank sends 1/t of an activation or cotangent [b, s, h] (its slice of the
+        sequence) and the receiver all-gathers it over `tensor`.
+    """
+
+    microbatches: int
+    zero: ZeroSharding = ZeroSharding()
+    pipe_compression: compression.PipeCompression | None = None
+    data_compression: powersgd.DataCompression | None = None
+    fused_embedding_sync: bool = False
+    scatter_gather: bool = False
+
+    @property
+    def stateful(self) -> bool:
+        return self.pipe_compression is not None or self.data_compression is not None

@@ -1,0 +1,203 @@
+"""The plan: everything static about one build, decided once from the stage functions, the
+tick table, the layout, the mesh and the options, and read by the carry, the slot bodies, the
+units beside the slots and the tick. No mode flag is worked out anywhere else."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxmeg.pipeline import gradients
+from jaxmeg.pipeline.executor.columns import SlotColumns, slot_columns
+from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
+from jaxmeg.pipeline.layout import StageLayout
+from jaxmeg.pipeline.tick_table import TickTable
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero:
+    """The sharded optimizer as the executor reads it (all None / () without one).
+
+    chunk_dims: one chunk's leaves [Lc, ...], the dim split over `data` (-1 none)
+    local_stage_dims: one device's stage leaves [v, Lc, ...]
+    stage_dims / shared_dims / shared_axes: as `ZeroSharding`
+    """
+
+    stage: int
+    chunk_dims: Any
+    local_stage_dims: Any
+    stage_dims: Any
+    shared_dims: Any
+    shared_axes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """p stages of v chunks, m microbatches, d data replicas.
+
+    whole_model: p v = 1 (the F slot only embeds; the B slot runs the model under one vjp)
+    store: the F slot keeps the chunk's residuals (no recompute); else only the stage input
+    gathering / gathering_slots: ZeRO-3, and the slots ("f", "b") that gather their chunk
+    reduce_in_loop: data x context > 1: a chunk's gradients reduce inside the loop
+    split_sends: scatter/gather over `tensor` on the pipe links
+    v_shape: a V placement (zbv), sending both ways
+    fused: the shared gradients reduced by `gradients.fused_sync`
+    manual / replica_axes: the map's manual axes, and those a replica spans
+    """
+
+    fns: StageFunctions
+    table: TickTable
+    options: ExecutorOptions
+    p: int
+    v: int
+    m: int
+    d: int
+    context: int
+    whole_model: bool
+    store: bool
+    gathering: bool
+    gathering_slots: tuple[str, ...]
+    reduce_in_loop: bool
+    split_sends: bool
+    v_shape: bool
+    fused: bool
+    manual: tuple[str, ...]
+    replica_axes: tuple[str, ...]
+    zero: Zero
+    columns: SlotColumns
+    tick_columns: dict[str, jax.Array]  # columns.columns as arrays, read per tick
+    chunk_layers: jax.Array  # int32 [v, p]
+    param_specs: tuple
+    grad_specs: tuple
+    check_vma: bool
+
+    @property
+    def sharded(self) -> bool:
+        """A sharded optimizer (ZeRO-1 or 3): chunks reduce-scatter instead of averaging."""
+        return bool(self.zero.stage)
+
+    @property
+    def stateful(self) -> bool:
+        return self.options.stateful
+
+    @property
+    def split(self):
+        return self.fns.split
+
+
+def _check(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh,
+           options: ExecutorOptions) -> None:  # fmt: skip
+    """What the build refuses: combinations config validation keeps from users, checked again
+    here for callers of the library."""
+    p, v, zero = layout.num_stages, layout.num_chunks, options.zero
+    dc = options.data_compression
+    if zero.stage and gradients.trivial(mesh.shape):
+        raise ValueError(f"zero stage {zero.stage} needs a data axis > 1, the mesh is {mesh.shape}")
+    if (zero.stage and (dc or options.fused_embedding_sync)) or (dc and mesh.shape["data"] == 1):
+        raise ValueError(
+            f"PowerSGD and the fused embedding sync need a data axis > 1 (PowerSGD) and no "
+            f"sharded optimizer (zero stage {zero.stage}); the mesh is {mesh.shape}"
+        )
+    if mesh.shape["pipe"] != p or table.num_stages != p:
+        raise ValueError(
+            f"layout has {p} stages, the mesh's pipe axis {mesh.shape['pipe']}, the tick table "
+            f"{table.num_stages}"
+        )
+    whole_split = ((table.b_mb >= 0) & (table.b_split == 0)).any()
+    if table.unit and (fns.split is None or p * v == 1 or whole_split):
+        raise ValueError(
+            f"the tick table splits backwards into I and W: the stage functions need `split`, "
+            f"the pipeline more than one virtual stage (p v = {p * v}) and every backward "
+            f"split (no B among I and W)"
+        )
+    if table.placement == "v" and layout.placement != "v":
+        raise ValueError("the tick table runs a V placement (zbv); the stage layout is not one")
+
+
+def _spec_with(lead: tuple, dim: int, axes) -> P:
+    """PartitionSpec with `lead` entries, then `axes` on `dim` (if >= 0)."""
+    entries = list(lead)
+    if dim >= 0:
+        entries += [None] * (dim + 1 - len(entries))
+        entries[dim] = axes
+    return P(*entries)
+
+
+def _zero(options: ExecutorOptions) -> tuple[Zero, tuple]:
+    """The sharded optimizer's dims, and the gradients' specs (stage, shared)."""
+    z = options.zero
+    if not z.stage:
+        return Zero(0, None, None, None, None, z.shared_axes), (P(None, "pipe"), P())
+    # stage leaves are [v, p, Lc, ...]; per device [v, Lc, ...]; one chunk [Lc, ...]
+    zero = Zero(
+        stage=z.stage,
+        chunk_dims=gradients.drop_leading_dims(z.stage_dims, 2),
+        local_stage_dims=gradients.drop_leading_dims(z.stage_dims, 1),
+        stage_dims=z.stage_dims,
+        shared_dims=z.shared_dims,
+        shared_axes=z.shared_axes,
+    )
+    grad_specs = (
+        jax.tree.map(lambda dim: _spec_with((None, "pipe"), dim, "data"), z.stage_dims),
+        jax.tree.map(lambda dim: _spec_with((), dim, z.shared_axes), z.shared_dims),
+    )
+    return zero, grad_specs
+
+
+def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh,
+               options: ExecutorOptions) -> Plan:  # fmt: skip
+    _check(fns, table, layout, mesh, options)
+    p, v = layout.num_stages, layout.num_chunks
+    whole_model = p * v == 1
+    context = mesh.shape.get("context", 1)
+    reduce_in_loop = mesh.shape["data"] * context > 1
+    zero, grad_specs = _zero(options)
+    gathering = zero.stage == 3
+    pc, dc = options.pipe_compression, options.data_compression
+    manual = gradients.manual_axes(mesh.shape)
+    fused = options.fused_embedding_sync and p > 1
+    columns = slot_columns(
+        table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
+        sharded_reduction=bool(zero.stage),
+        compress=None if pc is None else pc.compress,
+        powersgd_stages=None if dc is None else dc.stages,
+    )  # fmt: skip
+    # Reducing each chunk inside the loop leaves the stage gradients typed as varying over
+    # `data` though their values agree, which shard_map's type check cannot know: it is off
+    # then (the equivalence tests check the values).
+    check_vma = not (
+        gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage or options.stateful or fused
+    )
+    return Plan(
+        fns=fns,
+        table=table,
+        options=options,
+        p=p,
+        v=v,
+        m=options.microbatches,
+        d=mesh.shape["data"],
+        context=context,
+        whole_model=whole_model,
+        store=fns.chunk_recompute is None and not whole_model,
+        gathering=gathering,
+        # with p v = 1 the F slot only embeds: only the B slot gathers
+        gathering_slots=(("b",) if whole_model else ("b", "f")) if gathering else (),
+        reduce_in_loop=reduce_in_loop,
+        split_sends=options.scatter_gather and mesh.shape.get("tensor", 1) > 1,
+        v_shape=table.placement == "v",
+        fused=fused,
+        manual=manual,
+        replica_axes=gradients.replica_axes(manual),
+        zero=zero,
+        columns=columns,
+        tick_columns={k: jnp.asarray(c, jnp.int32) for k, c in columns.columns.items()},
+        chunk_layers=jnp.asarray(layout.chunk_layers, jnp.int32),
+        param_specs=grad_specs if zero.stage == 3 else (P(None, "pipe"), P()),
+        grad_specs=grad_specs,
+        check_vma=check_vma,
+    )

@@ -1,0 +1,143 @@
+"""The executor's program: one `jax.shard_map` that, per device, enters the stage, builds the
+carry, runs the tick loop and reduces the step's gradients (`build`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxmeg.pipeline import gradients
+from jaxmeg.pipeline.executor import beside, bodies, carry
+from jaxmeg.pipeline.executor.columns import SEND_COT_BACK, SEND_X, SEND_X_BACK
+from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
+from jaxmeg.pipeline.executor.plan import Plan, build_plan
+from jaxmeg.pipeline.layout import StageLayout
+from jaxmeg.pipeline.tick_table import TickTable
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """A built executor.
+
+    run(stage_params, shared, tokens, targets, links=None, step=None) -> (loss, (stage_grads,
+        shared_grads), links): `links` is the compression state (None without compression),
+        fp32 on (pipe, data), kept across steps (`jaxmeg.training.links`): the backward links'
+        {"q": [p, d, v, h, r], "error": [p, d, v, n, h] (lazy only)} and PowerSGD's {"data":
+        {"q": {key: [p, d, v, Lc, m, r]}, "error": {key: [p, d, v, Lc, ...]}}}; `step` (int32
+        scalar) is the optimizer step, for PowerSGD's warm-up.
+        stage_params: leaves [v, p, Lc, ...] (`layout.shape`), `p` on `pipe`; shared: the
+        embedding and head, replicated over `pipe`; tokens, targets: [global_batch, seq] on
+        `data`, each replica's rows m microbatches. Gradients come back in fp32 in the same
+        layouts, equal on every replica (split over the data group with a sharded optimizer;
+        with ZeRO-3 the params arrive split the same way).
+    table: the tick table it runs.
+    branch_columns: name scope -> [ticks, p], how the cost report weights the compiled slots.
+    trace_info: what one forward stores ("slot_bytes"), filled when `run` is traced.
+    """
+
+    run: Callable
+    table: TickTable
+    branch_columns: dict[str, Any]
+    trace_info: dict[str, Any]
+
+
+def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
+    """One tick of every stage, in schedule order: ZeRO-3 takes its gathered chunks, the
+    in-loop reduction starts, F runs and sends, B (or I, then W) runs, what F sent arrives, B's
+    cotangent is sent and arrives, the reduction is written back."""
+    row = st.row(t)
+    if plan.gathering:
+        c = beside.take_prefetched(plan, st, c, row)
+    if plan.reduce_in_loop and not plan.sharded:
+        c = beside.start_reduction(plan, st, c, row, step)
+    c = bodies.forward_slot(plan, st, c, row)
+    arrived_x = _sent(plan, c["y"], row, SEND_X, SEND_X_BACK)
+    c = bodies.backward_slot(plan, st, c, row)
+    if plan.table.unit:
+        c = bodies.weight_slot(plan, st, c, row)
+    d_x = c["d_x"]
+    c = {**c, "inputs": beside.arrive(plan, c["inputs"], row, "act", "x", arrived_x)}
+    c, received = beside.send_cotangent(plan, c, row, d_x)
+    arrived_cot = {"": received, **_sent(plan, d_x, row, None, SEND_COT_BACK)}
+    c = {**c, "cots": beside.arrive(plan, c["cots"], row, "cot", "cot", arrived_cot)}
+    if plan.reduce_in_loop and plan.sharded:
+        return beside.scatter_final(plan, c, row)
+    if plan.reduce_in_loop:
+        return beside.take_final(beside.finish_reduction(c, row), row)
+    return c
+
+
+def _sent(plan: Plan, value, row, usual, back) -> dict:
+    """What arrives of `value` by way ("" the usual link when `usual` is given; a V's chunk 1
+    sends the other way ("_back") and keeps its turn on the stage ("_local"))."""
+    arrived = {} if usual is None else {"": beside.send(plan, value, row, usual)}
+    if plan.v_shape:
+        arrived["_back"] = beside.send(plan, value, row, back)
+        arrived["_local"] = value
+    return arrived
+
+
+def _final_reduction(plan: Plan, out: dict):
+    """The step's one reduction of what the loop left unreduced (`gradients.reduce_step`)."""
+    zero, sharded, in_loop = plan.zero, plan.sharded, plan.reduce_in_loop
+    scatter = {}
+    if sharded:
+        scatter = {
+            "stage_dims": None if in_loop else zero.local_stage_dims,
+            "shared_dims": zero.shared_dims,
+            "shared_axes": zero.shared_axes,
+        }
+    loss, g_stage, g_shared = gradients.reduce_step(
+        out["g_reduced"] if sharded and in_loop else out["g_stage"],
+        out["g_shared"],
+        out["loss"],
+        stage_grads_reduced=in_loop,
+        fused=plan.fused,
+        **scatter,
+    )
+    g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
+    return loss, (g_stage, g_shared)
+
+
+def build(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh,
+          options: ExecutorOptions) -> Program:  # fmt: skip
+    """The executor for `table` on `mesh` (see the package docstring)."""
+    plan = build_plan(fns, table, layout, mesh, options)
+    trace_info: dict[str, Any] = {}
+
+    def per_device(stage_params, shared, tokens, targets, links=None, step=None):
+        st = carry.Stage(plan, stage_params, shared, tokens, targets)
+        trace_info["slot_bytes"] = sum(a.size * a.dtype.itemsize for a in st.stored_avals)
+        c = carry.initial(plan, st, links)
+        out = jax.lax.fori_loop(
+            0, plan.columns.num_ticks, lambda t, c_: tick(plan, st, t, c_, step), c
+        )
+        loss, grads = _final_reduction(plan, out)
+        if not plan.stateful:
+            return loss, grads
+        return loss, grads, jax.tree.map(lambda a: a[None, None], out["links"])
+
+    link_specs = (P("pipe", "data"), P()) if plan.stateful else ()
+    # with context parallelism each context rank holds its part of every sequence (tokens and
+    # targets already in the load-balanced order: `jaxmeg.parallel.context`)
+    rows = P("data", "context") if plan.context > 1 else P("data")
+    mapped = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(*plan.param_specs, rows, rows, *link_specs),
+        out_specs=(P(), plan.grad_specs, *link_specs[:1]),
+        axis_names=frozenset(plan.manual),
+        check_vma=plan.check_vma,
+    )
+
+    def run(stage_params, shared, tokens, targets, links=None, step=None):
+        if not plan.stateful:
+            return (*mapped(stage_params, shared, tokens, targets), None)
+        return mapped(stage_params, shared, tokens, targets, links, step)
+
+    return Program(run, table, plan.columns.branch_columns, trace_info)
