@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,19 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(900)
 
 
-CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _subprocess_env() -> dict[str, str]:
+    """The environment of the scripts the tests run: no device count (each script sets its own),
+    the suite's fast-compile XLA flags (`conftest.py`), and one XLA compilation cache for the
+    whole test run (every worker and script): most scripts compile a step another already did."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    cache = Path(tempfile.gettempdir()) / f"jaxmeg-tests-{run}-xla-cache"
+    cache.mkdir(exist_ok=True)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, "XLA_FLAGS": " ".join(flags), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+
+
+CLEAN_ENV = _subprocess_env()
 
 
 def run_train(args: list[str], timeout: int = 800) -> subprocess.CompletedProcess:
@@ -50,7 +63,7 @@ def test_main_job_loss_falls(tmp_path, small_corpus):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, losses
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_device_losses(tmp_path_factory, small_corpus) -> list[float]:
     """Per-step losses of 5 steps of gpt_tiny on one device."""
     records = train(
