@@ -35,6 +35,18 @@ def count_problems(counts: dict[str, tuple[int | None, int]]) -> str | None:
     return None
 
 
+def begin(problem: str | None, cpu_devices: int | None = None, devices: bool = True) -> int | None:
+    """The scripts' preamble, after parsing and checking their arguments: a problem found
+    before anything starts is one `error:` line and exit code 2 (returned); otherwise the
+    devices start (`start_devices`, unless `devices` is False) and None is returned."""
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if devices:
+        start_devices(cpu_devices)
+    return None
+
+
 def start_devices(count: int | None) -> None:
     """Simulates `count` CPU devices (before any jax computation); for None, the machine's
     devices: on NVIDIA GPUs jax may take `gpu_target.GPU_MEMORY_FRACTION` of their memory (the

@@ -59,10 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if args.target and not args.cost_report:
         problem = problem or "--target compiles only: add --cost-report"
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    cli.start_devices(args.cpu_devices)
+    if (code := cli.begin(problem, args.cpu_devices)) is not None:
+        return code
     cli.start_target(args)
     from jaxmeg import config
     from jaxmeg.cli import run_reporting_errors

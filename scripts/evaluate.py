@@ -37,10 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = cli.run_directory_problem(args)
     if problem is None and args.batches is not None and args.batches < 1:
         problem = f"--batches must be >= 1, got {args.batches}"
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    cli.start_devices(args.cpu_devices)
+    if (code := cli.begin(problem, args.cpu_devices)) is not None:
+        return code
 
     def evaluate() -> None:
         from jaxmeg.training.evaluation import evaluate_run

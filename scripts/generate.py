@@ -93,11 +93,8 @@ def run(args: argparse.Namespace) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = check_args(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    cli.start_devices(args.cpu_devices)
+    if (code := cli.begin(check_args(args), args.cpu_devices)) is not None:
+        return code
     return cli.run_reporting_errors(lambda: run(args))
 
 

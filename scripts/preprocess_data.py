@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="replace the files of an existing PREFIX"
     )
     args = parser.parse_args(argv)
-    problem = output_problem(args.output_prefix, args.overwrite)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    from jaxmeg import cli
+
+    if code := cli.begin(output_problem(args.output_prefix, args.overwrite), devices=False):
+        return code
     from jaxmeg.data import prepare_dataset
 
     try:

@@ -139,10 +139,8 @@ def check_paths(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = check_paths(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    cli.start_devices(args.cpu_devices)
+    if (code := cli.begin(problem, args.cpu_devices)) is not None:
+        return code
     cli.start_target(args)
     try:
         cluster_job = join_process_group(args)
