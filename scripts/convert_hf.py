@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -238,12 +239,28 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path, overwrite: bool =
     with _undone_on_error(Path(hf_dir), "--to"):
         hf.write_checkpoint(hf_dir, cfg.model, _padded_to(params, trainable, pad=False))
         _export_tokenizer(run_dir, cfg, Path(hf_dir))
+        marker = {"run": str(Path(run_dir).absolute().resolve()), "step": step}
+        (Path(hf_dir) / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
     return step
+
+
+EXPORT_MARKER = ".jaxmeg-export.json"
+"""Written beside an export's files: the run it came from. Exporting the same run there again
+replaces them without --overwrite (jaxmeg wrote them for that run)."""
+
+
+def _exported_from(hf_dir: Path) -> str | None:
+    """The run whose export `hf_dir` holds (its marker), or None."""
+    try:
+        return json.loads((hf_dir / EXPORT_MARKER).read_text())["run"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_export_target(run_dir: Path, hf_dir: Path, overwrite: bool) -> None:
     """Refuses a target that is the run itself (or inside it), or that holds a model's files
-    that export would replace (unless `overwrite`), or that cannot be written."""
+    that export would replace (unless `overwrite`, or they are an export of this same run), or
+    that cannot be written."""
     from jaxmeg import paths
     from jaxmeg.models import hf
 
@@ -256,7 +273,7 @@ def _check_export_target(run_dir: Path, hf_dir: Path, overwrite: bool) -> None:
     if problem:
         raise paths.PathError(problem)
     held = [hf_dir / n for n in (hf.CONFIG_FILE, hf.WEIGHTS_FILE) if (hf_dir / n).exists()]
-    if held and not overwrite:
+    if held and not overwrite and _exported_from(hf_dir) != str(run):
         raise paths.PathError(
             f"--to {hf_dir} already holds {held[0]}; pass --overwrite to replace it, or give "
             f"another directory"
@@ -291,7 +308,6 @@ def _export_tokenizer(run_dir, saved_cfg, hf_dir: Path) -> None:
     """The run's tokenizer next to the weights: the files an import copied (tokenizer.json and
     its config), or the tokenizer.json of the run's data with a config naming its
     end-of-text token, so that transformers' AutoTokenizer loads the directory."""
-    import json
     import shutil
 
     from jaxmeg import config as C

@@ -261,6 +261,19 @@ def test_export_never_replaces_a_models_files_or_writes_into_the_run(imported_ru
     assert not (imported_run / "config.json").exists()
 
 
+def test_exporting_the_same_run_again_replaces_its_own_export(imported_run, tmp_path):
+    """What jaxmeg wrote for this run is no user's file: a second export of the run goes where
+    the first did without --overwrite; another run's export there is kept."""
+    target = tmp_path / "model"
+    for _ in range(2):
+        result = script_cli("convert_hf", "export", "--run", str(imported_run), "--to", str(target))
+        assert result.returncode == 0, result.stderr[-2000:]
+    marker = target / ".jaxmeg-export.json"
+    marker.write_text(marker.read_text().replace(str(imported_run.resolve()), "/another/run"))
+    again = script_cli("convert_hf", "export", "--run", str(imported_run), "--to", str(target))
+    assert_clean_error(again, f"error: --to {target} already holds {target / 'config.json'}")
+
+
 def test_convert_refuses_a_directory_given_twice(tmp_path):
     result = script_cli("convert_hf", "import", "--from", "a", "--hf", "b", "--run", str(tmp_path))
     assert_clean_error(result, "error: --from and --hf name the same directory; give it once")
