@@ -80,10 +80,10 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
         y, traced, stored, inputs = residuals.forward_split(
             st.tapped(at.real), *plan.split.split_weights(at.cp, taps), x, taps
         )
-        st.split.check(traced)
+        st.kept.check(traced)
         return y, (stored, inputs)
     y, traced, stored = residuals.forward(lambda p_, x_: plan.fns.chunk(p_, x_, at.real), at.cp, x)
-    st.split.check(traced)
+    st.kept.check(traced)
     return y, stored
 
 
@@ -163,7 +163,7 @@ def _chunk_backward(plan: Plan, st: Stage, at: At, a: dict):
     x = a["inputs"][at.slot]
     cot = a["cots"][jnp.maximum(at.row["b_cot_slot"], 0)]
     if plan.store:
-        return residuals.backward(st.split, at.cp, x, [buf[at.slot] for buf in a["stored"]], cot)
+        return residuals.backward(st.kept, at.cp, x, [buf[at.slot] for buf in a["stored"]], cot)
     _, pullback = jax.vjp(lambda p_, x_: plan.fns.chunk_recompute(p_, x_, at.real), at.cp, x)
     return pullback(cot)
 
@@ -216,7 +216,7 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: dict):
     weights, rest = sf.split_weights(at.cp, taps)
     if plan.store:
         kept = [buf[at.slot] for buf in a["stored"]]
-        d_rest, d_x, d_taps = residuals.backward_split(st.split, weights, rest, x, kept, cot)
+        d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot)
         inputs = jax.tree.map(lambda buf: buf[at.slot], a["matmul_inputs"])
     else:
         _, pullback, inputs = jax.vjp(

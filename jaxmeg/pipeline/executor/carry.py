@@ -129,8 +129,10 @@ class Stage:
         return lambda w, r, x, t: chunk(sf.merge_weights(w, r), x, real, t)
 
     def _trace_residuals(self):
-        """What a forward keeps (`residuals`), read from a trace of chunk 0 whose result is
-        dropped; with a split backward also what I keeps for W."""
+        """Sets `whole_chunk` (a slot's chunk weights, whole) and `g_like` (the gradient
+        accumulator's shapes); `kept`: what a forward keeps (a `residuals.ResidualSplit`, read
+        from a trace of chunk 0 whose result is dropped; None when the B slot recomputes); and
+        with a split backward `w_avals`, what I keeps for W."""
         plan, sf = self.plan, self.plan.split
         if plan.gathering:  # the slots' gathered chunks, filled by their first gather
             whole = jax.tree.map(
@@ -146,16 +148,16 @@ class Stage:
             )
         else:
             self.whole_chunk, self.g_like = self.chunk_shard(0), self.params
-        self.split = self.w_avals = None
+        self.kept = self.w_avals = None
         x = _varying(self.zeros_x(), plan.manual)
         real = self.real_layers(0)
         if plan.store and plan.table.unit:
             taps = self.zero_taps(self.whole_chunk, x)
-            self.split = residuals.forward_split(
+            self.kept = residuals.forward_split(
                 self.tapped(real), *sf.split_weights(self.whole_chunk, taps), x, taps
             )[1]
         elif plan.store:
-            self.split = residuals.trace_split(
+            self.kept = residuals.trace_split(
                 lambda cp, x_: plan.fns.chunk(cp, x_, real), self.whole_chunk, x
             )
         if plan.table.unit:  # what I keeps for W: the matmul inputs and their output cotangents
@@ -168,7 +170,7 @@ class Stage:
     @property
     def stored_avals(self) -> list:
         """What one forward keeps per microbatch: the stage input and the stored residuals."""
-        return [self.x_abstract, *(self.split.stored if self.plan.store else ())]
+        return [self.x_abstract, *(self.kept.stored if self.plan.store else ())]
 
 
 def _ring(n: int, tree):
@@ -181,9 +183,7 @@ def initial(plan: Plan, st: Stage, links) -> dict:
     carry = {
         "inputs": st.zeros_x(table.num_input_slots),
         "cots": st.zeros_x(table.num_cot_slots),
-        "stored": [
-            _ring(table.num_input_slots, a) for a in (st.split.stored if plan.store else ())
-        ],
+        "stored": [_ring(table.num_input_slots, a) for a in (st.kept.stored if plan.store else ())],
         "loss": jnp.zeros((), jnp.float32),
         "y": st.zeros_x(),  # the activation the F slot sends
         "d_x": st.zeros_x(),  # the input cotangent the B slot sends
