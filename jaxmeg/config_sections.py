@@ -133,6 +133,14 @@ class ParallelConfig:
     all-gathers over `tensor`. None = on when tensor > 1 and sequence parallelism is off (with
     sequence parallelism the activation between stages is already split). `true` with tensor = 1
     changes nothing. Read the resolved value from `uses_scatter_gather`."""
+    overlap_sends: bool | None = None
+    """Pipe sends a GPU overlaps with compute: each direction's send is one collective per tick
+    on all its pairs, outside any conditional (idle pairs send what the receiver drops), and a
+    backward's cotangent leaves at the start of the next tick, so F's send runs beside the B
+    slot and B's beside the next F. `false`: each tick sends only on the pairs that carry
+    something, inside a conditional that no compute can overlap. None = on when the step
+    compiles for GPUs (`--target` included), off on CPUs, whose collectives are synchronous.
+    Values are the same either way."""
     schedule: str = "1f1b"
     """Pipeline schedule: `gpipe`, `1f1b`, `interleaved_1f1b` or `breadth_first` (layered
     gradient accumulation; with chunks = layers / pipe, modular pipeline parallelism); or a

@@ -8,6 +8,7 @@ gpt_tiny-shaped, in bf16, where cuDNN attention is what `model.attention=auto` m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -113,6 +114,17 @@ def test_pipeline_with_cudnn_compiles_for_two_h100():
     calls = trainable.cfg.model.layers * 4
     assert report["attention_kernels"]["forward_per_replica"] == calls
     assert report["collective_bytes"]["pipe"] > 0
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+def test_every_pipe_send_overlaps_a_gemm_on_four_h100(schedule, chunks):
+    """(1, 4, 1): each tick's sends leave outside any conditional (`parallel.overlap_sends`, on
+    for GPUs): F's output travels beside the B slot (I and W with zb_h1), B's cotangent beside
+    the next tick's F. Inside a conditional (overlap_sends false) no send overlaps anything."""
+    cfg = gpu_config(pipe=4, microbatches=4, layers=4 * chunks)
+    parallel = dataclasses.replace(cfg.parallel, schedule=schedule, chunks=chunks)
+    _, report = report_for(dataclasses.replace(cfg, parallel=parallel))
+    assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
 
 
 def test_train_py_says_when_a_step_does_not_fit_and_exits_3():

@@ -222,6 +222,10 @@ MORE_CASES = {
     "zero3-llama-untied-d2p2t2": ((2, 2, 2), "1f1b", 1, 1, LLAMA, TOL, {"zero_stage": 3}),
     "pipe1-t4": ((1, 1, 4), "1f1b", 1, 2, MODEL, TOL, {}),
     "breadth-first-m-below-p": ((1, 4, 1), "breadth_first", 2, 0.5, MODEL, TOL, {}),
+    # every-tick sends and late cotangents (a GPU's default): split sends over tensor 2
+    "overlap-sends-d2p2t2-v2": (
+        (2, 2, 2), "interleaved_1f1b", 2, 1, MODEL, TOL, {"overlap_sends": True},
+    ),
     "uneven-gpipe-full-p4": (
         (1, 4, 1), "gpipe", 1, 1, dataclasses.replace(MODEL, remat="full"), TOL,
         {"stage_layers": (3, 1, 2, 2)},

@@ -206,6 +206,8 @@ EQUIVALENCE = [
     pytest.param((1, 2, 2), "zb_h1", 1, 2, {"sequence_parallel": True}, id="sequence-parallel"),
     pytest.param((2, 2, 2), "zbv", 2, 1, {"zero_stage": 3,
                  "model": dataclasses.replace(tp.MODEL, remat="full")}, id="zbv-zero3-full"),
+    # a GPU's sends (every tick, cotangents a tick late) both ways of a V, split over tensor
+    pytest.param((2, 2, 2), "zbv", 2, 1, {"overlap_sends": True}, id="zbv-overlap-sends"),
 ]  # fmt: skip
 
 

@@ -33,6 +33,12 @@ from jaxmeg.pipeline.tick_table import build_tick_table
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 
+def overlaps_sends(trainable: Trainable) -> bool:
+    """`parallel.overlap_sends` resolved for the mesh's devices (on for GPUs)."""
+    chosen = trainable.cfg.parallel.overlap_sends
+    return trainable.platform == "gpu" if chosen is None else bool(chosen)
+
+
 def unrolls_layers(trainable: Trainable) -> bool:
     """Whether a chunk runs its layers one after another rather than as a scan: short chunks
     (`StageLayout.unrolled`), and with cuDNN attention every even chunk on a mesh with data or
@@ -237,6 +243,7 @@ class LossAndGrads:
             data_compression=run_links.data,
             fused_embedding_sync=cfg.compression.fused_embedding_sync,
             scatter_gather=cfg.parallel.uses_scatter_gather,
+            overlap_sends=overlaps_sends(trainable),
         )
         self.program = executor.build(
             stage_functions(trainable), table, trainable.layout, trainable.mesh, options

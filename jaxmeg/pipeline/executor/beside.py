@@ -43,7 +43,8 @@ def send(plan: Plan, x, row: dict, kind: SlotKind, split: bool = True):
     """`x` over the pairs that send it in this tick (`slots.send`); what arrives here."""
     index, scope = row[kind.scope], kind.scope
     patterns = plan.columns.patterns[scope]
-    return slots.send(x, index, patterns, scope, split=split and plan.split_sends)
+    split = split and plan.split_sends
+    return slots.send(x, index, patterns, scope, split, plan.options.overlap_sends)
 
 
 def arrive(plan: Plan, buffer, row: dict, what: str, scope: str, arrived: dict):

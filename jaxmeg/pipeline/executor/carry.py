@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxmeg.pipeline import gradients
 from jaxmeg.pipeline.executor import residuals, slots
+from jaxmeg.pipeline.executor.columns import LATE_COLUMNS
 from jaxmeg.pipeline.executor.plan import Plan
 
 
@@ -67,6 +68,13 @@ class Stage:
     def row(self, t) -> dict[str, Any]:
         """This stage's columns at tick t."""
         return {name: col[t, self.index] for name, col in self.plan.tick_columns.items()}
+
+    def late_row(self, t) -> dict[str, Any]:
+        """The columns a late cotangent reads (`columns.LATE_COLUMNS`) at tick t - 1; at tick 0
+        nothing is sent and nothing arrives."""
+        row = self.row(jnp.maximum(t - 1, 0))
+        idle = lambda k: -1 if k.endswith("_slot") else 0  # noqa: E731
+        return {k: jnp.where(t > 0, row[k], idle(k)) for k in LATE_COLUMNS if k in row}
 
     def batch(self, mb):
         """Microbatch mb's (tokens, targets) [b, s]."""

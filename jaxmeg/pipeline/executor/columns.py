@@ -59,6 +59,9 @@ RECEIVE = {
     for way in ("", "_back", "_local")
 }
 """The ring writes of what arrived (`slots.receive`), by (x or cot, way)."""
+LATE_COLUMNS = (SEND_COT.scope, SEND_COT_BACK.scope, "recv_cot_slot", "recv_cot_back_slot",
+                "recv_cot_local_slot")  # fmt: skip
+"""What a late cotangent reads of the tick it was made in (`Plan.late_cotangents`)."""
 GATHER = {slot: SlotKind(f"{slot}_gather", f"ZeRO-3: the {slot} slot takes its next chunk")
           for slot in ("f", "b")}  # fmt: skip
 FETCH = {slot: SlotKind(f"{slot}_fetch", f"ZeRO-3: the {slot} slot gathers the chunk after")

@@ -82,6 +82,12 @@ class ExecutorOptions:
     scatter_gather (with an automatic `tensor` axis > 1): Megatron-LM's scatter/gather; each
         tensor rank sends 1/t of an activation or cotangent [b, s, h] (its slice of the
         sequence) and the receiver all-gathers it over `tensor`.
+    overlap_sends: every pipe send is one `ppermute` per tick on all the pairs its direction
+        ever uses, outside any conditional (what arrives where nothing was sent is zeroed), and
+        a B slot's cotangent leaves at the start of the next tick (without pipe compression):
+        XLA's GPU scheduler then runs F's send beside the B slot and B's beside the next F. A
+        send over the pairs of the tick only, under a `lax.switch`, can overlap nothing; with
+        synchronous collectives (CPU) the every-tick send only adds the idle pairs' bytes.
     """
 
     microbatches: int
@@ -90,6 +96,7 @@ class ExecutorOptions:
     data_compression: powersgd.DataCompression | None = None
     fused_embedding_sync: bool = False
     scatter_gather: bool = False
+    overlap_sends: bool = False
 
     @property
     def stateful(self) -> bool:

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients
-from jaxmeg.pipeline.executor.columns import SlotColumns, slot_columns
+from jaxmeg.pipeline.executor.columns import LATE_COLUMNS, SlotColumns, slot_columns
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_table import TickTable
@@ -46,6 +46,8 @@ class Plan:
     reduce_in_loop: data x context > 1: a chunk's gradients reduce inside the loop
     split_sends: scatter/gather over `tensor` on the pipe links
     v_shape: a V placement (zbv), sending both ways
+    late_cotangents: a B slot's cotangent leaves at the start of the next tick and arrives
+        before that tick's B slot (`overlap_sends` without pipe compression)
     fused: the shared gradients reduced by `gradients.fused_sync`
     manual / replica_axes: the map's manual axes, and those a replica spans
     """
@@ -65,6 +67,7 @@ class Plan:
     reduce_in_loop: bool
     split_sends: bool
     v_shape: bool
+    late_cotangents: bool
     fused: bool
     manual: tuple[str, ...]
     replica_axes: tuple[str, ...]
@@ -119,6 +122,13 @@ def _check(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mes
         raise ValueError("the tick table runs a V placement (zbv); the stage layout is not one")
 
 
+def _check_last_tick_sends_no_cotangent(columns: SlotColumns) -> None:
+    """A cotangent sent late leaves in the tick after its B slot: there is none after the last
+    (nothing a last tick sends could be read by a later one)."""
+    last = {k: c[-1] for k, c in columns.columns.items() if k in LATE_COLUMNS}
+    assert all((c == (-1 if k.endswith("_slot") else 0)).all() for k, c in last.items()), last
+
+
 def _spec_with(lead: tuple, dim: int, axes) -> P:
     """PartitionSpec with `lead` entries, then `axes` on `dim` (if >= 0)."""
     entries = list(lead)
@@ -167,6 +177,9 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         compress=None if pc is None else pc.compress,
         powersgd_stages=None if dc is None else dc.stages,
     )  # fmt: skip
+    late_cotangents = options.overlap_sends and pc is None
+    if late_cotangents:
+        _check_last_tick_sends_no_cotangent(columns)
     # Reducing each chunk inside the loop leaves the stage gradients typed as varying over
     # `data` though their values agree, which shard_map's type check cannot know: it is off
     # then (the equivalence tests check the values).
@@ -190,6 +203,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         reduce_in_loop=reduce_in_loop,
         split_sends=options.scatter_gather and mesh.shape.get("tensor", 1) > 1,
         v_shape=table.placement == "v",
+        late_cotangents=late_cotangents,
         fused=fused,
         manual=manual,
         replica_axes=gradients.replica_axes(manual),

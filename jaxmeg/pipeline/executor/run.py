@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients
 from jaxmeg.pipeline.executor import beside, bodies, carry
-from jaxmeg.pipeline.executor.columns import SEND_COT_BACK, SEND_X, SEND_X_BACK
+from jaxmeg.pipeline.executor.columns import SEND_COT, SEND_COT_BACK, SEND_X, SEND_X_BACK
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
 from jaxmeg.pipeline.executor.plan import Plan, build_plan
 from jaxmeg.pipeline.layout import StageLayout
@@ -49,22 +49,29 @@ class Program:
 def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
     """One tick of every stage, in schedule order: ZeRO-3 takes its gathered chunks, the
     in-loop reduction starts, F runs and sends, B (or I, then W) runs, what F sent arrives, B's
-    cotangent is sent and arrives, the reduction is written back."""
+    cotangent is sent and arrives, the reduction is written back. With late cotangents the
+    previous tick's B cotangent leaves first and arrives after F, so that each send has a slot
+    to overlap: B's with F, F's with B."""
     row = st.row(t)
     if plan.gathering:
         c = beside.take_prefetched(plan, st, c, row)
     if plan.reduce_in_loop and not plan.sharded:
         c = beside.start_reduction(plan, st, c, row, step)
+    if plan.late_cotangents:
+        late = st.late_row(t)
+        arrived_cot = _sent_cotangent(plan, c["d_x"], late)
     c = bodies.forward_slot(plan, st, c, row)
     arrived_x = _sent(plan, c["y"], row, SEND_X, SEND_X_BACK)
+    if plan.late_cotangents:
+        c = {**c, "cots": beside.arrive(plan, c["cots"], late, "cot", "cot", arrived_cot)}
     c = bodies.backward_slot(plan, st, c, row)
     if plan.table.unit:
         c = bodies.weight_slot(plan, st, c, row)
-    d_x = c["d_x"]
     c = {**c, "inputs": beside.arrive(plan, c["inputs"], row, "act", "x", arrived_x)}
-    c, received = beside.send_cotangent(plan, c, row, d_x)
-    arrived_cot = {"": received, **_sent(plan, d_x, row, None, SEND_COT_BACK)}
-    c = {**c, "cots": beside.arrive(plan, c["cots"], row, "cot", "cot", arrived_cot)}
+    if not plan.late_cotangents:
+        c, received = beside.send_cotangent(plan, c, row, c["d_x"])
+        arrived_cot = {"": received, **_sent(plan, c["d_x"], row, None, SEND_COT_BACK)}
+        c = {**c, "cots": beside.arrive(plan, c["cots"], row, "cot", "cot", arrived_cot)}
     if plan.reduce_in_loop and plan.sharded:
         return beside.scatter_final(plan, c, row)
     if plan.reduce_in_loop:
@@ -80,6 +87,11 @@ def _sent(plan: Plan, value, row, usual, back) -> dict:
         arrived["_back"] = beside.send(plan, value, row, back)
         arrived["_local"] = value
     return arrived
+
+
+def _sent_cotangent(plan: Plan, d_x, row) -> dict:
+    """What arrives of an uncompressed cotangent sent by the row's B slot."""
+    return _sent(plan, d_x, row, SEND_COT, SEND_COT_BACK)
 
 
 def _final_reduction(plan: Plan, out: dict):

@@ -8,8 +8,11 @@ over `data` and `pipe`, automatic over `tensor`).
 - `send`: a `ppermute` over `pipe` on exactly the pairs that carry something in that tick, one
   ppermute per distinct set of pairs, chosen by an index that depends on the tick only
   (`columns.send_patterns`): every stage takes the same branch, so no stage waits in a
-  collective that another skips. With scatter/gather each tensor rank sends its slice of the
-  sequence (a nested map, manual over `tensor`).
+  collective that another skips. Or (`every_tick`) one ppermute on every pair the direction
+  ever uses, outside any conditional, where a GPU's scheduler can overlap it with the compute
+  beside it; what arrives where the tick's pattern sends nothing is zeroed, so both give the
+  same values. With scatter/gather each tensor rank sends its slice of the sequence (a nested
+  map, manual over `tensor`).
 - `receive`: writes what arrived into its ring slot, all-gathering a split message over
   `tensor` there, on the receivers only (a tensor group shares its stage, so a `tensor`
   collective may sit under a stage-dependent loop).
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline.gradients import inside_manual_axes
@@ -61,21 +65,18 @@ def run_if(active, fn: Callable, state, scope: str, reads=()):
         return jax.lax.fori_loop(0, active.astype(jnp.int32), body, state)
 
 
-def send(x, index, patterns, scope: str, split: bool = False):
-    """ppermute `x` over the pairs of `patterns[index - 1]`, zeros where index is 0. With
-    `split` (scatter/gather), x [b, s, h] goes as each tensor rank's slice of the sequence, and
-    what arrives is split over `tensor` (`receive` gathers it)."""
+def send(x, index, patterns, scope: str, split: bool = False, every_tick: bool = False):
+    """ppermute `x` over the pairs of `patterns[index - 1]`, zeros where index is 0 or where
+    nothing arrives (`every_tick`: one ppermute on all the patterns' pairs, see the module
+    docstring). With `split` (scatter/gather), x [b, s, h] goes as each tensor rank's slice of
+    the sequence, and what arrives is split over `tensor` (`receive` gathers it)."""
     if not patterns:
         return jax.tree.map(jnp.zeros_like, x)
-
-    def branches(x_):
-        zeros = lambda: jax.tree.map(jnp.zeros_like, x_)  # noqa: E731
-        sends = [lambda pairs=pairs: jax.lax.ppermute(x_, "pipe", pairs) for pairs in patterns]
-        return [zeros, *sends]
+    permute = _every_tick if every_tick else _when_needed
 
     with jax.named_scope(scope):
         if not split:
-            return switch(index, branches(x))
+            return varying_everywhere(permute(x, index, patterns, switch))
 
         # The result varies over the outer manual axes (data, pipe) too, which the nested
         # map's type check would count against out_specs.
@@ -84,7 +85,7 @@ def send(x, index, patterns, scope: str, split: bool = False):
             size = x_.shape[1] // parts
             piece = jax.lax.dynamic_slice_in_dim(x_, rank * size, size, axis=1)
             with jax.named_scope(scope):
-                return jax.lax.switch(i_, branches(piece))
+                return permute(piece, i_, patterns, jax.lax.switch)
 
         return jax.shard_map(
             per_rank,
@@ -93,6 +94,24 @@ def send(x, index, patterns, scope: str, split: bool = False):
             axis_names=frozenset({"tensor"}),
             check_vma=False,
         )(x, index)
+
+
+def _when_needed(x, index, patterns, switch_fn):
+    zeros = lambda: jax.tree.map(jnp.zeros_like, x)  # noqa: E731
+    sends = [lambda pairs=pairs: jax.lax.ppermute(x, "pipe", pairs) for pairs in patterns]
+    return switch_fn(index, [zeros, *sends])
+
+
+def _every_tick(x, index, patterns, _switch_fn):
+    pairs = sorted({pair for pattern in patterns for pair in pattern})
+    sources, targets = [s for s, _ in pairs], [d for _, d in pairs]
+    assert len(set(sources)) == len(sources) and len(set(targets)) == len(targets), pairs
+    lands = np.zeros((len(patterns) + 1, jax.lax.axis_size("pipe")), bool)
+    for k, pattern in enumerate(patterns, start=1):
+        lands[k, [d for _, d in pattern]] = True
+    here = jnp.asarray(lands)[index, jax.lax.axis_index("pipe")]
+    arrived = jax.lax.ppermute(x, "pipe", pairs)
+    return jax.tree.map(lambda a: jnp.where(here, a, jnp.zeros_like(a)), arrived)
 
 
 def receive(buffer, slot, value, scope: str, gather: bool = False):
