@@ -23,7 +23,7 @@ from tests.helpers import trainable_for
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = C.ModelConfig(
-    vocab_size=512, hidden=64, layers=8, heads=4, seq_len=32, compute_dtype="float32"
+    vocab_size=512, hidden=64, layers=4, heads=4, seq_len=32, compute_dtype="float32"
 )
 
 
