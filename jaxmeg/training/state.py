@@ -49,6 +49,23 @@ class Trainable:
         vocab = padded_vocab_size(cfg.model, mesh.shape["tensor"])
         return cls(cfg=cfg, mesh=mesh, tx=make_optimizer(cfg.optimizer), vocab=vocab)
 
+    @functools.cached_property
+    def abstract_boxed_params(self):
+        """The model's params as its init makes them (shapes, boxed with their logical axes),
+        in canonical layout: traced once per trainable (an init traces the whole model)."""
+        return jax.eval_shape(lambda key: _init_boxed_params(self, key), jax.random.key(0))
+
+    @functools.cached_property
+    def run_layout_params(self):
+        """(PartitionSpecs from the rules, ShapeDtypeStructs) of the params in the run's
+        layout."""
+        boxed = self.abstract_boxed_params
+        specs = _stage_specs(param_specs(boxed, param_rules(self.cfg.parallel)))
+        shapes = jax.eval_shape(
+            lambda params: to_stage_layout(params, self.layout), nn.meta.unbox(boxed)
+        )
+        return specs, shapes
+
     @property
     def platform(self) -> str:
         """Where the step runs: the mesh's devices (`gpu` also for compile-only GPUs)."""
@@ -149,7 +166,7 @@ def vocab_dims(trainable: Trainable) -> TrainState:
     """For each leaf of the train state in canonical layout, the dim that runs over the padded
     vocabulary (embedding rows, unembedding columns and their Adam moments), else NO_VOCAB_DIM.
     The padding depends on the tensor size, so checkpoints trim these dims to the vocabulary."""
-    boxed = jax.eval_shape(lambda key: _init_boxed_params(trainable, key), jax.random.key(0))
+    boxed = trainable.abstract_boxed_params
     param_dims = jax.tree.map(_vocab_dim, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     abstract_opt = jax.eval_shape(trainable.tx.init, nn.meta.unbox(boxed))
     opt_dims = optax.tree_map_params(
@@ -166,20 +183,10 @@ def vocab_dims(trainable: Trainable) -> TrainState:
     return dims
 
 
-def _params_in_run_layout(trainable: Trainable):
-    """(PartitionSpecs from the rules, ShapeDtypeStructs) of the params in the run's layout."""
-    boxed = jax.eval_shape(lambda key: _init_boxed_params(trainable, key), jax.random.key(0))
-    specs = _stage_specs(param_specs(boxed, param_rules(trainable.cfg.parallel)))
-    shapes = jax.eval_shape(
-        lambda params: to_stage_layout(params, trainable.layout), nn.meta.unbox(boxed)
-    )
-    return specs, shapes
-
-
 def zero_dims(trainable: Trainable):
     """Per param leaf (run layout) the dim its data group splits (`jaxmeg.parallel.zero`);
     all NO_DIM with `parallel.zero_stage` 0."""
-    specs, shapes = _params_in_run_layout(trainable)
+    specs, shapes = trainable.run_layout_params
     if trainable.cfg.parallel.zero_stage == 0:
         return jax.tree.map(lambda _: zero.NO_DIM, shapes)
     return zero.zero_dims(shapes, specs, trainable.mesh.shape, _in_blocks)
@@ -188,7 +195,7 @@ def zero_dims(trainable: Trainable):
 def state_specs(trainable: Trainable) -> TrainState:
     """PartitionSpecs of the train state, derived from the params' logical axes; with a sharded
     optimizer, params and optimizer state also split over the data group."""
-    p_specs, abstract_params = _params_in_run_layout(trainable)
+    p_specs, abstract_params = trainable.run_layout_params
     p_specs = jax.tree_util.tree_map_with_path(
         lambda path, spec, dim, shape: zero.with_zero_axes(
             spec, dim, zero.STAGE_AXES if _in_blocks(path) else zero.SHARED_AXES, len(shape.shape)
@@ -217,7 +224,7 @@ def state_specs(trainable: Trainable) -> TrainState:
 def links_of(trainable: Trainable) -> links.Links:
     """The run's compression links (`jaxmeg.training.links.Links`): the one place the state,
     the step and the checkpoint ask about them."""
-    specs, shapes = _params_in_run_layout(trainable)
+    specs, shapes = trainable.run_layout_params
     return links.Links(
         trainable.cfg, trainable.mesh.shape, shapes["blocks"]["layers"], specs["blocks"]["layers"]
     )
