@@ -127,6 +127,20 @@ def test_every_pipe_send_overlaps_a_gemm_on_four_h100(schedule, chunks):
     assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
 
 
+def test_a_data_mean_due_beside_a_backward_overlaps_it_on_four_h100():
+    """(2,2,1) interleaved, v = 2: chunk 1's mean is due while chunk 0's backwards still run,
+    and goes in one loop with that tick's B slot (`reduce_beside_b`), which a GPU overlaps;
+    chunk 0's is due in the idle tick after the table, with no B slot left: half of the bytes.
+    (Before: none. With 1f1b a stage's only chunk finishes with its last backward, so its
+    mean has no B slot after it on that stage; with tensor > 1 XLA's scheduler does not start
+    it before a B loop that holds tensor all-reduces of its own.)"""
+    cfg = gpu_config(data=2, pipe=2, microbatches=4)
+    parallel = dataclasses.replace(cfg.parallel, schedule="interleaved_1f1b", chunks=2)
+    _, report = report_for(dataclasses.replace(cfg, parallel=parallel))
+    assert report["collective_bytes"]["data"] > 0
+    assert report["collective_overlap"]["data"] == 0.5, report["collective_overlap"]
+
+
 def test_train_py_says_when_a_step_does_not_fit_and_exits_3():
     """A batch whose logits alone exceed 80 GB: compiled, measured, refused with exit 3."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

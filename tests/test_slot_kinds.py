@@ -31,6 +31,8 @@ LAYOUTS = {
     "zbv": ({"pipe": 2, "schedule": "zbv", "chunks": 2}, {}),
     "zb_h1_powersgd": ({"data": 2, "pipe": 2, "schedule": "zb_h1"}, {"data_grad_rank": 2}),
     "pipe_rank": ({"data": 2, "pipe": 2}, {"pipe_grad_rank": 2}),
+    "overlap_sends": ({"data": 2, "pipe": 2, "schedule": "zbv", "chunks": 2,
+                       "overlap_sends": True}, {}),
 }  # fmt: skip
 
 

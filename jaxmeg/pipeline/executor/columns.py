@@ -71,6 +71,8 @@ REDUCE_CHUNK = SlotKind("reduce_chunk", "a chunk's data mean (or reduce-scatter)
 REDUCE_POWERSGD = SlotKind("reduce_powersgd", "a chunk's PowerSGD reduction")
 REDUCE_TAKE = SlotKind("reduce_take", "a final chunk's gradients to `pending`")
 REDUCE_WRITE = SlotKind("reduce_write", "the mean written back into the stage gradients")
+REDUCE_BESIDE_B = SlotKind("reduce_beside_b", "a chunk's data mean in one loop with the B slot")
+B_ALONE = SlotKind("b_alone", "the B slot where no mean runs beside it")
 F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED)
 B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST)
 SLOT_KINDS: dict[str, SlotKind] = {
@@ -78,6 +80,7 @@ SLOT_KINDS: dict[str, SlotKind] = {
     for kind in (
         *F_KINDS, *B_KINDS, W_CHUNK, *SENDS, *RECEIVE.values(), *GATHER.values(),
         *FETCH.values(), COMPRESS_LINK, REDUCE_CHUNK, REDUCE_POWERSGD, REDUCE_TAKE, REDUCE_WRITE,
+        REDUCE_BESIDE_B, B_ALONE,
     )
 }  # fmt: skip
 """The one table: every scope the executor's tick runs something under."""
@@ -259,6 +262,7 @@ def slot_columns(
     sharded_reduction: bool = False,
     compress: np.ndarray | None = None,
     powersgd_stages: int | None = None,
+    reduce_beside_b: bool = False,
 ) -> SlotColumns:
     """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, in-loop data
     reductions where `reduce_in_loop` (PowerSGD's on stages < `powersgd_stages`), compressed
@@ -292,6 +296,8 @@ def slot_columns(
         _gather_ahead(columns, branches)
     if reduce_in_loop:
         _reduce_columns(columns, branches, p, sharded_reduction, powersgd_stages)
+    if reduce_beside_b:
+        _beside_b_columns(columns, branches)
     return SlotColumns(
         columns={k: np.asarray(c, np.int32) for k, c in columns.items()},
         patterns=patterns,
@@ -338,6 +344,16 @@ def _gather_ahead(columns: dict, branches: dict) -> None:
         fetch = _next_gathered(gather, columns[f"{slot}_chunk"])
         columns[f"{slot}_fetch_chunk"] = fetch
         branches[GATHER[slot].scope], branches[FETCH[slot].scope] = gather, fetch >= 0
+
+
+def _beside_b_columns(columns: dict, branches: dict) -> None:
+    """A mean due in a tick whose B slot runs goes in one loop with it (`reduce_beside_b`),
+    the B slot of every other tick in a loop of its own (`b_alone`), and the mean alone only
+    where no B runs."""
+    due, busy = columns[REDUCE_CHUNK.scope] >= 0, columns["b_kind"] != IDLE
+    branches[REDUCE_BESIDE_B.scope] = (due & busy).astype(np.int32)
+    branches[B_ALONE.scope] = (~(due & busy)).astype(np.int32)
+    branches[REDUCE_CHUNK.scope] = (due & ~busy).astype(np.int32)
 
 
 def _reduce_columns(columns: dict, branches: dict, p: int, sharded: bool,

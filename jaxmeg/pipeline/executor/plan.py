@@ -44,6 +44,8 @@ class Plan:
     store: the F slot keeps the chunk's residuals (no recompute); else only the stage input
     gathering / gathering_slots: ZeRO-3, and the slots ("f", "b") that gather their chunk
     reduce_in_loop: data x context > 1: a chunk's gradients reduce inside the loop
+    reduce_beside_b: the mean runs in one loop with the tick's B slot where one runs (a GPU
+        overlaps the two; `overlap_sends`, without a sharded optimizer or PowerSGD)
     split_sends: scatter/gather over `tensor` on the pipe links
     v_shape: a V placement (zbv), sending both ways
     late_cotangents: a B slot's cotangent leaves at the start of the next tick and arrives
@@ -65,6 +67,7 @@ class Plan:
     gathering: bool
     gathering_slots: tuple[str, ...]
     reduce_in_loop: bool
+    reduce_beside_b: bool
     split_sends: bool
     v_shape: bool
     late_cotangents: bool
@@ -171,11 +174,12 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     pc, dc = options.pipe_compression, options.data_compression
     manual = gradients.manual_axes(mesh.shape)
     fused = options.fused_embedding_sync and p > 1
+    reduce_beside_b = options.overlap_sends and reduce_in_loop and not zero.stage and dc is None
     columns = slot_columns(
         table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
         sharded_reduction=bool(zero.stage),
         compress=None if pc is None else pc.compress,
-        powersgd_stages=None if dc is None else dc.stages,
+        powersgd_stages=None if dc is None else dc.stages, reduce_beside_b=reduce_beside_b,
     )  # fmt: skip
     late_cotangents = options.overlap_sends and pc is None
     if late_cotangents:
@@ -201,6 +205,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         # with p v = 1 the F slot only embeds: only the B slot gathers
         gathering_slots=(("b",) if whole_model else ("b", "f")) if gathering else (),
         reduce_in_loop=reduce_in_loop,
+        reduce_beside_b=reduce_beside_b,
         split_sends=options.scatter_gather and mesh.shape.get("tensor", 1) > 1,
         v_shape=table.placement == "v",
         late_cotangents=late_cotangents,

@@ -12,8 +12,17 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients
-from jaxmeg.pipeline.executor import beside, bodies, carry
-from jaxmeg.pipeline.executor.columns import SEND_COT, SEND_COT_BACK, SEND_X, SEND_X_BACK
+from jaxmeg.pipeline.executor import beside, bodies, carry, slots
+from jaxmeg.pipeline.executor.columns import (
+    B_ALONE,
+    IDLE,
+    REDUCE_BESIDE_B,
+    REDUCE_CHUNK,
+    SEND_COT,
+    SEND_COT_BACK,
+    SEND_X,
+    SEND_X_BACK,
+)
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
 from jaxmeg.pipeline.executor.plan import Plan, build_plan
 from jaxmeg.pipeline.layout import StageLayout
@@ -64,7 +73,7 @@ def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
     arrived_x = _sent(plan, c["y"], row, SEND_X, SEND_X_BACK)
     if plan.late_cotangents:
         c = {**c, "cots": beside.arrive(plan, c["cots"], late, "cot", "cot", arrived_cot)}
-    c = bodies.backward_slot(plan, st, c, row)
+    c = _backward(plan, st, c, row)
     if plan.table.unit:
         c = bodies.weight_slot(plan, st, c, row)
     c = {**c, "inputs": beside.arrive(plan, c["inputs"], row, "act", "x", arrived_x)}
@@ -87,6 +96,24 @@ def _sent(plan: Plan, value, row, usual, back) -> dict:
         arrived["_back"] = beside.send(plan, value, row, back)
         arrived["_local"] = value
     return arrived
+
+
+def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
+    """The B slot; with `reduce_beside_b` a mean due in this tick runs in one loop with it
+    (nothing in the slot reads `pending`), so that a GPU overlaps the two."""
+    if not plan.reduce_beside_b:
+        return bodies.backward_slot(plan, st, c, row)
+    keys = (*bodies.B_STATE, "pending")
+    state = {k: c[k] for k in keys if k in c}
+    due = (row[REDUCE_CHUNK.scope] >= 0) & (row["b_kind"] != IDLE)
+
+    def both(s):
+        s = bodies.backward_slot(plan, st, s, row)
+        return {**s, "pending": gradients.reduce_over_data(s["pending"])}
+
+    state = slots.run_if(due, both, state, REDUCE_BESIDE_B.scope)
+    alone = lambda s: bodies.backward_slot(plan, st, s, row)  # noqa: E731
+    return {**c, **slots.run_if(~due, alone, state, B_ALONE.scope)}
 
 
 def _sent_cotangent(plan: Plan, d_x, row) -> dict:
