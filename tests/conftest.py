@@ -1,7 +1,9 @@
 """8 simulated CPU devices, set before jax is imported anywhere in the test session."""
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -42,6 +44,23 @@ LONGEST_FIRST = (
 )
 """Tests of 30 s to 5 min (measured with --durations), run first, longest first: a worker that
 drew one of them late would finish alone while the other waits."""
+
+
+def pytest_configure(config):
+    """The controller (not an xdist worker, which inherits the variable) makes the run's XLA
+    cache directory for the scripts the tests run (`tests/test_train_cli._subprocess_env`)."""
+    from tests.helpers import XLA_CACHE_VARIABLE
+
+    if not hasattr(config, "workerinput") and XLA_CACHE_VARIABLE not in os.environ:
+        config.xla_cache = os.environ[XLA_CACHE_VARIABLE] = tempfile.mkdtemp(
+            prefix="jaxmeg-tests-xla-cache-"
+        )
+
+
+def pytest_unconfigure(config):
+    """The run's XLA cache goes with the run (tens of MB each)."""
+    if getattr(config, "xla_cache", None):
+        shutil.rmtree(config.xla_cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,10 @@ from jaxmeg import config as C
 from jaxmeg.parallel import hlo_module, make_mesh
 from jaxmeg.training.state import Trainable
 
+XLA_CACHE_VARIABLE = "JAXMEG_TEST_XLA_CACHE"
+"""The test run's one XLA cache directory for the scripts it runs (`conftest.py` makes it and
+removes it at the end)."""
+
 TINY_MODEL = C.ModelConfig(
     vocab_size=500, hidden=64, layers=2, heads=4, seq_len=16, compute_dtype="float32"
 )

@@ -15,7 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import XLA_CACHE_VARIABLE
+
 ROOT = Path(__file__).resolve().parent.parent
+
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -23,9 +26,7 @@ def _subprocess_env() -> dict[str, str]:
     """The environment of the scripts the tests run: no device count (each script sets its own),
     the suite's fast-compile XLA flags (`conftest.py`), and one XLA compilation cache for the
     whole test run (every worker and script): most scripts compile a step another already did."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    cache = Path(tempfile.gettempdir()) / f"jaxmeg-tests-{run}-xla-cache"
-    cache.mkdir(exist_ok=True)
+    cache = Path(os.environ.get(XLA_CACHE_VARIABLE) or tempfile.mkdtemp(prefix="jaxmeg-xla-"))
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return {**env, "XLA_FLAGS": " ".join(flags), "JAX_COMPILATION_CACHE_DIR": str(cache)}
