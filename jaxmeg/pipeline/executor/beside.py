@@ -24,8 +24,8 @@ from jaxmeg.pipeline.executor.columns import (
     FETCH,
     GATHER,
     I_CHUNK,
-    IDLE,
     RECEIVE,
+    REDUCE_BESIDE_B,
     REDUCE_CHUNK,
     REDUCE_POWERSGD,
     REDUCE_TAKE,
@@ -146,8 +146,8 @@ def start_reduction(plan: Plan, st: Stage, c: dict, row: dict, step) -> dict:
     chunk = row[reduce]
     due, at = chunk >= 0, jnp.maximum(chunk, 0)
     mean = gradients.reduce_over_data
-    if plan.reduce_beside_b:  # where a B slot runs, the mean runs beside it (`run.tick`)
-        due = due & (row["b_kind"] == IDLE)
+    if plan.reduce_beside_b:  # where a B slot runs, the mean runs beside it (`run._backward`)
+        due = due & (row[REDUCE_BESIDE_B.scope] == 0)
     if dc is None:
         return {**c, "pending": slots.run_if(due, mean, c["pending"], reduce)}
     on = (st.index < dc.stages) & (step >= dc.warmup_steps)

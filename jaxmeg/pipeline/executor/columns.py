@@ -347,11 +347,12 @@ def _gather_ahead(columns: dict, branches: dict) -> None:
 
 
 def _beside_b_columns(columns: dict, branches: dict) -> None:
-    """A mean due in a tick whose B slot runs goes in one loop with it (`reduce_beside_b`),
-    the B slot of every other tick in a loop of its own (`b_alone`), and the mean alone only
-    where no B runs."""
+    """A mean due in a tick whose B slot runs goes in one loop with it (the `reduce_beside_b`
+    column, which the tick reads), the B slot of every other tick in a loop of its own
+    (`b_alone`), and the mean alone only where no B runs."""
     due, busy = columns[REDUCE_CHUNK.scope] >= 0, columns["b_kind"] != IDLE
-    branches[REDUCE_BESIDE_B.scope] = (due & busy).astype(np.int32)
+    columns[REDUCE_BESIDE_B.scope] = (due & busy).astype(np.int32)
+    branches[REDUCE_BESIDE_B.scope] = columns[REDUCE_BESIDE_B.scope]
     branches[B_ALONE.scope] = (~(due & busy)).astype(np.int32)
     branches[REDUCE_CHUNK.scope] = (due & ~busy).astype(np.int32)
 

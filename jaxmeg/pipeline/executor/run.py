@@ -15,9 +15,7 @@ from jaxmeg.pipeline import gradients
 from jaxmeg.pipeline.executor import beside, bodies, carry, slots
 from jaxmeg.pipeline.executor.columns import (
     B_ALONE,
-    IDLE,
     REDUCE_BESIDE_B,
-    REDUCE_CHUNK,
     SEND_COT,
     SEND_COT_BACK,
     SEND_X,
@@ -68,7 +66,7 @@ def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
         c = beside.start_reduction(plan, st, c, row, step)
     if plan.late_cotangents:
         late = st.late_row(t)
-        arrived_cot = _sent_cotangent(plan, c["d_x"], late)
+        arrived_cot = _sent(plan, c["d_x"], late, SEND_COT, SEND_COT_BACK)
     c = bodies.forward_slot(plan, st, c, row)
     arrived_x = _sent(plan, c["y"], row, SEND_X, SEND_X_BACK)
     if plan.late_cotangents:
@@ -105,7 +103,7 @@ def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
         return bodies.backward_slot(plan, st, c, row)
     keys = (*bodies.B_STATE, "pending")
     state = {k: c[k] for k in keys if k in c}
-    due = (row[REDUCE_CHUNK.scope] >= 0) & (row["b_kind"] != IDLE)
+    due = row[REDUCE_BESIDE_B.scope] > 0
 
     def both(s):
         s = bodies.backward_slot(plan, st, s, row)
@@ -114,11 +112,6 @@ def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
     state = slots.run_if(due, both, state, REDUCE_BESIDE_B.scope)
     alone = lambda s: bodies.backward_slot(plan, st, s, row)  # noqa: E731
     return {**c, **slots.run_if(~due, alone, state, B_ALONE.scope)}
-
-
-def _sent_cotangent(plan: Plan, d_x, row) -> dict:
-    """What arrives of an uncompressed cotangent sent by the row's B slot."""
-    return _sent(plan, d_x, row, SEND_COT, SEND_COT_BACK)
 
 
 def _final_reduction(plan: Plan, out: dict):
