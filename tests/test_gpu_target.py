@@ -127,6 +127,18 @@ def test_every_pipe_send_overlaps_a_gemm_on_four_h100(schedule, chunks):
     assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
 
 
+def test_pipe_sends_beside_tensor_parallel_slots_overlap_a_gemm_on_eight_h100():
+    """(2,2,2) 1f1b: the slots hold tensor all-reduces, which share the collective stream with
+    a collective-permute, so no pipe send could stay in flight across one (0% before). As a
+    send and a recv (`gpu_target.POINT_TO_POINT_OPTIONS`) each does; the compile says so."""
+    from jaxmeg.training import pipeline_step
+
+    trainable, report = report_for(gpu_config(data=2, pipe=2, tensor=2, microbatches=4))
+    assert pipeline_step.sends_point_to_point(trainable)
+    assert report["collective_bytes"]["pipe"] > 0
+    assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
+
+
 def test_a_data_mean_due_beside_a_backward_overlaps_it_on_four_h100():
     """(2,2,1) interleaved, v = 2: chunk 1's mean is due while chunk 0's backwards still run,
     and goes in one loop with that tick's B slot (`reduce_beside_b`), which a GPU overlaps;

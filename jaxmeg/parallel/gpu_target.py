@@ -45,6 +45,17 @@ GPU_COMPILER_OPTIONS = {
 """XLA options of every GPU compile of the train step, on a GPU or for a target: overlap
 collectives with compute (the latency-hiding scheduler), combine small reductions."""
 
+POINT_TO_POINT_OPTIONS = {
+    "xla_gpu_collective_permute_decomposer_threshold": 0,
+    "xla_gpu_enable_pipelined_p2p": True,
+}
+"""Where the pipe sends allow it (`pipeline_step.sends_point_to_point`): each collective-permute
+becomes a send and a recv on streams of their own. A collective-permute shares the collective
+stream with the tensor all-reduces inside the slots, so the latency-hiding scheduler cannot
+keep one in flight across a slot that holds them: on (data 2, pipe 2, tensor 2) no pipe send
+overlapped a GEMM; as send/recv every one does. Not for cyclic pairs (the interleaved
+placement's wrap-around, a context ring): XLA 0.10.2 aborts in its p2p scheduling there."""
+
 TARGET_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 """Without a GPU nothing is autotuned: GEMMs as cuBLAS calls, not Triton fusions with a
 default tile."""
@@ -166,12 +177,17 @@ def _has_spec(name: str) -> bool:
     return bool(load_hardware(name).xla_target)
 
 
-def compiler_options(platform: str) -> dict:
-    """XLA options for compiling the step for devices of `platform`: a GPU's, and for GPUs this
-    machine does not have (jax's backend is not `gpu`) also the target-only ones."""
+def compiler_options(platform: str, point_to_point: bool = False) -> dict:
+    """XLA options for compiling the step for devices of `platform`: a GPU's (with
+    `point_to_point` the pipe sends as send/recv), and for GPUs this machine does not have
+    (jax's backend is not `gpu`) also the target-only ones."""
     if platform != "gpu":
         return {}
     import jax
 
     target = jax.default_backend() != "gpu"
-    return {**GPU_COMPILER_OPTIONS, **(TARGET_ONLY_OPTIONS if target else {})}
+    return {
+        **GPU_COMPILER_OPTIONS,
+        **(POINT_TO_POINT_OPTIONS if point_to_point else {}),
+        **(TARGET_ONLY_OPTIONS if target else {}),
+    }

@@ -16,7 +16,8 @@ Counting rules, per executed instruction:
                           its operand's: a transpose the backend placed, not a move of data)
   collectives             bytes a device sends on its links: collective-permute its result if
                           it is a source, all-reduce 2 (g-1)/g of it (a ring), all-gather and
-                          all-to-all (g-1)/g of the result, reduce-scatter (g-1) x the result
+                          all-to-all (g-1)/g of the result, reduce-scatter (g-1) x the result;
+                          a GPU collective-permute split into send and recv counts at its recv
 """
 
 from __future__ import annotations
@@ -365,7 +366,7 @@ class StepCost:
             if _LAYOUT_RE.search(operand) and _LAYOUT_RE.search(ins.shape):
                 if _LAYOUT_RE.search(operand).group(0) != _LAYOUT_RE.search(ins.shape).group(0):
                     total.transpose_bytes += _result_bytes(ins.shape)
-        elif op in COLLECTIVES:
+        elif op in COLLECTIVES or (op == "recv" and hlo_gpu.DECOMPOSED_PERMUTE in attrs):
             self._collective(ins, stage, total)
 
     def _custom_call(self, ins: Instruction, shapes: dict, total: Cost) -> None:
@@ -410,7 +411,9 @@ class StepCost:
         axes = tuple(sorted(_group_axes(groups, self.mesh))) if groups else ()
         kind = ins.op.removesuffix("-start")
         nbytes = _result_bytes(ins.shape)
-        if ins.op in ("collective-permute-start", "all-gather-start") and ins.shape[0] == "(":
+        if ins.op == "recv":  # one half of a collective-permute XLA split into send and recv
+            kind, nbytes = "collective-permute", hlo_gpu.first_array_bytes(ins.shape)
+        elif ins.op in ("collective-permute-start", "all-gather-start") and ins.shape[0] == "(":
             # a GPU start's result is (operand, result[, contexts]): the result is what moves
             nbytes = hlo_gpu.first_array_bytes(ins.shape.split(", ", 1)[1])
         if kind == "collective-permute":

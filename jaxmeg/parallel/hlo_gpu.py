@@ -13,8 +13,9 @@ the latency-hiding scheduler placed between their start and done.
   kernel bytes a kernel's operands and results, as it reads and writes them: a fusion's, not the
                instructions inside it; a slice of an operand counts as the slice, the buffer an
                in-place dynamic-update-slice writes into as the update.
-  overlap      for each `*-start`, the kernels between it and its `*-done` in the schedule, and
-               whether one of them (or a loop or branch among them) runs a GEMM.
+  overlap      for each `*-start` (and each `recv` of a collective-permute split into send and
+               recv), the kernels between it and its `*-done` in the schedule, and whether one
+               of them (or a loop or branch among them) runs a GEMM.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ NOT_KERNELS = frozenset(
     "parameter constant get-tuple-element tuple bitcast while conditional call opt-barrier "
     "partition-id replica-id after-all add-dependency copy-done send-done recv-done "
     "all-reduce-done all-gather-done collective-permute-done async-done async-update "
-    "reduce-scatter-done all-to-all-done".split()
+    "reduce-scatter-done all-to-all-done send recv".split()
 )
+DECOMPOSED_PERMUTE = "_xla_send_recv_source_target_pairs="
+"""The frontend attribute of the send and recv that XLA's GPU compiler makes of a collective-permute
+(`xla_gpu_collective_permute_decomposer_threshold`): a receive posted early, its wait at
+recv-done, on a stream of their own."""
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 
 

@@ -39,6 +39,15 @@ def overlaps_sends(trainable: Trainable) -> bool:
     return trainable.platform == "gpu" if chosen is None else bool(chosen)
 
 
+def sends_point_to_point(trainable: Trainable) -> bool:
+    """Whether the GPU compile splits the pipe sends into send and recv
+    (`gpu_target.POINT_TO_POINT_OPTIONS`): sends outside the slots (`overlaps_sends`) on pairs
+    without a cycle (one chunk per stage, or the V's chains) and no context ring."""
+    layout, shape = trainable.layout, trainable.mesh.shape
+    acyclic = layout.num_chunks == 1 or layout.placement == "v"
+    return overlaps_sends(trainable) and layout.num_stages > 1 and acyclic and shape["context"] == 1
+
+
 def unrolls_layers(trainable: Trainable) -> bool:
     """Whether a chunk runs its layers one after another rather than as a scan: short chunks
     (`StageLayout.unrolled`), and with cuDNN attention every even chunk on a mesh with data or

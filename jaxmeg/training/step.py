@@ -18,7 +18,7 @@ import optax
 
 from jaxmeg.parallel.gpu_target import compiler_options
 from jaxmeg.training.optimizer import learning_rate_schedule
-from jaxmeg.training.pipeline_step import make_loss_and_grads
+from jaxmeg.training.pipeline_step import make_loss_and_grads, sends_point_to_point
 from jaxmeg.training.state import Trainable, state_shardings
 
 
@@ -62,5 +62,6 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         in_shardings=(shardings, batch, batch),
         out_shardings=(shardings, None),
         donate_argnums=(0,),
-        compiler_options=compiler_options(trainable.platform) or None,
+        compiler_options=compiler_options(trainable.platform, sends_point_to_point(trainable))
+        or None,
     )
