@@ -181,16 +181,23 @@ class Stage:
         return [self.x_abstract, *(self.kept.stored if self.plan.store else ())]
 
 
+RING_FILL = jax.lax.empty
+"""What a ring holds before its slots are written: nothing on a GPU (`lax.empty` allocates the
+buffer and writes nothing; the H100 program filled each ring with zeros and copied it into the
+loop), zeros elsewhere. The in-process tests fill NaN (tests/conftest.py), so every
+equivalence test also shows that no slot is read before it is written."""
+
+
 def _ring(n: int, tree):
-    return jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), tree)
+    return jax.tree.map(lambda a: RING_FILL((n, *a.shape), a.dtype), tree)
 
 
 def initial(plan: Plan, st: Stage, links) -> dict:
     """The loop's carry before the first tick (see the module docstring)."""
     table, zero = plan.table, plan.zero
     carry = {
-        "inputs": st.zeros_x(table.num_input_slots),
-        "cots": st.zeros_x(table.num_cot_slots),
+        "inputs": _ring(table.num_input_slots, st.x_abstract),
+        "cots": _ring(table.num_cot_slots, st.x_abstract),
         "stored": [_ring(table.num_input_slots, a) for a in (st.kept.stored if plan.store else ())],
         "loss": jnp.zeros((), jnp.float32),
         "y": st.zeros_x(),  # the activation the F slot sends
