@@ -34,7 +34,7 @@ def _never_read(shape, dtype):
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
         return jnp.full(shape, jnp.nan, dtype)
-    return jnp.full(shape, True if dtype == bool else jnp.iinfo(dtype).max, dtype)
+    return jnp.full(shape, True if dtype == jnp.bool_ else jnp.iinfo(dtype).max, dtype)
 
 
 carry.RING_FILL = _never_read
