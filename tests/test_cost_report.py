@@ -158,3 +158,12 @@ def test_middle_stages_touch_no_shared_gradient_in_the_loop():
         touched[m] = [c.elementwise_by_shape[shape] for c in counter.per_stage()]
     assert touched[4][1] == touched[8][1] and touched[4][2] == touched[8][2], touched
     assert touched[8][3] > touched[4][3], touched  # the head's gradient, once per microbatch
+
+
+
+def test_a_residual_is_written_once_straight_into_its_ring():
+    """(1,4,1) 1f1b, nothing recomputed: each stored residual is written once, by the forward,
+    into its ring slot (dynamic-update-slice bytes == stored bytes): no stacked copy, no ring
+    rewritten by an idle slot."""
+    r = report((1, 4, 1))
+    assert r["dynamic_update_slice_bytes"] == r["stored_bytes"], r
