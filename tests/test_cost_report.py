@@ -160,7 +160,6 @@ def test_middle_stages_touch_no_shared_gradient_in_the_loop():
     assert touched[8][3] > touched[4][3], touched  # the head's gradient, once per microbatch
 
 
-
 def test_a_residual_is_written_once_straight_into_its_ring():
     """(1,4,1) 1f1b, nothing recomputed: each stored residual is written once, by the forward,
     into its ring slot (dynamic-update-slice bytes == stored bytes): no stacked copy, no ring
