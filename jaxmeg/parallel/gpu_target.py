@@ -53,8 +53,10 @@ POINT_TO_POINT_OPTIONS = {
 becomes a send and a recv on streams of their own. A collective-permute shares the collective
 stream with the tensor all-reduces inside the slots, so the latency-hiding scheduler cannot
 keep one in flight across a slot that holds them: on (data 2, pipe 2, tensor 2) no pipe send
-overlapped a GEMM; as send/recv every one does. Not for cyclic pairs (the interleaved
-placement's wrap-around, a context ring): XLA 0.10.2 aborts in its p2p scheduling there."""
+overlapped a GEMM; as send/recv every one does. Not where the slots hold no collectives (a
+collective-permute overlaps there already, and a send costs copies), nor for cyclic pairs (the
+interleaved placement's wrap-around, a context ring): XLA 0.10.2 aborts in its p2p scheduling
+there."""
 
 TARGET_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 """Without a GPU nothing is autotuned: GEMMs as cuBLAS calls, not Triton fusions with a
