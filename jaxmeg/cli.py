@@ -165,7 +165,8 @@ def run_reporting_errors(action: Callable[[], object], report=None) -> int:
     becomes one line on stderr (through `report`, default print) and exit code 2."""
     from jaxmeg.config import ConfigError
     from jaxmeg.parallel.gpu_target import TargetError
-    from jaxmeg.training.checkpoint import IncompatibleCheckpoint, UnreadableCheckpoint
+    from jaxmeg.training.checkpoint import UnreadableCheckpoint
+    from jaxmeg.training.checkpoint_meta import IncompatibleCheckpoint
 
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
     try:

@@ -122,7 +122,8 @@ def import_checkpoint(
     from jaxmeg import config as C
     from jaxmeg import paths
     from jaxmeg.models import hf
-    from jaxmeg.training.checkpoint import Checkpointer, schedule_of
+    from jaxmeg.training.checkpoint import Checkpointer
+    from jaxmeg.training.checkpoint_meta import schedule_of
     from jaxmeg.training.state import state_shardings, to_stage_layout
 
     run_dir = Path(run_dir)

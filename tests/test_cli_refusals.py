@@ -114,7 +114,7 @@ def test_cudnn_attention_on_cpu_devices_is_a_config_error():
 def test_resuming_on_another_dataset_names_the_dataset_not_the_vocabulary(tmp_path):
     import dataclasses
 
-    from jaxmeg.training.checkpoint import IncompatibleCheckpoint, check_compatible
+    from jaxmeg.training.checkpoint_meta import IncompatibleCheckpoint, check_compatible
     from tests.helpers import replace_model, tiny_config
 
     def on(dataset: str, vocab: int) -> C.Config:

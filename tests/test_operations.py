@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.training.checkpoint import Checkpointer, schedule_changes, schedule_of
+from jaxmeg.training.checkpoint import Checkpointer
+from jaxmeg.training.checkpoint_meta import schedule_changes, schedule_of
 from jaxmeg.training.hooks import TrainingStopped, check_finite
 from jaxmeg.training.run_log import drop_records_after
 from jaxmeg.training.state import NO_VOCAB_DIM, init_state, to_canonical_layout, vocab_dims

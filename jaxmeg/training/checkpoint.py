@@ -50,9 +50,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg import paths
-from jaxmeg.config import Config, to_dict
 from jaxmeg.parallel import named
 from jaxmeg.pipeline.powersgd import leaf_key
+from jaxmeg.training.checkpoint_meta import IncompatibleCheckpoint, check_compatible
 from jaxmeg.training.run_log import say
 from jaxmeg.training.state import (
     NO_VOCAB_DIM,
@@ -65,26 +65,6 @@ from jaxmeg.training.state import (
     to_stage_layout,
     vocab_dims,
 )
-
-# Config fields that fix the shapes or the tree of the saved arrays.
-SHAPE_FIELDS = (
-    "model.block",
-    "model.vocab_size",
-    "model.hidden",
-    "model.layers",
-    "model.heads",
-    "model.mlp_ratio",
-    "model.ffn_hidden",
-    "model.kv_heads",
-    "model.seq_len",
-    "model.tie_embeddings",
-    "model.param_dtype",
-)
-SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_steps")
-
-
-class IncompatibleCheckpoint(ValueError):
-    """A readable checkpoint that this run's configuration cannot take."""
 
 
 class UnreadableCheckpoint(RuntimeError):
@@ -189,61 +169,6 @@ def _everywhere(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
-
-
-def schedule_of(cfg: Config) -> dict[str, Any]:
-    """The resolved learning-rate schedule, as stored in a checkpoint's meta."""
-    return {name: getattr(cfg.optimizer, name) for name in SCHEDULE_FIELDS}
-
-
-def schedule_changes(meta: dict, cfg: Config) -> list[str]:
-    """'optimizer.FIELD saved -> now' for each schedule field that differs from the checkpoint's."""
-    saved = meta.get("schedule") or meta.get("config", {}).get("optimizer", {})
-    now = schedule_of(cfg)
-    return [
-        f"optimizer.{name} {saved[name]} -> {now[name]}"
-        for name in SCHEDULE_FIELDS
-        if name in saved and saved[name] != now[name]
-    ]
-
-
-def _field(config: dict, name: str) -> Any:
-    section, key = name.split(".")
-    return config.get(section, {}).get(key)
-
-
-def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
-    """(field, checkpoint's value, this run's value) for each field that changes array shapes."""
-    saved, now = meta.get("config", {}), to_dict(cfg)
-    mismatches = [
-        (name, _field(saved, name), _field(now, name))
-        for name in SHAPE_FIELDS
-        if _field(saved, name) is not None and _field(saved, name) != _field(now, name)
-    ]
-    # Clipping on or off adds or removes a state in the optimizer chain.
-    saved_clip = _field(saved, "optimizer.grad_clip")
-    if saved_clip is not None and (saved_clip > 0) != (cfg.optimizer.grad_clip > 0):
-        mismatches.append(("optimizer.grad_clip", saved_clip, cfg.optimizer.grad_clip))
-    return mismatches
-
-
-def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
-    mismatches = shape_mismatches(meta, cfg)
-    saved_data = _field(meta.get("config", {}), "data.dataset")
-    vocab = next((m for m in mismatches if m[0] == "model.vocab_size"), None)
-    if vocab and saved_data not in (None, cfg.data.dataset):  # name the cause, not its effect
-        raise IncompatibleCheckpoint(
-            f"checkpoint {path} was trained on data.dataset {saved_data}, this run reads "
-            f"{cfg.data.dataset}, whose vocabulary differs (model.vocab_size {vocab[1]} there, "
-            f"{vocab[2]} here). Nothing was changed; resume with the checkpoint's data.dataset, "
-            f"or pass another --out"
-        )
-    if mismatches:
-        fields = "; ".join(f"{name} is {was} there, {now} here" for name, was, now in mismatches)
-        raise IncompatibleCheckpoint(
-            f"checkpoint {path} was written for another model: {fields}. Nothing was changed; "
-            f"resume with the checkpoint's values, or pass another --out"
-        )
 
 
 def _trim_vocab(tree, dims, vocab_size: int):

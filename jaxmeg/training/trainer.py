@@ -120,7 +120,7 @@ def _describe(trainable: Trainable, dataset) -> None:
 
 
 def _meta(trainable: Trainable, loader, progress: _Progress) -> dict[str, Any]:
-    from jaxmeg.training.checkpoint import schedule_of
+    from jaxmeg.training.checkpoint_meta import schedule_of
 
     cfg = trainable.cfg
     return {
@@ -152,7 +152,7 @@ def _open_checkpointer(out_dir: str, trainable: Trainable, resume: bool):
 
 def _resume(checkpointer, trainable: Trainable, loader, progress: _Progress):
     """The restored train state (None when there is no checkpoint); sets loader and counters."""
-    from jaxmeg.training.checkpoint import schedule_changes
+    from jaxmeg.training.checkpoint_meta import schedule_changes
 
     restored = checkpointer.restore_latest()
     if restored is None:
