@@ -28,9 +28,9 @@ from jaxmeg.pipeline.executor import carry  # noqa: E402
 
 
 def _never_read(shape, dtype):
-    """What the tests' rings hold before a slot is written: NaN (an integer's largest value, True),
-    where a GPU holds whatever its memory held (`carry.RING_FILL`). A slot read before it is
-    written turns the loss or a gradient NaN, which every equivalence test would catch."""
+    """What the tests' rings hold before a slot is written: NaN (an integer's largest value, True)
+    where the program fills zeros (`carry.RING_FILL`). A slot read before it is written turns
+    the loss or a gradient NaN, which every equivalence test would catch."""
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
         return jnp.full(shape, jnp.nan, dtype)
