@@ -3,7 +3,8 @@
 
 The one module to import: it re-exports its two halves (`config_validation` imports
 `config_sections`; neither imports this module or anything built on it, so they form no cycle):
-  `jaxmeg.config_sections`    the sections (frozen dataclasses, every field with a docstring),
+  `jaxmeg.config_sections`    the sections (frozen dataclasses, every field with a docstring;
+                              the `moe` one in `jaxmeg.config_moe`),
                               the choice tuples, loading, YAML and `key=value` overrides,
                               `to_dict` / `from_dict`.
   `jaxmeg.config_validation`  `validate`: every divisibility and product check, run once before
@@ -16,6 +17,7 @@ Words: axis = mesh axis (`data`, `pipe`, `tensor`); dim = tensor dimension.
 
 from __future__ import annotations
 
+from jaxmeg.config_moe import MOE_ROUTERS, MoeConfig
 from jaxmeg.config_sections import (
     DTYPES,
     ERROR_FEEDBACK,
@@ -56,6 +58,7 @@ __all__ = [
     "DTYPES",
     "ERROR_FEEDBACK",
     "MESH_AXES",
+    "MOE_ROUTERS",
     "OUTER_AXES",
     "PIPE_GRAD_PHASES",
     "PLACEMENTS",
@@ -70,6 +73,7 @@ __all__ = [
     "LazyErrorOnEverySendWarning",
     "DataConfig",
     "ModelConfig",
+    "MoeConfig",
     "OptimizerConfig",
     "ParallelConfig",
     "TrainConfig",

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from jaxmeg.config_moe import MoeConfig
+
 MESH_AXES = ("data", "pipe", "context", "tensor")
 OUTER_AXES = ("pipe", "data")
 """The `parallel.outer_axis` choices: the mesh axis that varies slowest over devices."""
@@ -343,6 +345,8 @@ class Config:
     """Saving and resuming."""
     compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
     """Compressed pipeline and data-parallel communication (off by default)."""
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
+    """Mixture-of-experts layers in place of the dense MLP (off: experts 0)."""
 
 
 _SECTION_TYPES = {
@@ -353,6 +357,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "compression": CompressionConfig,
+    "moe": MoeConfig,
 }
 
 

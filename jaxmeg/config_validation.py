@@ -12,6 +12,7 @@ import dataclasses
 import math
 import warnings
 
+from jaxmeg.config_moe import MOE_ROUTERS
 from jaxmeg.config_sections import (
     DTYPES,
     ERROR_FEEDBACK,
@@ -218,6 +219,48 @@ def _validate_context(cfg: Config, context: int) -> None:
         )
 
 
+def _validate_moe(cfg: Config, context: int, tensor: int) -> None:
+    """The `moe` section: its own ranges, and what MoE layers do not run with yet."""
+    moe, comp = cfg.moe, cfg.compression
+    if moe.experts < 0:
+        raise ConfigError(f"moe.experts must be >= 0 (0 = a dense model), got {moe.experts}")
+    if moe.experts == 0:
+        return
+    _check_choice("moe.router", moe.router, MOE_ROUTERS)
+    if not 1 <= moe.top_k <= moe.experts:
+        raise ConfigError(
+            f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"
+        )
+    for name in ("ffn_hidden", "shared_ffn_hidden"):
+        if getattr(moe, name) != -1 and getattr(moe, name) < 1:
+            raise ConfigError(f"moe.{name} must be -1 or >= 1, got {getattr(moe, name)}")
+    for name in ("shared_experts", "capacity_factor", "aux_loss", "z_loss", "bias_update_rate"):
+        if getattr(moe, name) < 0:
+            raise ConfigError(f"moe.{name} must be >= 0, got {getattr(moe, name)}")
+    widths = {
+        "moe.ffn_hidden": moe.expert_width(cfg.model.mlp_hidden),
+        "moe.shared_ffn_hidden x moe.shared_experts": moe.shared_width(cfg.model.mlp_hidden),
+    }
+    for name, width in widths.items():  # fmt: skip
+        if width % tensor:
+            raise ConfigError(
+                f"{name} ({width}) is split over parallel.tensor ({tensor}): make it divisible"
+            )
+    not_yet = [
+        (moe.first_dense != 0, f"moe.first_dense = {moe.first_dense} (dense leading layers)"),
+        (moe.every != 1, f"moe.every = {moe.every} (MoE on some layers only)"),
+        (moe.capacity_factor > 0, f"moe.capacity_factor = {moe.capacity_factor} (capacity "
+                                  f"limits; 0 = dropless)"),
+        (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
+        (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
+        (bool(comp.data_grad_rank), f"compression.data_grad_rank = {comp.data_grad_rank} (it "
+                                    f"would compress the routing bias's expert loads)"),
+    ]  # fmt: skip
+    for on, what in not_yet:
+        if on:
+            raise ConfigError(f"moe.experts = {moe.experts} does not run with {what} yet")
+
+
 _SCHEDULE_FIELDS = {
     "num_stages": "parallel.pipe",
     "num_microbatches": "train.microbatches",
@@ -302,6 +345,7 @@ def validate(cfg: Config, num_devices: int) -> Config:
 
     data, pipe, context, tensor = resolve_mesh_shape(par, num_devices)
     _validate_context(cfg, context)
+    _validate_moe(cfg, context, tensor)
     if m.heads % tensor:
         raise ConfigError(
             f"model.heads ({m.heads}) must be divisible by parallel.tensor ({tensor})"

@@ -15,34 +15,36 @@ from jaxmeg.models import moe
 T, H, F, E = 24, 16, 8, 4
 
 
-def dense(x, routing, w_in, w_out, gated):
+def dense(x, routing, w_in, w_out, w_gate=None):
     """Every expert on every token, combined by the routing's weights (zero where not chosen)."""
     combine = jnp.zeros((x.shape[0], w_in.shape[0]))
     combine = combine.at[jnp.arange(x.shape[0])[:, None], routing.experts].add(routing.weights)
     hidden = jnp.einsum("th,ehf->tef", x, w_in)
-    if gated:
-        gate, up = jnp.split(hidden, 2, axis=-1)
-        hidden = jax.nn.silu(gate) * up
+    if w_gate is not None:
+        hidden = jax.nn.silu(jnp.einsum("th,ehf->tef", x, w_gate)) * hidden
     else:
         hidden = jax.nn.gelu(hidden)
     return jnp.einsum("te,teh->th", combine, jnp.einsum("tef,efh->teh", hidden, w_out))
 
 
 def weights(seed, gated):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    return {
+    keys = jax.random.split(jax.random.key(seed), 6)
+    w = {
         "x": jax.random.normal(keys[0], (T, H)),
         "router": jax.random.normal(keys[1], (H, E)) * 0.5,
-        "w_in": jax.random.normal(keys[2], (E, H, 2 * F if gated else F)) * 0.3,
+        "w_in": jax.random.normal(keys[2], (E, H, F)) * 0.3,
         "w_out": jax.random.normal(keys[3], (E, F, H)) * 0.3,
         "target": jax.random.normal(keys[4], (T, H)),
     }
+    if gated:
+        w["w_gate"] = jax.random.normal(keys[5], (E, H, F)) * 0.3
+    return w
 
 
-def loss_of(ffn, top_k, router, gated, bias=None):
+def loss_of(ffn, top_k, router, bias=None):
     def loss(w):
         routing = moe.route(w["x"] @ w["router"], top_k, router, bias=bias)
-        y = ffn(w["x"], routing, w["w_in"], w["w_out"], gated)
+        y = ffn(w["x"], routing, w["w_in"], w["w_out"], w.get("w_gate"))
         aux = moe.load_balancing_loss(routing, E) + 1e-3 * moe.z_loss(routing)
         return jnp.sum(y * w["target"]) + 0.01 * aux
 
@@ -54,8 +56,8 @@ def loss_of(ffn, top_k, router, gated, bias=None):
 @pytest.mark.parametrize("gated", [True, False])
 def test_grouped_experts_equal_the_dense_reference(top_k, router, gated):
     w = weights(top_k, gated)
-    grouped = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, top_k, router, gated)))
-    reference = jax.jit(jax.value_and_grad(loss_of(dense, top_k, router, gated)))
+    grouped = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, top_k, router)))
+    reference = jax.jit(jax.value_and_grad(loss_of(dense, top_k, router)))
     (loss, grads), (ref_loss, ref_grads) = grouped(w), reference(w)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for key in ("x", "router", "w_in", "w_out"):
@@ -68,8 +70,8 @@ def test_every_token_to_one_expert_leaves_the_others_untouched():
     weights then get exactly zero gradient; the output is that one expert's FFN."""
     w = weights(7, gated=True)
     bias = jnp.zeros(E).at[2].set(100.0)
-    grouped = jax.value_and_grad(loss_of(moe.experts_ffn, 1, "softmax", True, bias))
-    reference = jax.value_and_grad(loss_of(dense, 1, "softmax", True, bias))
+    grouped = jax.value_and_grad(loss_of(moe.experts_ffn, 1, "softmax", bias))
+    reference = jax.value_and_grad(loss_of(dense, 1, "softmax", bias))
     (loss, grads), (ref_loss, ref_grads) = grouped(w), reference(w)
     routing = moe.route(w["x"] @ w["router"], 1, bias=bias)
     assert np.asarray(moe.expert_load(routing, E)).tolist() == [0, 0, T, 0]

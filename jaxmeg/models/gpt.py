@@ -26,27 +26,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.config import ModelConfig
-
-Array = jax.Array
-Constrain = Callable[[Array, tuple], Array]
-
-
-def no_constraint(x: Array, logical_axes: tuple) -> Array:
-    del logical_axes
-    return x
-
-
-RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
-"""Between the layer's parts: `act_seq` is split over `tensor` with sequence parallelism (and
-over `context` with context parallelism); inside attention and the MLP the sequence dim is
-`act_tokens`, whole but for context parallelism."""
+from jaxmeg.config import ModelConfig, MoeConfig
+from jaxmeg.models.moe import MOE_STATS, MoeMlp
+from jaxmeg.models.parts import (  # noqa: F401 (MATMUL_INPUTS, TAPS, RESIDUAL_AXES: re-exported)
+    MATMUL_INPUTS,
+    RESIDUAL_AXES,
+    TAPS,
+    Array,
+    Constrain,
+    Mlp,
+    dtype_of,
+    no_constraint,
+    normal,
+    param,
+    weight_matmul,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +59,6 @@ class SequenceOrder:
     attend: Callable[[Array, Array, Array], Array]
 
 
-def _dtype(name: str) -> Any:
-    return jnp.dtype(name)
-
-
-def _param(module: nn.Module, name: str, shape: tuple, axes: tuple, init: Callable) -> Array:
-    dtype = _dtype(module.cfg.param_dtype)
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-def _normal(std: float) -> Callable:
-    return nn.initializers.normal(stddev=std)
-
-
 class Norm(nn.Module):
     """LayerNorm (gpt) or RMSNorm (llama), computed in float32."""
 
@@ -81,12 +67,12 @@ class Norm(nn.Module):
     @nn.compact
     def __call__(self, x_BxSxD: Array) -> Array:
         d = self.cfg.hidden
-        scale = _param(self, "scale", (d,), ("embed",), nn.initializers.ones)
+        scale = param(self, "scale", (d,), ("embed",), nn.initializers.ones)
         x = x_BxSxD.astype(jnp.float32)
         if self.cfg.block == "llama":
             x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
             return (x * scale).astype(x_BxSxD.dtype)
-        bias = _param(self, "bias", (d,), ("embed",), nn.initializers.zeros)
+        bias = param(self, "bias", (d,), ("embed",), nn.initializers.zeros)
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
         x = (x - mean) * jax.lax.rsqrt(var + self.cfg.norm_eps)
@@ -122,39 +108,16 @@ def kv_cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, ...]
     return (cfg.layers, 2, batch, length, cfg.num_kv_heads, cfg.head_dim)
 
 
-MATMUL_INPUTS = "matmul_inputs"
-TAPS = "perturbations"
-"""Collections of the split backward (`jaxmeg.models.split_backward`): every weight matmul adds
-a zero tap to its output (`nn.Module.perturb`, named like its weight), whose cotangent is the
-output's, and sows its input; both are no-ops unless a caller asks for them."""
-
-
-def _weight_matmul(
-    module: nn.Module, name: str, spec: str, x: Array, w: Array, residual: str = ""
-) -> Array:
-    """einsum(spec, x, w) for the weight `name` of `module`, tapped and its input sown. What is
-    kept for W is split like the residual stream (over `tensor` on the sequence with sequence
-    parallelism): the input where `residual` is "input" (a column-parallel matmul's, gathered
-    for the matmul), the output's cotangent where it is "output" (a row-parallel matmul's,
-    reduce-scattered right after it, and only when tapped)."""
-    kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
-    module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    y = jnp.einsum(spec, x, w)
-    if residual == "output" and module.has_variable(TAPS, name):
-        y = module.constrain(y, RESIDUAL_AXES)
-    return module.perturb(name, y, collection=TAPS)
-
-
 def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, Array, Array]:
     """Multi-head attention's q, k, v [B, S, N, H] from one `w_qkv` [D, 3, N, H]."""
     cfg = module.cfg
     n, h = cfg.heads, cfg.head_dim
-    compute = _dtype(cfg.compute_dtype)
-    qkv_BxSx3xNxH = _weight_matmul(
+    compute = dtype_of(cfg.compute_dtype)
+    qkv_BxSx3xNxH = weight_matmul(
         module, "w_qkv", "bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute), "input"
     )
     if cfg.block == "gpt":
-        b_qkv = _param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
+        b_qkv = param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
         qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
     qkv_BxSx3xNxH = module.constrain(
         qkv_BxSx3xNxH, ("act_batch", "act_tokens", None, "act_heads", None)
@@ -168,15 +131,15 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
     over `tensor` where it does not divide K."""
     cfg = module.cfg
     d, n, kv, h = cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.head_dim
-    compute = _dtype(cfg.compute_dtype)
+    compute = dtype_of(cfg.compute_dtype)
     q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "qkv", "kv_heads", "head_dim")
-    w_q = _param(module, "w_q", (d, n, h), q_axes, _normal(cfg.init_std))
-    w_kv = _param(module, "w_kv", (d, 2, kv, h), kv_axes, _normal(cfg.init_std))
-    q_BxSxNxH = _weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute))
-    kv_BxSx2xKxH = _weight_matmul(module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute))
+    w_q = param(module, "w_q", (d, n, h), q_axes, normal(cfg.init_std))
+    w_kv = param(module, "w_kv", (d, 2, kv, h), kv_axes, normal(cfg.init_std))
+    q_BxSxNxH = weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute))
+    kv_BxSx2xKxH = weight_matmul(module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute))
     if cfg.block == "gpt":
-        b_q = _param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
-        b_kv = _param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
+        b_q = param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
+        b_kv = param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
         q_BxSxNxH = q_BxSxNxH + b_q.astype(compute)
         kv_BxSx2xKxH = kv_BxSx2xKxH + b_kv.astype(compute)
     q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
@@ -205,17 +168,17 @@ class Attention(nn.Module):
         cache's keys up to their own position: (y, the cache with their keys and values)."""
         cfg = self.cfg
         d, n, h = cfg.hidden, cfg.heads, cfg.head_dim
-        compute = _dtype(cfg.compute_dtype)
+        compute = dtype_of(cfg.compute_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         out_axes = ("heads", "head_dim", "embed")
         if cfg.num_kv_heads != n:
             q, k, v = _grouped_qkv(self, x_BxSxD)
-            w_out = _param(self, "w_out", (n, h, d), out_axes, _normal(out_std))
+            w_out = param(self, "w_out", (n, h, d), out_axes, normal(out_std))
         else:
             # Init draws its random keys in creation order: w_qkv, w_out, b_qkv as always, so
             # a seed gives multi-head models the initial params it always gave.
-            w_qkv = _param(self, "w_qkv", (d, 3, n, h), QKV_AXES, _normal(cfg.init_std))
-            w_out = _param(self, "w_out", (n, h, d), out_axes, _normal(out_std))
+            w_qkv = param(self, "w_qkv", (d, 3, n, h), QKV_AXES, normal(cfg.init_std))
+            w_out = param(self, "w_out", (n, h, d), out_axes, normal(out_std))
             q, k, v = _fused_qkv(self, x_BxSxD, w_qkv)
         if cfg.block == "llama":
             q = rotary(q, cfg.rope_theta, start, self.order)
@@ -228,11 +191,11 @@ class Attention(nn.Module):
         else:
             o_BxSxNxH, cache_2xBxTxKxH = _attend_cached(self, q, k, v, cache_2xBxTxKxH, start)
         o_BxSxNxH = self.constrain(o_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
-        y_BxSxD = _weight_matmul(
+        y_BxSxD = weight_matmul(
             self, "w_out", "bsnh,nhd->bsd", o_BxSxNxH, w_out.astype(compute), "output"
         )
         if cfg.block == "gpt":
-            b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
+            b_out = param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
             y_BxSxD = y_BxSxD + b_out.astype(compute)
         if cache_2xBxTxKxH is None:
             return y_BxSxD
@@ -264,42 +227,6 @@ def attention_implementation(cfg: ModelConfig, platform: str | None = None) -> s
         return cfg.attention
     on_gpu = (platform or jax.default_backend()) == "gpu"
     return "cudnn" if on_gpu and cfg.compute_dtype in ("bfloat16", "float16") else "xla"
-
-
-class Mlp(nn.Module):
-    """GeLU MLP (gpt) or SwiGLU (llama): fc1 column-parallel over `mlp`, fc2 row-parallel."""
-
-    cfg: ModelConfig
-    constrain: Constrain = no_constraint
-
-    @nn.compact
-    def __call__(self, x_BxSxD: Array) -> Array:
-        cfg = self.cfg
-        d, f = cfg.hidden, cfg.mlp_hidden
-        compute = _dtype(cfg.compute_dtype)
-        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-        w_in = _param(self, "w_in", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
-        w_out = _param(self, "w_out", (f, d), ("mlp", "embed"), _normal(out_std))
-        u_BxSxF = _weight_matmul(
-            self, "w_in", "bsd,df->bsf", x_BxSxD, w_in.astype(compute), "input"
-        )
-        if cfg.block == "gpt":
-            b_in = _param(self, "b_in", (f,), ("mlp",), nn.initializers.zeros)
-            u_BxSxF = jax.nn.gelu(u_BxSxF + b_in.astype(compute), approximate=True)
-        else:
-            w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), _normal(cfg.init_std))
-            gate_BxSxF = _weight_matmul(
-                self, "w_gate", "bsd,df->bsf", x_BxSxD, w_gate.astype(compute), "input"
-            )
-            u_BxSxF = jax.nn.silu(gate_BxSxF) * u_BxSxF
-        u_BxSxF = self.constrain(u_BxSxF, ("act_batch", "act_tokens", "act_mlp"))
-        y_BxSxD = _weight_matmul(
-            self, "w_out", "bsf,fd->bsd", u_BxSxF, w_out.astype(compute), "output"
-        )
-        if cfg.block == "gpt":
-            b_out = _param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
-            y_BxSxD = y_BxSxD + b_out.astype(compute)
-        return y_BxSxD
 
 
 _MATMUL_PRIMITIVES = frozenset({"dot_general", "dot_product_attention_fwd_wrapper"})
@@ -342,14 +269,18 @@ REMAT_POLICY = {
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)). With this layer's
+    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)), the MLP a
+    mixture of experts (`MoeMlp`, named `moe`) when `moe.experts` > 0. With this layer's
     key/value cache [2, B, T, K, H] (decoding), also returns the cache the new tokens wrote.
     What it keeps for its backward is REMAT_POLICY[cfg.remat], applied by its caller
-    (`BlockStack`, the pipeline's chunk) around each layer."""
+    (`BlockStack`, the pipeline's chunk) around each layer. `moe_grad_scale`: the weight of the
+    MoE layers' auxiliary losses in the backward (`jaxmeg.models.moe.into_backward`)."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
     order: SequenceOrder | None = None
+    moe: MoeConfig = MoeConfig()
+    moe_grad_scale: float = 0.0
 
     @nn.compact
     def __call__(
@@ -363,18 +294,24 @@ class Block(nn.Module):
             y, cache_2xBxTxKxH = attn(Norm(self.cfg, name="norm1")(x), cache_2xBxTxKxH, start)
             x = x + y
         x = self.constrain(x, RESIDUAL_AXES)
-        x = x + Mlp(self.cfg, self.constrain, name="mlp")(Norm(self.cfg, name="norm2")(x))
+        if self.moe.experts:
+            mlp = MoeMlp(self.cfg, self.moe, self.constrain, self.moe_grad_scale, name="moe")
+        else:
+            mlp = Mlp(self.cfg, self.constrain, name="mlp")
+        x = x + mlp(Norm(self.cfg, name="norm2")(x))
         x = self.constrain(x, RESIDUAL_AXES)
         return x, cache_2xBxTxKxH
 
 
 class BlockStack(nn.Module):
-    """`num_layers` Blocks with parameters stacked on a leading `layers` dim, applied by scan."""
+    """`num_layers` Blocks with parameters stacked on a leading `layers` dim, applied by scan
+    (what the MoE layers sow, stacked likewise)."""
 
     cfg: ModelConfig
     num_layers: int
     constrain: Constrain = no_constraint
     order: SequenceOrder | None = None
+    moe: MoeConfig = MoeConfig()
 
     @nn.compact
     def __call__(
@@ -386,13 +323,13 @@ class BlockStack(nn.Module):
             block = nn.remat(block, policy=REMAT_POLICY[self.cfg.remat], prevent_cse=False)
         scanned = nn.scan(
             block,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, MOE_STATS: 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),
             length=self.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, cache = scanned(self.cfg, self.constrain, self.order, name="layers")(
+        x, cache = scanned(self.cfg, self.constrain, self.order, self.moe, name="layers")(
             x_BxSxD, cache_Lx2xBxTxKxH, start
         )
         return x if cache_Lx2xBxTxKxH is None else (x, cache)
@@ -408,16 +345,16 @@ class Embed(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        init = _normal(cfg.init_std)
-        self.token = _param(self, "token", (self.vocab, cfg.hidden), ("vocab", "embed"), init)
+        init = normal(cfg.init_std)
+        self.token = param(self, "token", (self.vocab, cfg.hidden), ("vocab", "embed"), init)
         if cfg.block == "gpt":
-            self.position = _param(
+            self.position = param(
                 self, "position", (cfg.seq_len, cfg.hidden), ("positions", "embed"), init
             )
 
     def __call__(self, tokens_BxS: Array, start: Array | int = 0) -> Array:
         """Embeddings of tokens at positions start, start + 1, ..."""
-        compute = _dtype(self.cfg.compute_dtype)
+        compute = dtype_of(self.cfg.compute_dtype)
         x_BxSxD = jnp.take(self.token, tokens_BxS, axis=0).astype(compute)
         if self.cfg.block == "gpt":
             seq = tokens_BxS.shape[1]
@@ -431,7 +368,7 @@ class Embed(nn.Module):
         return self.constrain(x_BxSxD, RESIDUAL_AXES)
 
     def attend(self, x_BxSxD: Array) -> Array:
-        compute = _dtype(self.cfg.compute_dtype)
+        compute = dtype_of(self.cfg.compute_dtype)
         return jnp.einsum("bsd,vd->bsv", x_BxSxD, self.token.astype(compute))
 
 
@@ -448,13 +385,13 @@ class Head(nn.Module):
         if self.cfg.tie_embeddings:
             logits_BxSxV = embed.attend(x)
         else:
-            compute = _dtype(self.cfg.compute_dtype)
-            w = _param(
+            compute = dtype_of(self.cfg.compute_dtype)
+            w = param(
                 self,
                 "unembed",
                 (self.cfg.hidden, self.vocab),
                 ("embed", "vocab"),
-                _normal(self.cfg.init_std),
+                normal(self.cfg.init_std),
             )
             logits_BxSxV = jnp.einsum("bsd,dv->bsv", x, w.astype(compute))
         return self.constrain(logits_BxSxV, ("act_batch", "act_tokens", "act_vocab"))
@@ -464,17 +401,18 @@ class GPT(nn.Module):
     """Embedding -> L blocks -> head. Returns logits over the padded vocabulary.
 
     Parameters: {'embed': {token, position}, 'blocks': {'layers': stacked [L, ...]},
-    'head': {final_norm, unembed?}}.
+    'head': {final_norm, unembed?}}; `moe` makes every layer's MLP a mixture of experts.
     """
 
     cfg: ModelConfig
     vocab: int
     constrain: Constrain = no_constraint
     order: SequenceOrder | None = None
+    moe: MoeConfig = MoeConfig()
 
     def setup(self) -> None:
         self.embed = Embed(self.cfg, self.vocab, self.constrain, self.order)
-        self.blocks = BlockStack(self.cfg, self.cfg.layers, self.constrain, self.order)
+        self.blocks = BlockStack(self.cfg, self.cfg.layers, self.constrain, self.order, self.moe)
         self.head = Head(self.cfg, self.vocab, self.constrain)
 
     def __call__(self, tokens_BxS: Array) -> Array:

@@ -16,18 +16,44 @@ Auxiliary losses, per layer and batch: Switch Transformer's load-balancing loss 
 (f_e the share of the k T choices that went to e, P_e the mean router probability of e) and
 ST-MoE's router z-loss, the mean squared log-sum-exp of the logits.
 
-Not here yet: the `moe` config section, the block inside the model and the pipeline, and
-expert parallelism (issue 33).
+The layer (`MoeMlp`, the `moe` config section) replaces a block's dense MLP. Its auxiliary
+losses are per sequence (the balance loss's f and P over one sequence's tokens, averaged over the
+sequences): a sum over sequences is the same however the batch is cut into microbatches,
+replicas and stages, so the step's gradient equals one device's. They reach the gradient
+without a second output of the model: `into_backward` is the identity on the layer's output,
+and its backward hands the losses the cotangent `grad_scale` (the step's weight of one
+microbatch, 1/m), as if they had been added to the loss (Megatron-Core's
+MoEAuxLossAutoScaler). The same backward gives the routing bias the cotangent grad_scale x the
+microbatch's expert load (each expert's share of the microbatch's k T routing choices), so the
+bias's "gradient" after the step is each expert's share of the step's choices, averaged over
+microbatches and replicas like a gradient, the same however the batch is split: what the bias
+update and the load metrics read
+(`jaxmeg.training.expert_balance`). The true gradient of the bias is 0 (it only moves top-k).
+With `grad_scale` 0 (evaluation, generation, the single-device reference) nothing is injected;
+the losses and loads are sown in the `moe_stats` collection for a caller that asks for them.
+
+Not here yet: expert parallelism (an `expert` mesh axis and all-to-all dispatch), capacity
+limits, dense leading layers (`moe.first_dense`, `moe.every`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-ROUTERS = ("softmax", "sigmoid")
+from jaxmeg.config import MOE_ROUTERS, ModelConfig, MoeConfig
+from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, normal, param
+
+ROUTERS = MOE_ROUTERS
+MOE_STATS = "moe_stats"
+"""The collection a MoE layer sows its `aux` (the weighted auxiliary losses, scalar) and `share`
+(each expert's share of the k T routing choices [E], summing to 1) in, when the caller makes it
+mutable."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,24 +105,123 @@ def z_loss(routing: Routing) -> jax.Array:
 
 
 def experts_ffn(
-    x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array, gated: bool = True,
+    x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
+    w_gate: jax.Array | None = None,
 ) -> jax.Array:  # fmt: skip
-    """sum over a token's k choices of weight x FFN_e(x): x [T, h]; w_in [E, h, f] (gated:
-    [E, h, 2 f], gate then up, SwiGLU as Mixtral and Qwen-MoE) and w_out [E, f, h]. Rows are
-    sorted by expert (a stable sort: a token's choices keep their order), each expert's rows go
-    through two grouped GEMMs, and the results are put back in token order and combined."""
+    """sum over a token's k choices of weight x FFN_e(x): x [T, h]; w_in [E, h, f] and w_out
+    [E, f, h]; with `w_gate` [E, h, f], SwiGLU (silu(x w_gate) * x w_in, Mixtral's and
+    Qwen-MoE's experts), else GeLU. Rows are sorted by expert (a stable sort: a token's choices
+    keep their order), each expert's rows go through the grouped GEMMs, and the results are put
+    back in token order and combined."""
     tokens, k = routing.experts.shape
     choice_expert = routing.experts.reshape(-1)  # [T k], token-major
     order = jnp.argsort(choice_expert, stable=True)
     sizes = expert_load(routing, w_in.shape[0])
     rows = x[order // k]  # [T k, h], grouped by expert
     hidden = jax.lax.ragged_dot(rows, w_in.astype(x.dtype), sizes)
-    if gated:
-        gate, up = jnp.split(hidden, 2, axis=-1)
-        hidden = jax.nn.silu(gate) * up
+    if w_gate is not None:
+        hidden = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate.astype(x.dtype), sizes)) * hidden
     else:
         hidden = jax.nn.gelu(hidden)
     out = jax.lax.ragged_dot(hidden, w_out.astype(x.dtype), sizes)  # [T k, h]
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(tokens, k, -1)
     weights = routing.weights.astype(jnp.float32)[..., None]
     return jnp.sum(unsorted.astype(jnp.float32) * weights, axis=1).astype(x.dtype)
+
+
+def sequence_balance_loss(routing: Routing, sequences: int, router: str = "softmax") -> jax.Array:
+    """`load_balancing_loss` of each sequence's tokens (rows in sequence-major order), averaged
+    over the `sequences`. A sigmoid router's scores are normalised per token first (DeepSeek-V3's
+    sequence-wise loss), so the loss is 1 at an even load with either router."""
+    num_experts = routing.probs.shape[-1]
+    probs = routing.probs
+    if router == "sigmoid":
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    split = lambda a: a.reshape(sequences, -1, *a.shape[1:])  # noqa: E731
+
+    def one(experts, probs_):
+        return load_balancing_loss(Routing(experts, experts, probs_, probs_), num_experts)
+
+    return jnp.mean(jax.vmap(one)(split(routing.experts), split(probs)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def into_backward(y: Array, aux: Array, bias: Array, load: Array, grad_scale: float) -> Array:
+    """y itself; in the backward, `aux` (a scalar loss) gets the cotangent `grad_scale` and
+    `bias` gets grad_scale x `load` (float, [E]; see the module docstring)."""
+    del aux, bias, load
+    return y
+
+
+def _into_backward_fwd(y, aux, bias, load, grad_scale):
+    del grad_scale
+    return y, (aux, bias, load)
+
+
+def _into_backward_bwd(grad_scale, residuals, g_y):
+    aux, bias, load = residuals
+    g_aux = jax.lax.full_like(aux, grad_scale)  # varying over the manual axes as aux is
+    g_bias = (grad_scale * load).astype(bias.dtype)
+    return g_y, g_aux, g_bias, jnp.zeros_like(load)
+
+
+into_backward.defvjp(_into_backward_fwd, _into_backward_bwd)
+
+
+class MoeMlp(nn.Module):
+    """The mixture-of-experts block in place of `Mlp`: router (`w_router` [D, E], float32),
+    routing bias (`router_bias` [E]), routed experts (`w_in` [E, D, F], `w_out` [E, F, D], and
+    for SwiGLU, the llama block's, `w_gate` [E, D, F]), and optional shared experts (`shared`,
+    a dense MLP, with `w_shared_gate` [D, 1]). The experts' width is split over `tensor`
+    (`expert_mlp`); the expert dim (`experts`) is whole on every device."""
+
+    cfg: ModelConfig
+    moe: MoeConfig
+    constrain: Constrain = no_constraint
+    grad_scale: float = 0.0
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array) -> Array:
+        cfg, moe = self.cfg, self.moe
+        b, s, d = x_BxSxD.shape
+        e, f = moe.experts, moe.expert_width(cfg.mlp_hidden)
+        compute = dtype_of(cfg.compute_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        w_router = param(self, "w_router", (d, e), ("embed", None), normal(cfg.init_std))
+        bias = param(self, "router_bias", (e,), (None,), nn.initializers.zeros)
+        expert_in = ("experts", "embed", "expert_mlp")
+        expert_out = ("experts", "expert_mlp", "embed")
+        w_in = param(self, "w_in", (e, d, f), expert_in, normal(cfg.init_std))
+        w_out = param(self, "w_out", (e, f, d), expert_out, normal(out_std))
+        w_gate = None
+        if cfg.block == "llama":
+            w_gate = param(self, "w_gate", (e, d, f), expert_in, normal(cfg.init_std))
+            w_gate = w_gate.astype(compute)
+        x_TxD = x_BxSxD.reshape(b * s, d)
+        logits_TxE = jnp.einsum(
+            "td,de->te", x_TxD.astype(jnp.float32), w_router.astype(jnp.float32)
+        )
+        routing = route(logits_TxE, moe.top_k, moe.router, moe.normalize, bias)
+        y_BxSxD = experts_ffn(
+            x_TxD, routing, w_in.astype(compute), w_out.astype(compute), w_gate
+        ).reshape(b, s, d)
+        if moe.shared_experts:
+            shared = Mlp(cfg, self.constrain, moe.shared_width(cfg.mlp_hidden), name="shared")
+            y_shared = shared(x_BxSxD)
+            if moe.shared_gate:
+                w_gate = param(self, "w_shared_gate", (d, 1), ("embed", None),
+                               normal(cfg.init_std))  # fmt: skip
+                gate = jax.nn.sigmoid(jnp.einsum("bsd,do->bso", x_BxSxD, w_gate.astype(compute)))
+                y_shared = y_shared * gate
+            y_BxSxD = y_BxSxD + y_shared
+        aux = jnp.zeros((), jnp.float32)
+        if moe.aux_loss:
+            aux = aux + moe.aux_loss * sequence_balance_loss(routing, b, moe.router)
+        if moe.z_loss:
+            aux = aux + moe.z_loss * z_loss(routing)
+        share = expert_load(routing, e) / routing.experts.size  # of the k T choices
+        self.sow(MOE_STATS, "aux", aux, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+        self.sow(MOE_STATS, "share", share, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+        if self.grad_scale:
+            y_BxSxD = into_backward(y_BxSxD, aux, bias, share, self.grad_scale)
+        return y_BxSxD

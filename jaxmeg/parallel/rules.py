@@ -34,6 +34,8 @@ PARAM_RULES: dict[str, str | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert_mlp": "tensor",
+    "experts": None,
     "embed": None,
     "head_dim": None,
     "qkv": None,

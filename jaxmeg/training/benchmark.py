@@ -34,7 +34,7 @@ def benchmark(cfg: Config, *, steps: int = 10, warmup: int = 2) -> dict[str, Any
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    flops = model_flops_per_step(cfg.model, cfg.train.global_batch)
+    flops = model_flops_per_step(cfg.model, cfg.train.global_batch, moe=cfg.moe)
     tflops = flops / seconds / jax.device_count() / 1e12
     peak = peak_tflops_per_device()
     par = cfg.parallel

@@ -23,6 +23,11 @@ SHAPE_FIELDS = (
     "model.seq_len",
     "model.tie_embeddings",
     "model.param_dtype",
+    "moe.experts",
+    "moe.ffn_hidden",
+    "moe.shared_experts",
+    "moe.shared_ffn_hidden",
+    "moe.shared_gate",
 )
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_steps")
 
@@ -49,6 +54,8 @@ def schedule_changes(meta: dict, cfg: Config) -> list[str]:
 
 def _field(config: dict, name: str) -> Any:
     section, key = name.split(".")
+    if section == "moe" and "model" in config:  # saved before the moe section: a dense model
+        return config.get(section, to_dict(Config())[section]).get(key)
     return config.get(section, {}).get(key)
 
 

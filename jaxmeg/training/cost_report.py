@@ -87,7 +87,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     m, p, v, t, d = cfg.train.microbatches, par.pipe, par.chunks, par.tensor, par.data
     megatron_whole = 2 * m * (p * v - 1) * b * s * h * act_bytes * d * t
     megatron = megatron_whole / t
-    model_flops = model_flops_per_step(model, cfg.train.global_batch)
+    model_flops = model_flops_per_step(model, cfg.train.global_batch, moe=cfg.moe)
     collective = _collective_bytes(total.collective_bytes)
 
     busiest = max(range(len(stages)), key=lambda i: stages[i].matmul_flops)

@@ -6,6 +6,10 @@ FLOPs per iteration for a batch of B sequences of length s, l layers, hidden h, 
   without recompute:                        72 B s l h^2 (1 + s/(6h) + V/(12 l h))
 MFU uses the formula WITHOUT recompute (model FLOPs, not hardware FLOPs), so recompute shows
 up as a lower MFU rather than a higher one.
+
+Mixture-of-experts layers count the FLOPs a token runs, not those of every expert: the dense
+MLP's share of the formula (2 matmuls of h x f, 4 h f per token and forward pass) is replaced
+by the router (2 h E), the k routed experts and the shared ones (4 h f each, 6 h f as SwiGLU).
 """
 
 from __future__ import annotations
@@ -16,14 +20,28 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.config import ModelConfig
+from jaxmeg.config import ModelConfig, MoeConfig
 from jaxmeg.perf.hardware import peak_tflops_for_device_kind
 from jaxmeg.perf.model import flops_per_iteration, shape_of
 
 
-def model_flops_per_step(model: ModelConfig, sequences: int, recompute: bool = False) -> float:
-    """Eq. 3 of the paper for this model config (`jaxmeg.perf.model.flops_per_iteration`)."""
-    return flops_per_iteration(shape_of(model), sequences, recompute)
+def model_flops_per_step(
+    model: ModelConfig, sequences: int, recompute: bool = False, moe: MoeConfig | None = None
+) -> float:
+    """Eq. 3 of the paper for this model config (`jaxmeg.perf.model.flops_per_iteration`), with
+    MoE layers' active FLOPs in place of the dense MLP's (see the module docstring)."""
+    dense = flops_per_iteration(shape_of(model), sequences, recompute)
+    if moe is None or not moe.experts:
+        return dense
+    h, f = model.hidden, model.mlp_hidden
+    per_matrix = 2 * h * (3 if model.block == "llama" else 2)  # 6 h f SwiGLU, 4 h f GeLU
+    active = (
+        2 * h * moe.experts
+        + per_matrix * moe.top_k * moe.expert_width(f)
+        + per_matrix * moe.shared_width(f)
+    )
+    passes = 4 if recompute else 3  # forward, backward (2x), and a recomputed forward
+    return dense + passes * sequences * model.seq_len * model.layers * (active - 4 * h * f)
 
 
 @functools.cache

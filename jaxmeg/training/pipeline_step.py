@@ -151,9 +151,17 @@ def sequence_order(cfg) -> SequenceOrder | None:
     )
 
 
+def step_block(trainable: Trainable, constrain) -> Block:
+    """One layer as the step runs it: its MoE auxiliary losses weighted 1/m in the backward,
+    m the microbatches each replica's loss is the mean of (`jaxmeg.models.moe.into_backward`)."""
+    cfg = trainable.cfg
+    return Block(trainable.model_cfg, constrain, model_order(trainable), cfg.moe,
+                 1.0 / cfg.train.microbatches)  # fmt: skip
+
+
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
     """chunk(layer_params [Lc, ...], x, real_layers) -> x: the chunk's layers (`_over_layers`)."""
-    block = Block(trainable.model_cfg, constrain, model_order(trainable))
+    block = step_block(trainable, constrain)
 
     def layer(layer_params, x, _):
         return block.apply({"params": layer_params}, x)[0], None
@@ -164,7 +172,7 @@ def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
 
 def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFunctions:
     """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`)."""
-    block = Block(trainable.model_cfg, constrain, model_order(trainable))
+    block = step_block(trainable, constrain)
     tapped = split_backward.tapped(block)
 
     def recompute_under(policy):

@@ -1,7 +1,9 @@
 """The unpipelined step by plain autodiff, on one device: `jax.value_and_grad` of the whole model
-per microbatch, accumulated by `lax.scan`. It shares no code with the executor, so the tests
-compare the executor with it, and `scripts/bench.py --compare-plain` times the one step path
-against it.
+per microbatch, accumulated by `lax.scan`. MoE layers' auxiliary losses are added to the loss it
+differentiates (the step itself injects their gradient, `jaxmeg.models.moe.into_backward`), and
+their experts' load shares, averaged like gradients, fill the routing bias's slot as in the
+step. It shares no code with the executor, so the tests compare the executor with it, and
+`scripts/bench.py --compare-plain` times the one step path against it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.models import cross_entropy
+from jaxmeg.models.moe import MOE_STATS
 from jaxmeg.training.state import Trainable, to_canonical_layout, to_stage_layout
 
 
@@ -25,8 +28,14 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
     microbatches = cfg.train.microbatches
 
     def loss_fn(params, tokens_BxS, targets_BxS):
-        logits = model.apply({"params": params}, tokens_BxS)
-        return cross_entropy(logits, targets_BxS, cfg.model.vocab_size)
+        """(cross-entropy + the MoE layers' auxiliary losses, (cross-entropy, the MoE layers'
+        experts' shares of the routing choices [L, E] or None))."""
+        logits, stats = model.apply({"params": params}, tokens_BxS, mutable=[MOE_STATS])
+        loss = cross_entropy(logits, targets_BxS, cfg.model.vocab_size)
+        if not stats:
+            return loss, (loss, None)
+        moe_stats = stats[MOE_STATS]["blocks"]["layers"]["moe"]
+        return loss + jnp.sum(moe_stats["aux"]), (loss, moe_stats["share"])
 
     def loss_and_grads(params, tokens, targets):
         params = to_canonical_layout(params, layout)
@@ -35,7 +44,11 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
 
         def accumulate(carry, microbatch):
             loss_sum, grad_sum = carry
-            loss, grads = jax.value_and_grad(loss_fn)(params, *microbatch)
+            (_, (loss, load)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, *microbatch
+            )
+            if load is not None:  # the routing bias's slot holds the load shares (`models.moe`)
+                grads["blocks"]["layers"]["moe"]["router_bias"] = load.astype(jnp.float32)
             grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
             return (loss_sum + loss, grad_sum), None
 

@@ -108,6 +108,9 @@ class RunLog:
                 for key, value in record.items():
                     if key != "step" and isinstance(value, (int, float)):
                         self.writer.add_scalar(f"train/{key}", value, step)
+                    if isinstance(value, list):  # one per layer (moe_load_spread)
+                        for i, v in enumerate(value):
+                            self.writer.add_scalar(f"train/{key}/layer_{i}", v, step)
         if self.bar is not None:
             mfu = record["mfu"]
             self.bar.set_postfix(

@@ -86,8 +86,8 @@ class Trainable:
 
     def model(self, constrain: Callable | None = None) -> GPT:
         if constrain is None:
-            return GPT(self.model_cfg, self.vocab)
-        return GPT(self.model_cfg, self.vocab, constrain)
+            return GPT(self.model_cfg, self.vocab, moe=self.cfg.moe)
+        return GPT(self.model_cfg, self.vocab, constrain, moe=self.cfg.moe)
 
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, BATCH_SPEC)

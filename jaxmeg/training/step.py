@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmeg.parallel.gpu_target import compiler_options
+from jaxmeg.training import expert_balance
 from jaxmeg.training.optimizer import learning_rate_schedule
 from jaxmeg.training.pipeline_step import make_loss_and_grads, sends_point_to_point
 from jaxmeg.training.state import Trainable, state_shardings
@@ -28,6 +29,7 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
     loss_and_grads = loss_and_grads or make_loss_and_grads(trainable)
     schedule = learning_rate_schedule(trainable.cfg.optimizer)
     shardings = state_shardings(trainable)
+    moe = trainable.cfg.moe
 
     def step(state, tokens, targets):
         links = (state["links"],) if "links" in state else ()
@@ -35,9 +37,12 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         step_arg = {"step": state["step"]} if links else {}
         loss, grads, *links = loss_and_grads(state["params"], tokens, targets, *links, **step_arg)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+        grads, loads = expert_balance.take_loads(grads)  # [] without MoE layers
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        if moe.bias_update_rate:
+            params = expert_balance.move_biases(params, loads, moe.bias_update_rate)
         # A non-finite loss or gradient leaves params and optimizer state as they were.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
@@ -47,6 +52,8 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
             "lr": schedule(state["step"]),
             "skipped": jnp.logical_not(finite).astype(jnp.int32),
         }
+        if loads:  # max / mean tokens per expert, each MoE layer
+            metrics["moe_load_spread"] = expert_balance.load_spread(loads, trainable.layout)
         new_state = {
             "step": state["step"] + 1,
             "params": keep(params, state["params"]),

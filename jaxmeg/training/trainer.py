@@ -83,8 +83,9 @@ def compile_only(cfg: Config, cluster_job=None, target=None) -> dict[str, Any]:
 
 
 def _local_scalars(metrics) -> dict[str, float]:
-    """Replicated scalar metrics as floats (each process reads its own copy)."""
-    return {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
+    """Replicated metrics as floats, a vector's as a list (each process reads its own copy)."""
+    values = {k: np.asarray(v.addressable_data(0)) for k, v in metrics.items()}
+    return {k: float(v) if v.ndim == 0 else v.tolist() for k, v in values.items()}
 
 
 @dataclasses.dataclass
@@ -263,7 +264,7 @@ class Trainer:
         self.compiled, self.compile_seconds = compile_step(self.trainable)
         say(f"train step compiled in {self.compile_seconds:.1f} s")
         # once per run, not per step: the MFU's numerator and the device's peak
-        flops = model_flops_per_step(self.cfg.model, self.cfg.train.global_batch)
+        flops = model_flops_per_step(self.cfg.model, self.cfg.train.global_batch, moe=self.cfg.moe)
         self._flops_per_device = flops / jax.device_count()
         self._peak_tflops = peak_tflops_per_device()
         return not self._stopped()

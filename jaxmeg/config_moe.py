@@ -1,0 +1,68 @@
+"""The `moe` config section: a mixture-of-experts feed-forward block in place of the dense MLP
+(`jaxmeg.models.moe`). Part of `jaxmeg.config_sections` (which imports it); checked by
+`jaxmeg.config_validation.validate`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MOE_ROUTERS = ("softmax", "sigmoid")
+"""The `moe.router` choices (`jaxmeg.models.moe.route`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    experts: int = 0
+    """Routed experts E per MoE layer; 0 = a dense model (the other fields are not read)."""
+    top_k: int = 2
+    """Experts each token is sent to, k (1 <= k <= experts)."""
+    ffn_hidden: int = -1
+    """Each expert's FFN width; -1 = the dense MLP's (model.ffn_hidden or mlp_ratio x hidden).
+    A SwiGLU expert (llama block) or a GeLU one without biases (gpt block). Split over `tensor`
+    like the dense MLP's width, so it must be divisible by parallel.tensor."""
+    shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeek, Qwen-MoE), run as
+    one dense MLP of shared_experts x shared_ffn_hidden."""
+    shared_ffn_hidden: int = -1
+    """Width of one shared expert; -1 = `ffn_hidden`."""
+    shared_gate: bool = False
+    """Scale the shared experts' output by a per-token sigmoid gate (Qwen2-MoE's
+    `shared_expert_gate`)."""
+    first_dense: int = 0
+    """Leading layers that keep the dense MLP (DeepSeek-V3: 3). Only 0 runs yet."""
+    every: int = 1
+    """An MoE layer every n-th layer (Switch Transformer: 2). Only 1 runs yet."""
+    router: str = "softmax"
+    """`softmax` (Mixtral, Qwen-MoE: probabilities over all experts) or `sigmoid` (DeepSeek-V3:
+    independent scores, the chosen ones normalised). The router runs in float32."""
+    normalize: bool = True
+    """Renormalise a softmax router's top-k weights to sum to 1 (Mixtral; Qwen1.5-MoE keeps
+    them as they are). A sigmoid router's are always normalised."""
+    capacity_factor: float = 0.0
+    """Tokens an expert takes per step, as a multiple of its even share; 0 = dropless (every
+    choice computed, however uneven the load). Only 0 runs yet."""
+    aux_loss: float = 0.01
+    """Coefficient of the load-balancing loss (Switch Transformer's E sum_e f_e P_e), taken per
+    sequence and averaged, so its gradient is the same however the batch is split over
+    microbatches, replicas and stages. 0 = off."""
+    z_loss: float = 0.0
+    """Coefficient of the router z-loss (ST-MoE: the mean squared log-sum-exp of the logits)."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3's loss-free balancing: after each step every expert's routing bias moves by
+    this much toward an even load (up if the expert got fewer tokens than the mean, down if
+    more). The bias changes which experts are chosen, never the weights they are combined
+    with; it is kept in the params (`router_bias`) and the checkpoint, outside the optimizer.
+    0 = the bias stays 0 (DeepSeek-V3: 0.001)."""
+
+    def expert_width(self, dense_width: int) -> int:
+        """One routed expert's FFN width, given the dense MLP's."""
+        return dense_width if self.ffn_hidden == -1 else self.ffn_hidden
+
+    def shared_width(self, dense_width: int) -> int:
+        """The shared experts' FFN width together (0 without shared experts)."""
+        one = (
+            self.expert_width(dense_width)
+            if self.shared_ffn_hidden == -1
+            else (self.shared_ffn_hidden)
+        )
+        return self.shared_experts * one

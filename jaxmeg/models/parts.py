@@ -1,0 +1,101 @@
+"""The pieces the dense and the mixture-of-experts layers share: parameters with logical axes,
+the activation hook (`Constrain`), and the weight matmul that the split backward taps
+(`jaxmeg.models.split_backward`), with the dense MLP built from them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.config import ModelConfig
+
+Array = jax.Array
+Constrain = Callable[[Array, tuple], Array]
+
+
+def no_constraint(x: Array, logical_axes: tuple) -> Array:
+    del logical_axes
+    return x
+
+
+RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
+"""Between the layer's parts: `act_seq` is split over `tensor` with sequence parallelism (and
+over `context` with context parallelism); inside attention and the MLP the sequence dim is
+`act_tokens`, whole but for context parallelism."""
+
+
+def dtype_of(name: str) -> Any:
+    return jnp.dtype(name)
+
+
+def param(module: nn.Module, name: str, shape: tuple, axes: tuple, init: Callable) -> Array:
+    dtype = dtype_of(module.cfg.param_dtype)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def normal(std: float) -> Callable:
+    return nn.initializers.normal(stddev=std)
+
+
+MATMUL_INPUTS = "matmul_inputs"
+TAPS = "perturbations"
+"""Collections of the split backward (`jaxmeg.models.split_backward`): every weight matmul adds
+a zero tap to its output (`nn.Module.perturb`, named like its weight), whose cotangent is the
+output's, and sows its input; both are no-ops unless a caller asks for them."""
+
+
+def weight_matmul(
+    module: nn.Module, name: str, spec: str, x: Array, w: Array, residual: str = ""
+) -> Array:
+    """einsum(spec, x, w) for the weight `name` of `module`, tapped and its input sown. What is
+    kept for W is split like the residual stream (over `tensor` on the sequence with sequence
+    parallelism): the input where `residual` is "input" (a column-parallel matmul's, gathered
+    for the matmul), the output's cotangent where it is "output" (a row-parallel matmul's,
+    reduce-scattered right after it, and only when tapped)."""
+    kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
+    module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    y = jnp.einsum(spec, x, w)
+    if residual == "output" and module.has_variable(TAPS, name):
+        y = module.constrain(y, RESIDUAL_AXES)
+    return module.perturb(name, y, collection=TAPS)
+
+
+class Mlp(nn.Module):
+    """GeLU MLP (gpt) or SwiGLU (llama): fc1 column-parallel over `mlp`, fc2 row-parallel.
+    `width` 0 is the model's MLP width; a mixture-of-experts layer's shared experts give theirs."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+    width: int = 0
+
+    @nn.compact
+    def __call__(self, x_BxSxD: Array) -> Array:
+        cfg = self.cfg
+        d, f = cfg.hidden, self.width or cfg.mlp_hidden
+        compute = dtype_of(cfg.compute_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        w_in = param(self, "w_in", (d, f), ("embed", "mlp"), normal(cfg.init_std))
+        w_out = param(self, "w_out", (f, d), ("mlp", "embed"), normal(out_std))
+        u_BxSxF = weight_matmul(self, "w_in", "bsd,df->bsf", x_BxSxD, w_in.astype(compute), "input")
+        if cfg.block == "gpt":
+            b_in = param(self, "b_in", (f,), ("mlp",), nn.initializers.zeros)
+            u_BxSxF = jax.nn.gelu(u_BxSxF + b_in.astype(compute), approximate=True)
+        else:
+            w_gate = param(self, "w_gate", (d, f), ("embed", "mlp"), normal(cfg.init_std))
+            gate_BxSxF = weight_matmul(
+                self, "w_gate", "bsd,df->bsf", x_BxSxD, w_gate.astype(compute), "input"
+            )
+            u_BxSxF = jax.nn.silu(gate_BxSxF) * u_BxSxF
+        u_BxSxF = self.constrain(u_BxSxF, ("act_batch", "act_tokens", "act_mlp"))
+        y_BxSxD = weight_matmul(
+            self, "w_out", "bsf,fd->bsd", u_BxSxF, w_out.astype(compute), "output"
+        )
+        if cfg.block == "gpt":
+            b_out = param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
+            y_BxSxD = y_BxSxD + b_out.astype(compute)
+        return y_BxSxD

@@ -1,0 +1,55 @@
+"""The step's side of the MoE layers' routing bias (`jaxmeg.models.moe`): the bias's "gradient"
+is each expert's load (its share of a microbatch's k x tokens routing choices, averaged over
+the step's microbatches and replicas), not a gradient. The step takes it out of the gradients
+before the norm, clipping and the optimizer (which then leave the bias alone: AdamW's moments
+of a zero gradient stay zero, and the bias has no weight decay), moves the bias toward an even
+load (DeepSeek-V3's loss-free balancing: + rate where an expert got less than the layer's
+mean, - rate where more), and reports how uneven each layer's load was."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.pipeline.layout import StageLayout
+
+BIAS = "router_bias"
+
+
+def _is_bias(path) -> bool:
+    return str(getattr(path[-1], "key", path[-1])) == BIAS
+
+
+def take_loads(grads) -> tuple[object, list[jax.Array]]:
+    """(the gradients with every routing bias's entry zeroed, those entries: the loads)."""
+    loads = []
+
+    def take(path, g):
+        if _is_bias(path):
+            loads.append(g)
+            return jnp.zeros_like(g)
+        return g
+
+    return jax.tree_util.tree_map_with_path(take, grads), loads
+
+
+def move_biases(params, loads: list[jax.Array], rate: float):
+    """Each bias + rate x sign(its layer's mean load - the expert's load)."""
+    moves = iter(loads)
+
+    def move(path, p):
+        if not _is_bias(path):
+            return p
+        load = next(moves)
+        error = jnp.mean(load, axis=-1, keepdims=True) - load
+        return p + (rate * jnp.sign(error)).astype(p.dtype)
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
+def load_spread(loads: list[jax.Array], layout: StageLayout) -> jax.Array:
+    """max / mean load over the experts of each MoE layer [L], in model order (1 = even)."""
+    (load,) = loads  # the stacked layers' one bias leaf, [v, p, Lc, E]
+    load = layout.to_canonical(load)
+    mean = jnp.mean(load, axis=-1)
+    return jnp.max(load, axis=-1) / jnp.where(mean > 0, mean, 1.0)

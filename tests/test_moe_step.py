@@ -1,0 +1,219 @@
+"""Mixture-of-experts layers in the step: the executor's loss and every gradient equal one
+device's (`jaxmeg.training.reference`, which adds the auxiliary losses to the loss it
+differentiates, while the step injects their gradient in the backward), router and routing-bias
+slot included, for pipelines, tensor and data parallelism, the zero-bubble split backward, a
+sharded optimizer, both routers, top-1 and top-2, shared experts, and a router that sends every
+token to one expert; the bias update and the load metric of the train step; the config checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmeg import config as C
+from jaxmeg.training import checkpoint_meta, expert_balance
+from jaxmeg.training.pipeline_step import make_loss_and_grads
+from jaxmeg.training.reference import make_plain_loss_and_grads
+from jaxmeg.training.state import (
+    init_state,
+    state_shardings,
+    to_canonical_layout,
+    to_stage_layout,
+)
+from jaxmeg.training.step import make_train_step
+from tests.helpers import put_batch, random_batch, run_checked, trainable_for
+
+pytestmark = pytest.mark.timeout(300)
+
+LLAMA = C.ModelConfig(
+    block="llama", vocab_size=500, hidden=32, layers=4, heads=4, seq_len=8,
+    compute_dtype="float32", tie_embeddings=False,
+)  # fmt: skip
+GPT = dataclasses.replace(LLAMA, block="gpt", tie_embeddings=True)
+TOP2 = C.MoeConfig(experts=4, top_k=2, ffn_hidden=16, aux_loss=0.1, z_loss=0.01)
+SHARED = dataclasses.replace(TOP2, shared_experts=1, shared_gate=True)
+SIGMOID_TOP1 = dataclasses.replace(TOP2, top_k=1, router="sigmoid", normalize=False)
+TOL = 2e-5
+
+
+def config(mesh, moe, model=LLAMA, schedule="1f1b", chunks=1, microbatches=2, **parallel):
+    data, pipe, tensor = mesh
+    return C.Config(
+        model=model,
+        moe=moe,
+        parallel=C.ParallelConfig(
+            data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, **parallel
+        ),
+        train=C.TrainConfig(global_batch=2 * data * microbatches, microbatches=microbatches),
+        optimizer=C.OptimizerConfig(lr=1e-2, warmup_steps=1),
+    )
+
+
+@functools.cache
+def reference(global_batch: int, moe: C.MoeConfig, model: C.ModelConfig, bias=None):
+    """Tokens, canonical params, loss and canonical gradients on one device (one microbatch);
+    `bias` [E] set in every layer's routing bias before the run."""
+    cfg = dataclasses.replace(
+        config((1, 1, 1), moe, model), train=C.TrainConfig(global_batch=global_batch)
+    )
+    trainable = trainable_for(cfg)
+    tokens = random_batch(trainable.cfg)
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        if bias is not None:
+            experts = params["blocks"]["layers"]["moe"]
+            experts["router_bias"] = experts["router_bias"] + np.asarray(bias, np.float32)
+        loss, grads = jax.jit(make_plain_loss_and_grads(trainable))(
+            params, *put_batch(trainable, tokens)
+        )
+    canonical = functools.partial(to_canonical_layout, layout=trainable.layout)
+    to_host = functools.partial(jax.tree.map, np.asarray)
+    return tokens, canonical(to_host(params)), float(loss), canonical(to_host(grads))
+
+
+def check(cfg: C.Config, bias=None) -> dict:
+    """Asserts the step's loss and gradients equal one device's; returns the canonical grads."""
+    trainable = trainable_for(cfg)
+    tokens, params, ref_loss, ref_grads = reference(
+        cfg.train.global_batch, cfg.moe, cfg.model, bias
+    )
+    params = jax.device_put(
+        to_stage_layout(params, trainable.layout), state_shardings(trainable)["params"]
+    )
+    loss, grads = run_checked(
+        trainable, make_loss_and_grads(trainable), params, *put_batch(trainable, tokens)
+    )
+    grads = to_canonical_layout(jax.tree.map(np.asarray, grads), trainable.layout)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=TOL)
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    assert len(jax.tree.leaves(grads)) == len(flat_ref)
+    for (path, ref), got in zip(flat_ref, jax.tree.leaves(grads), strict=True):
+        name = jax.tree_util.keystr(path)
+        assert np.abs(ref).max() > 0 or "router_bias" not in name, name
+        np.testing.assert_allclose(
+            got, ref, rtol=TOL, atol=TOL * float(np.abs(ref).max()), err_msg=name
+        )
+    return grads
+
+
+CASES = {
+    # mesh (data, pipe, tensor), moe, model, schedule, chunks, parallel overrides
+    "d2p2t2-1f1b-top2-shared": ((2, 2, 2), SHARED, LLAMA, "1f1b", 1, {}),
+    "p2t2-zb_h1-sigmoid-top1": ((1, 2, 2), SIGMOID_TOP1, LLAMA, "zb_h1", 1, {}),
+    "d2p2-interleaved-zero1-gpt": (
+        (2, 2, 1), TOP2, GPT, "interleaved_1f1b", 2, {"zero_stage": 1}
+    ),
+    "t4-sequence_parallel": (
+        (1, 1, 4), SIGMOID_TOP1, LLAMA, "1f1b", 1, {"sequence_parallel": True}
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_step_equals_one_device(name):
+    mesh, moe, model, schedule, chunks, parallel = CASES[name]
+    check(config(mesh, moe, model, schedule, chunks, **parallel))
+
+
+def test_every_token_to_one_expert_leaves_the_others_at_zero():
+    """A routing bias that makes expert 0 every token's only choice: the other experts get no
+    rows (groups of size 0) and no gradient, and the bias slot says expert 0 took them all."""
+    cfg = config((2, 2, 2), dataclasses.replace(TOP2, top_k=1))
+    grads = check(cfg, bias=(100.0, 0.0, 0.0, 0.0))
+    experts = grads["blocks"]["layers"]["moe"]
+    np.testing.assert_array_equal(experts["router_bias"], np.tile([1.0, 0, 0, 0], (4, 1)))
+    for name in ("w_in", "w_gate", "w_out"):
+        assert np.abs(experts[name][:, 0]).max() > 0, name
+        np.testing.assert_array_equal(experts[name][:, 1:], 0)
+
+
+def test_bias_update_evens_a_skewed_load_and_the_step_reports_it():
+    """Loss-free balancing in the train step: a bias that starts with expert 0 taking most of
+    the choices moves toward an even load step by step (max/mean falls), the bias never enters
+    the optimizer (its AdamW moments stay 0), and `moe_load_spread` is each layer's max/mean."""
+    moe = dataclasses.replace(TOP2, top_k=1, aux_loss=0.0, bias_update_rate=0.004)
+    trainable = trainable_for(config((1, 2, 1), moe))
+    tokens = put_batch(trainable, random_batch(trainable.cfg))
+    with jax.set_mesh(trainable.mesh):
+        state = init_state(trainable, seed=0)
+        bias = state["params"]["blocks"]["layers"]["moe"]["router_bias"]
+        state["params"]["blocks"]["layers"]["moe"]["router_bias"] = bias.at[..., 0].set(0.06)
+        step = make_train_step(trainable)
+        spreads = []
+        for _ in range(16):
+            state, metrics = step(state, *tokens)
+            spreads.append(np.asarray(metrics["moe_load_spread"]))
+    assert spreads[0].shape == (LLAMA.layers,)
+    # measured: 3.25 at the first step (expert 0 takes most tokens), 1.4 over the last three
+    first, last = spreads[0].mean(), np.mean(spreads[-3:])
+    assert first > 2.5 and last < 0.6 * first, (first, last)
+    moments = [
+        np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+        if "router_bias" in jax.tree_util.keystr(path)
+    ]
+    assert moments and all(np.all(m == 0) for m in moments)
+
+
+def test_loads_leave_the_gradients_and_move_each_bias_toward_the_mean():
+    grads = {"moe": {"router_bias": np.array([[0.5, 0.25, 0.25, 0.0]]), "w_in": np.ones(2)}}
+    cleaned, loads = expert_balance.take_loads(grads)
+    np.testing.assert_array_equal(cleaned["moe"]["router_bias"], 0)
+    np.testing.assert_array_equal(cleaned["moe"]["w_in"], 1)
+    params = {"moe": {"router_bias": np.zeros((1, 4)), "w_in": np.ones(2)}}
+    moved = expert_balance.move_biases(params, loads, 0.1)
+    np.testing.assert_allclose(moved["moe"]["router_bias"], [[-0.1, 0.0, 0.0, 0.1]])
+
+
+BAD = [
+    ({"experts": 4, "top_k": 5}, "moe.top_k must be between 1 and moe.experts (4), got 5"),
+    ({"experts": -2}, "moe.experts must be >= 0"),
+    ({"experts": 4, "capacity_factor": -1.0}, "moe.capacity_factor must be >= 0, got -1.0"),
+    ({"experts": 4, "capacity_factor": 1.25}, "does not run with moe.capacity_factor = 1.25"),
+    ({"experts": 4, "router": "relu"}, "moe.router"),
+    ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
+    ({"experts": 4, "first_dense": 1}, "does not run with moe.first_dense = 1"),
+    ({"experts": 4, "every": 2}, "does not run with moe.every = 2"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD)
+def test_bad_moe_settings_are_named_before_compiling(fields, message):
+    cfg = config((1, 1, 4), C.MoeConfig(**fields))
+    with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        C.validate(cfg, 4)
+
+
+def test_moe_refuses_what_it_does_not_run_yet_by_name():
+    cfg = dataclasses.replace(
+        config((1, 2, 1), TOP2), compression=C.CompressionConfig(data_grad_rank=4)
+    )
+    with pytest.raises(C.ConfigError, match="moe.experts = 4 does not run with compression"):
+        C.validate(cfg, 2)
+    context = dataclasses.replace(config((1, 1, 1), TOP2), parallel=C.ParallelConfig(context=2))
+    with pytest.raises(C.ConfigError, match="does not run with parallel.context = 2"):
+        C.validate(context, 2)
+
+
+def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
+    dense = C.validate(config((1, 1, 1), C.MoeConfig()), 1)
+    saved = {"config": {k: v for k, v in C.to_dict(dense).items() if k != "moe"}}
+    mismatches = checkpoint_meta.shape_mismatches(saved, C.validate(config((1, 1, 1), TOP2), 1))
+    assert ("moe.experts", 0, 4) in mismatches
+
+
+def test_mfu_counts_the_active_experts_not_all_of_them():
+    """A GeLU top-1 expert as wide as the dense MLP runs the dense MLP's FLOPs plus the router's
+    (2 h E per token and pass); the expert count does not enter otherwise."""
+    from jaxmeg.training.flops import model_flops_per_step
+
+    model = dataclasses.replace(GPT, ffn_hidden=128)
+    dense = model_flops_per_step(model, 8)
+    for experts in (4, 64):
+        moe = C.MoeConfig(experts=experts, top_k=1)
+        router = 3 * 8 * model.seq_len * model.layers * 2 * model.hidden * experts
+        assert model_flops_per_step(model, 8, moe=moe) == pytest.approx(dense + router)
