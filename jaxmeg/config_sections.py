@@ -18,7 +18,7 @@ import yaml
 
 from jaxmeg.config_moe import MoeConfig
 
-MESH_AXES = ("data", "pipe", "context", "tensor")
+MESH_AXES = ("data", "pipe", "context", "expert", "tensor")
 OUTER_AXES = ("pipe", "data")
 """The `parallel.outer_axis` choices: the mesh axis that varies slowest over devices."""
 ZERO_STAGES = (0, 1, 3)
@@ -126,6 +126,12 @@ class ParallelConfig:
     (`jaxmeg.parallel.context`). The mesh axis sits between pipe and tensor; parameters are
     replicated over it and their gradients summed over it. model.seq_len must be divisible by
     2c."""
+    expert: int = 1
+    """Expert-parallel size: the MoE layers' experts split over this many devices (moe.experts
+    divisible by it), which are data-parallel replicas for every other weight (each takes
+    1/expert of a microbatch's rows). Tokens reach their experts' devices and come back by
+    all-to-all inside the layer (`jaxmeg.models.moe`). The axis sits beside tensor, inside a
+    node."""
     sequence_parallel: bool = False
     """Shard the activations between blocks on the sequence dim over `tensor`, so each block's
     all-reduce becomes a reduce-scatter plus an all-gather (Korthikanti et al., 2022)."""

@@ -31,11 +31,14 @@ from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import LayoutError, StageLayout
 
 
-def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int, int, int]:
-    """(data, pipe, context, tensor), the one `-1` axis filled in so that their product is
-    num_devices."""
-    if par.context < 1:
-        raise ConfigError(f"parallel.context must be a positive integer, got {par.context}")
+def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int, int, int, int]:
+    """(data, pipe, context, expert, tensor), the one `-1` axis filled in so that their product
+    is num_devices."""
+    for name in ("context", "expert"):
+        if getattr(par, name) < 1:
+            raise ConfigError(
+                f"parallel.{name} must be a positive integer, got {getattr(par, name)}"
+            )
     sizes = {"data": par.data, "pipe": par.pipe, "tensor": par.tensor}
     for name, size in sizes.items():
         if size == 0 or size < -1:
@@ -43,7 +46,8 @@ def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int,
     unknown = [n for n, s in sizes.items() if s == -1]
     if len(unknown) > 1:
         raise ConfigError(f"only one of parallel.data/pipe/tensor may be -1, got {unknown}")
-    known = math.prod(s for s in sizes.values() if s != -1) * par.context
+    inner = par.context * par.expert
+    known = math.prod(s for s in sizes.values() if s != -1) * inner
     if unknown:
         if num_devices % known:
             raise ConfigError(
@@ -51,15 +55,15 @@ def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int,
                 f"by the product of the other axes ({known})"
             )
         sizes[unknown[0]] = num_devices // known
-    product = sizes["data"] * sizes["pipe"] * par.context * sizes["tensor"]
+    product = sizes["data"] * sizes["pipe"] * inner * sizes["tensor"]
     if product != num_devices:
-        named = "parallel.data * parallel.pipe * parallel.tensor"
-        values = f"{sizes['data']} * {sizes['pipe']} * {sizes['tensor']}"
-        if par.context > 1:
-            named = "parallel.data * parallel.pipe * parallel.context * parallel.tensor"
-            values = f"{sizes['data']} * {sizes['pipe']} * {par.context} * {sizes['tensor']}"
+        axes = {"data": sizes["data"], "pipe": sizes["pipe"], "context": par.context,
+                "expert": par.expert, "tensor": sizes["tensor"]}  # fmt: skip
+        shown = {a: n for a, n in axes.items() if a not in ("context", "expert") or n > 1}
+        named = " * ".join(f"parallel.{a}" for a in shown)
+        values = " * ".join(str(n) for n in shown.values())
         raise ConfigError(f"{named} = {values} = {product}, but there are {num_devices} devices")
-    return sizes["data"], sizes["pipe"], par.context, sizes["tensor"]
+    return sizes["data"], sizes["pipe"], par.context, par.expert, sizes["tensor"]
 
 
 def resolve_batching(train: TrainConfig, data: int, pipe: int = 1) -> tuple[int, int]:
@@ -219,11 +223,22 @@ def _validate_context(cfg: Config, context: int) -> None:
         )
 
 
-def _validate_moe(cfg: Config, context: int, tensor: int) -> None:
-    """The `moe` section: its own ranges, and what MoE layers do not run with yet."""
+def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
+    """The `moe` section: its own ranges, the expert axis, and what MoE layers do not run with
+    yet."""
     moe, comp = cfg.moe, cfg.compression
     if moe.experts < 0:
         raise ConfigError(f"moe.experts must be >= 0 (0 = a dense model), got {moe.experts}")
+    if expert > 1 and moe.experts % expert:
+        raise ConfigError(
+            f"parallel.expert = {expert} splits the experts over {expert} devices: moe.experts "
+            f"({moe.experts}) must be divisible by it"
+            + (
+                " (moe.experts = 0 is a dense model, which has no experts)"
+                if not moe.experts
+                else ""
+            )
+        )
     if moe.experts == 0:
         return
     _check_choice("moe.router", moe.router, MOE_ROUTERS)
@@ -343,9 +358,9 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     _check_positive("model.rope_theta", m.rope_theta)
 
-    data, pipe, context, tensor = resolve_mesh_shape(par, num_devices)
+    data, pipe, context, expert, tensor = resolve_mesh_shape(par, num_devices)
     _validate_context(cfg, context)
-    _validate_moe(cfg, context, tensor)
+    _validate_moe(cfg, context, expert, tensor)
     if m.heads % tensor:
         raise ConfigError(
             f"model.heads ({m.heads}) must be divisible by parallel.tensor ({tensor})"
@@ -373,6 +388,11 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     _validate_schedule_layout(par, pipe)
     b, micro = resolve_batching(tr, data, pipe)
+    if b % expert:
+        raise ConfigError(
+            f"parallel.expert = {expert} splits each microbatch's rows over {expert} devices: "
+            f"train.microbatch_size ({b}) must be divisible by it"
+        )
     _check_schedule(par, pipe, micro)
     try:
         StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers,

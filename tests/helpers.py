@@ -32,7 +32,7 @@ def tiny_config(data=1, pipe=1, tensor=1, **parallel) -> C.Config:
 
 def trainable_for(cfg: C.Config) -> Trainable:
     par = cfg.parallel
-    n = par.data * par.pipe * par.context * par.tensor
+    n = par.data * par.pipe * par.context * par.expert * par.tensor
     cfg = C.validate(cfg, n)
     return Trainable.create(cfg, make_mesh(cfg.parallel, jax.devices()[:n]))
 

@@ -48,7 +48,10 @@ def config(mesh, moe, model=LLAMA, schedule="1f1b", chunks=1, microbatches=2, **
         parallel=C.ParallelConfig(
             data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, **parallel
         ),
-        train=C.TrainConfig(global_batch=2 * data * microbatches, microbatches=microbatches),
+        train=C.TrainConfig(
+            global_batch=2 * data * parallel.get("expert", 1) * microbatches,
+            microbatches=microbatches,
+        ),
         optimizer=C.OptimizerConfig(lr=1e-2, warmup_steps=1),
     )
 
@@ -104,11 +107,14 @@ CASES = {
     # mesh (data, pipe, tensor), moe, model, schedule, chunks, parallel overrides
     "d2p2t2-1f1b-top2-shared": ((2, 2, 2), SHARED, LLAMA, "1f1b", 1, {}),
     "p2t2-zb_h1-sigmoid-top1": ((1, 2, 2), SIGMOID_TOP1, LLAMA, "zb_h1", 1, {}),
-    "d2p2-interleaved-zero1-gpt": (
-        (2, 2, 1), TOP2, GPT, "interleaved_1f1b", 2, {"zero_stage": 1}
+    # expert parallelism: the experts split over `expert`, tokens exchanged by all-to-all
+    "e2p2t2-1f1b-shared": ((1, 2, 2), SHARED, LLAMA, "1f1b", 1, {"expert": 2}),
+    "d2e2p2-zb_h1": ((2, 2, 1), TOP2, LLAMA, "zb_h1", 1, {"expert": 2}),
+    "e4t2-sequence_parallel": (
+        (1, 1, 2), SIGMOID_TOP1, LLAMA, "1f1b", 1, {"expert": 4, "sequence_parallel": True}
     ),
-    "t4-sequence_parallel": (
-        (1, 1, 4), SIGMOID_TOP1, LLAMA, "1f1b", 1, {"sequence_parallel": True}
+    "d2e2p2-interleaved-zero1-gpt": (
+        (2, 2, 1), TOP2, GPT, "interleaved_1f1b", 2, {"expert": 2, "zero_stage": 1}
     ),
 }  # fmt: skip
 
@@ -120,9 +126,10 @@ def test_moe_step_equals_one_device(name):
 
 
 def test_every_token_to_one_expert_leaves_the_others_at_zero():
-    """A routing bias that makes expert 0 every token's only choice: the other experts get no
+    """A routing bias that makes expert 0 every token's only choice, with the experts split
+    over 2 devices: the device of experts 2 and 3 receives no token, the other experts get no
     rows (groups of size 0) and no gradient, and the bias slot says expert 0 took them all."""
-    cfg = config((2, 2, 2), dataclasses.replace(TOP2, top_k=1))
+    cfg = config((1, 2, 2), dataclasses.replace(TOP2, top_k=1), expert=2)
     grads = check(cfg, bias=(100.0, 0.0, 0.0, 0.0))
     experts = grads["blocks"]["layers"]["moe"]
     np.testing.assert_array_equal(experts["router_bias"], np.tile([1.0, 0, 0, 0], (4, 1)))
@@ -160,13 +167,39 @@ def test_bias_update_evens_a_skewed_load_and_the_step_reports_it():
 
 
 def test_loads_leave_the_gradients_and_move_each_bias_toward_the_mean():
-    grads = {"moe": {"router_bias": np.array([[0.5, 0.25, 0.25, 0.0]]), "w_in": np.ones(2)}}
+    grads = {"moe": {"router_bias": np.array([[0.5, 0.25, 0.25, 0.0]], np.float32),
+                     "w_in": np.ones(2, np.float32)}}  # fmt: skip
     cleaned, loads = expert_balance.take_loads(grads)
     np.testing.assert_array_equal(cleaned["moe"]["router_bias"], 0)
     np.testing.assert_array_equal(cleaned["moe"]["w_in"], 1)
-    params = {"moe": {"router_bias": np.zeros((1, 4)), "w_in": np.ones(2)}}
+    params = {"moe": {"router_bias": np.zeros((1, 4), np.float32), "w_in": np.ones(2)}}
     moved = expert_balance.move_biases(params, loads, 0.1)
     np.testing.assert_allclose(moved["moe"]["router_bias"], [[-0.1, 0.0, 0.0, 0.1]])
+
+
+def test_expert_parallel_dispatch_is_all_to_all_over_expert_in_the_compiled_step():
+    """(expert 4): per MoE layer and microbatch, the compiled step exchanges tokens by
+    all-to-all over `expert` only: dispatch and combine, the backward's rerun of both, and
+    their transposes (6 of the padded row buffer: 4 ranks x T k rows x h, the bound that keeps
+    a dropless exchange at fixed shapes) and one of the choices' expert ids. The routing runs
+    on each device's own rows: the only all-gathers over `expert` are the embedding's backward
+    (its tokens and cotangents), none in the MoE layers."""
+    from jaxmeg.parallel import hlo
+
+    trainable = trainable_for(config((1, 1, 1), TOP2, expert=4, microbatches=1))
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+        compiled = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
+    found = hlo.collectives(compiled.as_text(), trainable.mesh)
+    rows = trainable.cfg.train.microbatch_size // 4 * LLAMA.seq_len  # T on each device
+    buffer = 4 * rows * TOP2.top_k * LLAMA.hidden * 4  # fp32 rows
+    exchanges = [c.bytes for c in found if c.kind == "all-to-all"]
+    assert all(c.axes == {"expert"} for c in found if c.kind == "all-to-all")
+    assert sorted(set(exchanges)) == [4 * rows * TOP2.top_k * 4, buffer], exchanges
+    assert exchanges.count(buffer) == 6 * LLAMA.layers
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
 
 
 BAD = [
@@ -178,14 +211,28 @@ BAD = [
     ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
     ({"experts": 4, "first_dense": 1}, "does not run with moe.first_dense = 1"),
     ({"experts": 4, "every": 2}, "does not run with moe.every = 2"),
+    ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
 ]
 
 
 @pytest.mark.parametrize("fields,message", BAD)
 def test_bad_moe_settings_are_named_before_compiling(fields, message):
     cfg = config((1, 1, 4), C.MoeConfig(**fields))
+    if "parallel.expert" in message:
+        cfg = config((1, 1, 1), C.MoeConfig(**fields), expert=4)
     with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         C.validate(cfg, 4)
+
+
+def test_an_expert_axis_that_does_not_fit_is_named():
+    rows = dataclasses.replace(config((1, 1, 1), TOP2, expert=4), train=C.TrainConfig(
+        global_batch=4, microbatches=2))  # fmt: skip
+    with pytest.raises(C.ConfigError, match=r"train.microbatch_size \(2\) must be divisible"):
+        C.validate(rows, 4)
+    with pytest.raises(
+        C.ConfigError, match=r"parallel.expert \* parallel.tensor = 1 \* 1 \* 4 \* 1 = 4, but"
+    ):
+        C.validate(config((1, 1, 1), TOP2, expert=4), 6)
 
 
 def test_moe_refuses_what_it_does_not_run_yet_by_name():

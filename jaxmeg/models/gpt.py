@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig, MoeConfig
-from jaxmeg.models.moe import MOE_STATS, MoeMlp
+from jaxmeg.models.moe import MOE_STATS, Dispatch, MoeMlp
 from jaxmeg.models.parts import (  # noqa: F401 (MATMUL_INPUTS, TAPS, RESIDUAL_AXES: re-exported)
     MATMUL_INPUTS,
     RESIDUAL_AXES,
@@ -274,13 +274,15 @@ class Block(nn.Module):
     key/value cache [2, B, T, K, H] (decoding), also returns the cache the new tokens wrote.
     What it keeps for its backward is REMAT_POLICY[cfg.remat], applied by its caller
     (`BlockStack`, the pipeline's chunk) around each layer. `moe_grad_scale`: the weight of the
-    MoE layers' auxiliary losses in the backward (`jaxmeg.models.moe.into_backward`)."""
+    MoE layers' auxiliary losses in the backward (`jaxmeg.models.moe.into_backward`);
+    `moe_dispatch`: how the MoE layer runs experts split over devices (None: all here)."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
     order: SequenceOrder | None = None
     moe: MoeConfig = MoeConfig()
     moe_grad_scale: float = 0.0
+    moe_dispatch: Dispatch | None = None
 
     @nn.compact
     def __call__(
@@ -295,7 +297,8 @@ class Block(nn.Module):
             x = x + y
         x = self.constrain(x, RESIDUAL_AXES)
         if self.moe.experts:
-            mlp = MoeMlp(self.cfg, self.moe, self.constrain, self.moe_grad_scale, name="moe")
+            mlp = MoeMlp(self.cfg, self.moe, self.constrain, self.moe_grad_scale,
+                         self.moe_dispatch, name="moe")  # fmt: skip
         else:
             mlp = Mlp(self.cfg, self.constrain, name="mlp")
         x = x + mlp(Norm(self.cfg, name="norm2")(x))

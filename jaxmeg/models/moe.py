@@ -32,14 +32,18 @@ update and the load metrics read
 With `grad_scale` 0 (evaluation, generation, the single-device reference) nothing is injected;
 the losses and loads are sown in the `moe_stats` collection for a caller that asks for them.
 
-Not here yet: expert parallelism (an `expert` mesh axis and all-to-all dispatch), capacity
-limits, dense leading layers (`moe.first_dense`, `moe.every`).
+Expert parallelism (`parallel.expert` > 1): the experts are split over the mesh's `expert`
+axis, a microbatch's rows too, and each choice travels to its expert's device and back by
+all-to-all (`experts_ffn_exchanged`, run under a map by `jaxmeg.parallel.experts`, which the
+step hands the layer as its `dispatch`). Not here yet: capacity limits, dense leading layers
+(`moe.first_dense`, `moe.every`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
 
 import flax.linen as nn
@@ -129,6 +133,61 @@ def experts_ffn(
     return jnp.sum(unsorted.astype(jnp.float32) * weights, axis=1).astype(x.dtype)
 
 
+def _sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the stable order that sorts `keys` [N] in [0, groups), each group's size [groups], each
+    sorted entry's position within its group [N])."""
+    order = jnp.argsort(keys, stable=True)
+    sizes = jnp.bincount(keys, length=groups).astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    sorted_keys = keys[order]
+    return order, sizes, jnp.arange(keys.shape[0]) - starts[sorted_keys]
+
+
+def experts_ffn_exchanged(
+    x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
+    w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
+) -> jax.Array:  # fmt: skip
+    """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
+    inside a map manual over it: this device holds rows x [T, h] and experts
+    [e * E_l, (e + 1) * E_l) (w_* [E_l, ...], e its index on `axis`). Each choice goes to its
+    expert's device and its output comes back by two `all_to_all`s (dispatch, combine); the
+    experts run as grouped GEMMs on the rows they receive.
+
+    Dropless with fixed shapes: a device may send all its T k choices to one device, so each
+    (sender, receiver) block holds T k rows, of which the first `count` are real. That is E/E_l
+    times the routed tokens' bytes on the wire (and in the buffers); a ragged all-to-all would
+    send only the real rows, but XLA's CPU backend does not run one. With `tensor_axis`, w_*
+    hold a 1/t slice of the experts' width and the outputs are summed over it."""
+    tokens, k = routing.experts.shape
+    ranks, local = jax.lax.axis_size(axis), w_in.shape[0]
+    choices = tokens * k
+    expert = routing.experts.reshape(-1)  # [T k], token-major
+    order, _, slot = _sorted_by(expert // local, ranks)
+    rank = (expert // local)[order]
+    send = jnp.zeros((ranks, choices, x.shape[-1]), x.dtype).at[rank, slot].set(x[order // k])
+    ids = jnp.full((ranks, choices), local, jnp.int32).at[rank, slot].set(expert[order] % local)
+    rows = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ranks * choices, -1)
+    ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
+    # received rows sorted by local expert, the padding (id `local`) last: past every group
+    by_expert, sizes, _ = _sorted_by(ids, local + 1)
+    sizes = sizes[:local]
+    grouped = rows[by_expert]
+    hidden = jax.lax.ragged_dot(grouped, w_in.astype(x.dtype), sizes)
+    if w_gate is not None:
+        hidden = jax.nn.silu(jax.lax.ragged_dot(grouped, w_gate.astype(x.dtype), sizes)) * hidden
+    else:
+        hidden = jax.nn.gelu(hidden)
+    out = jax.lax.ragged_dot(hidden, w_out.astype(x.dtype), sizes)
+    out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ranks, choices, -1)
+    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(back[rank, slot])
+    weights = routing.weights.astype(jnp.float32)[..., None]
+    combined = jnp.sum(per_choice.reshape(tokens, k, -1).astype(jnp.float32) * weights, axis=1)
+    if tensor_axis is not None:  # each tensor rank's experts ran a slice of their width
+        combined = jax.lax.psum(combined, tensor_axis)
+    return combined.astype(x.dtype)
+
+
 def sequence_balance_loss(routing: Routing, sequences: int, router: str = "softmax") -> jax.Array:
     """`load_balancing_loss` of each sequence's tokens (rows in sequence-major order), averaged
     over the `sequences`. A sigmoid router's scores are normalised per token first (DeepSeek-V3's
@@ -143,6 +202,43 @@ def sequence_balance_loss(routing: Routing, sequences: int, router: str = "softm
         return load_balancing_loss(Routing(experts, experts, probs_, probs_), num_experts)
 
     return jnp.mean(jax.vmap(one)(split(routing.experts), split(probs)))
+
+
+def router_logits(x: Array, w_router: Array) -> Array:
+    """The router's logits [T, E] in float32, whatever the compute dtype."""
+    return jnp.einsum("td,de->te", x.astype(jnp.float32), w_router.astype(jnp.float32))
+
+
+def moe_ffn(
+    moe: MoeConfig, sequences: int, x: Array, logits: Array, bias: Array, w_in: Array,
+    w_out: Array, *w_gate: Array, axis: str | None = None, tensor_axis: str | None = None,
+) -> tuple[Array, Array, Array]:  # fmt: skip
+    """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
+    router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
+    share of the k T choices [E]). w_gate: () or (the SwiGLU gate,). With `axis` (inside a map
+    manual over it, each device holding its own rows and E_l experts) the choices travel by
+    all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
+    every device holds as many sequences, so that is the mean over all of them."""
+    routing = route(logits, moe.top_k, moe.router, moe.normalize, bias)
+    gate = w_gate[0] if w_gate else None
+    if axis is None:
+        y = experts_ffn(x, routing, w_in, w_out, gate)
+    else:
+        y = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis)
+    aux = jnp.zeros((), jnp.float32)
+    if moe.aux_loss:
+        aux = aux + moe.aux_loss * sequence_balance_loss(routing, sequences, moe.router)
+    if moe.z_loss:
+        aux = aux + moe.z_loss * z_loss(routing)
+    share = expert_load(routing, logits.shape[-1]) / routing.experts.size
+    if axis is not None:
+        aux, share = jax.lax.pmean((aux, share), axis)
+    return y, aux, share
+
+
+Dispatch = Callable[..., tuple[Array, Array, Array]]
+"""`moe_ffn`'s signature without `axis`: how a layer runs its experts when they are split over
+devices (`jaxmeg.parallel.experts.exchanged`); the model is handed one and never sees a mesh."""
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -179,6 +275,7 @@ class MoeMlp(nn.Module):
     moe: MoeConfig
     constrain: Constrain = no_constraint
     grad_scale: float = 0.0
+    dispatch: Dispatch | None = None
 
     @nn.compact
     def __call__(self, x_BxSxD: Array) -> Array:
@@ -196,30 +293,22 @@ class MoeMlp(nn.Module):
         w_gate = None
         if cfg.block == "llama":
             w_gate = param(self, "w_gate", (e, d, f), expert_in, normal(cfg.init_std))
-            w_gate = w_gate.astype(compute)
         x_TxD = x_BxSxD.reshape(b * s, d)
-        logits_TxE = jnp.einsum(
-            "td,de->te", x_TxD.astype(jnp.float32), w_router.astype(jnp.float32)
-        )
-        routing = route(logits_TxE, moe.top_k, moe.router, moe.normalize, bias)
-        y_BxSxD = experts_ffn(
-            x_TxD, routing, w_in.astype(compute), w_out.astype(compute), w_gate
-        ).reshape(b, s, d)
+        experts = (w_in, w_out) if w_gate is None else (w_in, w_out, w_gate)
+        run = moe_ffn if self.dispatch is None or self.is_initializing() else self.dispatch
+        logits = router_logits(x_TxD, w_router)
+        y_TxD, aux, share = run(moe, b, x_TxD, logits, bias, *(w.astype(compute) for w in experts))
+        y_BxSxD = y_TxD.reshape(b, s, d)
         if moe.shared_experts:
             shared = Mlp(cfg, self.constrain, moe.shared_width(cfg.mlp_hidden), name="shared")
             y_shared = shared(x_BxSxD)
             if moe.shared_gate:
-                w_gate = param(self, "w_shared_gate", (d, 1), ("embed", None),
-                               normal(cfg.init_std))  # fmt: skip
-                gate = jax.nn.sigmoid(jnp.einsum("bsd,do->bso", x_BxSxD, w_gate.astype(compute)))
+                w_shared_gate = param(self, "w_shared_gate", (d, 1), ("embed", None),
+                                      normal(cfg.init_std))  # fmt: skip
+                gate = jnp.einsum("bsd,do->bso", x_BxSxD, w_shared_gate.astype(compute))
+                gate = jax.nn.sigmoid(gate)
                 y_shared = y_shared * gate
             y_BxSxD = y_BxSxD + y_shared
-        aux = jnp.zeros((), jnp.float32)
-        if moe.aux_loss:
-            aux = aux + moe.aux_loss * sequence_balance_loss(routing, b, moe.router)
-        if moe.z_loss:
-            aux = aux + moe.z_loss * z_loss(routing)
-        share = expert_load(routing, e) / routing.experts.size  # of the k T choices
         self.sow(MOE_STATS, "aux", aux, init_fn=lambda: None, reduce_fn=lambda _, new: new)
         self.sow(MOE_STATS, "share", share, init_fn=lambda: None, reduce_fn=lambda _, new: new)
         if self.grad_scale:

@@ -17,10 +17,11 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-INSIDE_AXES = ("context", "tensor")
+INSIDE_AXES = ("context", "expert", "tensor")
 """The mesh axes the executor's map leaves automatic (context where it is 1)."""
-HEADS = P(None, None, "tensor", None)
-"""q, k, v and o [B, S, N, H]: heads over `tensor`, the rest as the enclosing map holds it."""
+HEADS = P("expert", None, "tensor", None)
+"""q, k, v and o [B, S, N, H]: heads over `tensor`, rows over `expert` (a data-parallel axis
+for attention), the rest as the enclosing map holds it."""
 
 
 def per_tensor_rank(implementation: str) -> Callable:

@@ -45,17 +45,17 @@ def make_mesh(par: ParallelConfig, devices: list | None = None, placement=None) 
     Megatron's device order, or in `placement`'s (a `jaxmeg.parallel.placement.Placement`)."""
     devices = list(jax.devices() if devices is None else devices)
     devices.sort(key=lambda d: (d.process_index, d.id))
-    data, pipe, context, tensor = resolve_mesh_shape(par, len(devices))
+    data, pipe, context, expert, tensor = resolve_mesh_shape(par, len(devices))
+    inner = context * expert * tensor
     if placement is None:
-        # a context group is c consecutive tensor groups: inside a node where it fits
-        ids = megatron_grid([d.id for d in devices], data, pipe, context * tensor, par.outer_axis)
+        # a context or expert group is c (e) consecutive tensor groups: inside a node where it
+        # fits
+        ids = megatron_grid([d.id for d in devices], data, pipe, inner, par.outer_axis)
     else:
         ids = placement.grid
-        if ids.shape != (data, pipe, context * tensor):
-            raise ValueError(
-                f"placement grid {ids.shape} != mesh shape {(data, pipe, context * tensor)}"
-            )
-    ids = ids.reshape(data, pipe, context, tensor)
+        if ids.shape != (data, pipe, inner):
+            raise ValueError(f"placement grid {ids.shape} != mesh shape {(data, pipe, inner)}")
+    ids = ids.reshape(data, pipe, context, expert, tensor)
     by_id = {d.id: d for d in devices}
     grid = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

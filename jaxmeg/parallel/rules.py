@@ -35,7 +35,7 @@ PARAM_RULES: dict[str, str | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "expert_mlp": "tensor",
-    "experts": None,
+    "experts": "expert",
     "embed": None,
     "head_dim": None,
     "qkv": None,
@@ -44,7 +44,7 @@ PARAM_RULES: dict[str, str | None] = {
 }
 
 ACTIVATION_RULES: dict[str, str | None] = {
-    "act_batch": "data",
+    "act_batch": ("data", "expert"),
     "act_seq": None,
     "act_tokens": None,
     "act_embed": None,

@@ -355,7 +355,7 @@ def _named(per_link: dict[tuple[int, int], int]) -> dict[str, int]:
 def _ring_link(layout: Layout, hw: Hardware, stages: list[int]) -> tuple[float, float]:
     """The link of a ring over `stages` x data (one tensor rank's): NVLink when it sits in one
     node."""
-    node = device_grid(layout)[:, stages, 0, 0] // hw.gpus_per_node
+    node = device_grid(layout)[:, stages, 0, 0, 0] // hw.gpus_per_node
     return hardware_link(hw, bool(node.min() == node.max()))
 
 

@@ -19,15 +19,15 @@ def hardware_link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
 
 
 def device_grid(layout: Layout) -> np.ndarray:
-    """int [d, p, c, t] (`config.MESH_AXES`): each GPU's rank in the device order, laid out as
-    `jaxmeg.parallel.mesh.make_mesh` lays out the mesh: tensor fastest, then context (a context
-    group is c consecutive tensor groups), `outer_axis` slowest. Nodes are runs of
-    `gpus_per_node` consecutive ranks."""
+    """int [d, p, c, 1, t] (`config.MESH_AXES`; the performance model has no expert axis yet):
+    each GPU's rank in the device order, laid out as `jaxmeg.parallel.mesh.make_mesh` lays out
+    the mesh: tensor fastest, then context (a context group is c consecutive tensor groups),
+    `outer_axis` slowest. Nodes are runs of `gpus_per_node` consecutive ranks."""
     d, p, c, t = layout.data, layout.pipe, layout.context, layout.tensor
     ranks = np.arange(layout.gpus)
     if layout.outer_axis == "pipe":
-        return ranks.reshape(p, d, c, t).transpose(1, 0, 2, 3)
-    return ranks.reshape(d, p, c, t)
+        return ranks.reshape(p, d, c, 1, t).transpose(1, 0, 2, 3, 4)
+    return ranks.reshape(d, p, c, 1, t)
 
 
 def inside_node(layout: Layout, hw: Hardware, axis: str | tuple[str, ...]) -> bool:

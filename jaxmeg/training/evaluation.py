@@ -144,11 +144,12 @@ def inference_trainable(cfg: Config) -> Trainable:
 
     par = cfg.parallel
     sizes = (par.data, par.pipe, par.tensor)
-    count = len(jax.devices()) if -1 in sizes else math.prod(sizes) * par.context
+    count = len(jax.devices()) if -1 in sizes else math.prod(sizes) * par.context * par.expert
     if count > len(jax.devices()):
         raise C.ConfigError(
-            f"parallel.data * parallel.pipe * parallel.context * parallel.tensor = {count}, but "
-            f"there are {len(jax.devices())} devices (--cpu-devices N simulates N on a CPU)"
+            f"parallel.data * parallel.pipe * parallel.context * parallel.expert * "
+            f"parallel.tensor = {count}, but there are {len(jax.devices())} devices "
+            f"(--cpu-devices N simulates N on a CPU)"
         )
     cfg = C.validate(cfg, count)
     check_attention_runs_here(cfg, jax.devices()[0].platform)

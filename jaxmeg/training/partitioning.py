@@ -105,7 +105,7 @@ def resolve(
     records = job.device_records() if job is not None else None  # the cluster fits the devices
     mode = par.stage_layers if isinstance(par.stage_layers, str) else None
     if mode:
-        _, pipe, _, _ = resolve_mesh_shape(par, devices)
+        pipe = resolve_mesh_shape(par, devices)[1]
         if cfg.model.layers < pipe:
             raise ConfigError(
                 f"parallel.stage_layers={mode} needs model.layers ({cfg.model.layers}) >= "
@@ -115,11 +115,12 @@ def resolve(
     cfg = validate(cfg, devices)
     placement = None
     if job is not None:
-        d, p, c, t = (cfg.parallel.data, cfg.parallel.pipe, cfg.parallel.context,
-                      cfg.parallel.tensor)  # fmt: skip
-        # a context group is placed as tensor groups are: c t devices of one host (one NIC
-        # type); `make_mesh` splits the placement's [d, p, c t] grid into [d, p, c, t]
-        placement = place(records, job.cluster.group_names, d, p, c * t, par.placement,
+        d, p, c, e, t = (cfg.parallel.data, cfg.parallel.pipe, cfg.parallel.context,
+                         cfg.parallel.expert, cfg.parallel.tensor)  # fmt: skip
+        # a context or expert group is placed as tensor groups are: c e t devices of one host
+        # (one NIC type); `make_mesh` splits the placement's [d, p, c e t] grid into
+        # [d, p, c, e, t]
+        placement = place(records, job.cluster.group_names, d, p, c * e * t, par.placement,
                           par.outer_axis)  # fmt: skip
     if not mode or not partition:
         return RunLayout(cfg, placement)

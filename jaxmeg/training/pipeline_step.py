@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY
-from jaxmeg.parallel import activation_rules, attention, context, make_constrain, zero
+from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
 from jaxmeg.pipeline.tick_table import build_tick_table
@@ -153,10 +153,11 @@ def sequence_order(cfg) -> SequenceOrder | None:
 
 def step_block(trainable: Trainable, constrain) -> Block:
     """One layer as the step runs it: its MoE auxiliary losses weighted 1/m in the backward,
-    m the microbatches each replica's loss is the mean of (`jaxmeg.models.moe.into_backward`)."""
-    cfg = trainable.cfg
+    m the microbatches each replica's loss is the mean of (`jaxmeg.models.moe.into_backward`),
+    its experts split over the `expert` axis (`jaxmeg.parallel.experts`)."""
+    cfg, dispatch = trainable.cfg, experts.dispatch_for(trainable.mesh.shape)
     return Block(trainable.model_cfg, constrain, model_order(trainable), cfg.moe,
-                 1.0 / cfg.train.microbatches)  # fmt: skip
+                 1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
 
 
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:

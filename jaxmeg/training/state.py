@@ -32,7 +32,7 @@ from jaxmeg.training.optimizer import make_optimizer
 TrainState = dict[str, Any]
 """{"step": int32 scalar, "params": tree, "opt_state": tree, and with compressed backward
 pipeline links "links": their state (`jaxmeg.training.links`)}."""
-BATCH_SPEC = P("data")
+BATCH_SPEC = P(("data", "expert"))
 
 
 @dataclasses.dataclass(frozen=True)
