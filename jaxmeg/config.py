@@ -1,12 +1,11 @@
 """Typed run configuration: frozen dataclasses, YAML loading, `section.key=value` overrides, and
 `validate`.
 
-The one module to import: it re-exports its two halves (`config_validation` imports
-`config_sections`; neither imports this module or anything built on it, so they form no cycle):
+The one module to import: it re-exports its parts (`config_io` and `config_validation` import
+`config_sections`; none imports this module or anything built on it, so they form no cycle):
   `jaxmeg.config_sections`    the sections (frozen dataclasses, every field with a docstring;
-                              the `moe` one in `jaxmeg.config_moe`),
-                              the choice tuples, loading, YAML and `key=value` overrides,
-                              `to_dict` / `from_dict`.
+                              the `moe` one in `jaxmeg.config_moe`), the choice tuples.
+  `jaxmeg.config_io`          loading, YAML and `key=value` overrides, `to_dict` / `from_dict`.
   `jaxmeg.config_validation`  `validate`: every divisibility and product check, run once before
                               anything is compiled, each error naming the field and the numbers;
                               it resolves the `-1` sentinels (mesh shape, batching, kv heads,
@@ -17,6 +16,7 @@ Words: axis = mesh axis (`data`, `pipe`, `tensor`); dim = tensor dimension.
 
 from __future__ import annotations
 
+from jaxmeg.config_io import apply_overrides, from_dict, load, to_dict
 from jaxmeg.config_moe import MOE_ROUTERS, MoeConfig
 from jaxmeg.config_sections import (
     DTYPES,
@@ -38,11 +38,7 @@ from jaxmeg.config_sections import (
     OptimizerConfig,
     ParallelConfig,
     TrainConfig,
-    apply_overrides,
-    from_dict,
-    load,
     padded_vocab_size,
-    to_dict,
 )
 from jaxmeg.config_validation import (
     LazyErrorOnEverySendWarning,

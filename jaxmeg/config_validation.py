@@ -66,11 +66,14 @@ def resolve_mesh_shape(par: ParallelConfig, num_devices: int) -> tuple[int, int,
     return sizes["data"], sizes["pipe"], par.context, par.expert, sizes["tensor"]
 
 
-def resolve_batching(train: TrainConfig, data: int, pipe: int = 1) -> tuple[int, int]:
+def resolve_batching(
+    train: TrainConfig, data: int, pipe: int = 1, expert: int = 1
+) -> tuple[int, int]:
     """Returns (microbatch_size b, microbatches m) with global_batch == data * m * b.
 
     With both left at -1: one microbatch without a pipeline, microbatches of one sequence with
-    one (the most microbatches, so the smallest bubble)."""
+    one (the most microbatches, so the smallest bubble), of `expert` sequences with expert
+    parallelism (one per expert rank)."""
     g, b, m = train.global_batch, train.microbatch_size, train.microbatches
     if g < 1:
         raise ConfigError(f"train.global_batch must be >= 1, got {g}")
@@ -78,7 +81,7 @@ def resolve_batching(train: TrainConfig, data: int, pipe: int = 1) -> tuple[int,
         raise ConfigError(f"train.global_batch ({g}) must be divisible by parallel.data ({data})")
     per_replica = g // data
     if b == -1 and m == -1:
-        m = 1 if pipe == 1 else per_replica
+        m = 1 if pipe == 1 else max(per_replica // expert, 1)
     if b == -1:
         if m < 1 or per_replica % m:
             raise ConfigError(
@@ -352,6 +355,10 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"model.kv_heads must be -1 (= heads) or a divisor of model.heads ({m.heads}), "
             f"got {m.kv_heads}"
         )
+    if m.qkv_bias and m.block != "llama":
+        raise ConfigError(
+            "model.qkv_bias adds q/k/v biases to the llama block; model.block=gpt has them already"
+        )
     if m.ffn_hidden != -1 and m.ffn_hidden < 1:
         raise ConfigError(
             f"model.ffn_hidden must be -1 (= mlp_ratio x hidden) or >= 1, got {m.ffn_hidden}"
@@ -387,7 +394,7 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"which is 1; use parallel.data > 1 or zero_stage 0"
         )
     _validate_schedule_layout(par, pipe)
-    b, micro = resolve_batching(tr, data, pipe)
+    b, micro = resolve_batching(tr, data, pipe, expert)
     if b % expert:
         raise ConfigError(
             f"parallel.expert = {expert} splits each microbatch's rows over {expert} devices: "

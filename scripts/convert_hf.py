@@ -134,22 +134,29 @@ def import_checkpoint(
     if config_path.exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
         raise ValueError(f"{run_dir} already holds a run; pass a new --out (nothing is changed)")
     hf_config, tensors = hf.read_checkpoint(hf_dir)
-    cfg = C.apply_overrides(C.Config(model=hf.model_config(hf_config)), list(overrides))
+    moe = hf.moe_config(hf_config)
+    base = C.Config(model=hf.model_config(hf_config), moe=moe)
+    cfg = C.apply_overrides(base, list(overrides))
     has_tokenizer = (Path(hf_dir) / "tokenizer.json").is_file()
     if not cfg.data.tokenizer:  # the model's own tokenizer, copied below, or none
         tokenizer = (run_dir / "tokenizer.json").absolute() if has_tokenizer else "none"
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tokenizer)))
     model = hf.model_config(hf_config, cfg.model.seq_len)
     _check_tokenizer(cfg.data.tokenizer, run_dir, hf_dir, model.vocab_size)
-    changed = [n for n in hf.CONFIG_JSON_FIELDS if getattr(cfg.model, n) != getattr(model, n)]
+    fixed = [
+        (f"model.{n}", getattr(model, n), getattr(cfg.model, n)) for n in hf.CONFIG_JSON_FIELDS
+    ]
+    if moe.experts:
+        fixed += [(f"moe.{n}", getattr(moe, n), getattr(cfg.moe, n)) for n in hf.MOE_JSON_FIELDS]
+    changed = [(name, theirs, ours) for name, theirs, ours in fixed if theirs != ours]
     if changed:
+        name, theirs, ours = changed[0]
         raise C.ConfigError(
-            f"model.{changed[0]} comes from {hf_dir}/config.json "
-            f"({getattr(model, changed[0])}); --set gives {getattr(cfg.model, changed[0])}"
+            f"{name} comes from {hf_dir}/config.json ({theirs}); --set gives {ours}"
         )
     single = _one_device_config(cfg)
     trainable = _trainable(single)
-    params = _padded_to(hf.from_hf(tensors, single.model), trainable, pad=True)
+    params = _padded_to(hf.from_hf(tensors, single.model, single.moe), trainable, pad=True)
     _check_shapes(params, trainable)
     params = to_stage_layout(params, trainable.layout)
 
@@ -238,7 +245,8 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path, overwrite: bool =
         checkpointer.close()
     params = to_canonical_layout(jax.device_get(state["params"]), trainable.layout)
     with _undone_on_error(Path(hf_dir), "--to"):
-        hf.write_checkpoint(hf_dir, cfg.model, _padded_to(params, trainable, pad=False))
+        params = _padded_to(params, trainable, pad=False)
+        hf.write_checkpoint(hf_dir, cfg.model, params, cfg.moe)
         _export_tokenizer(run_dir, cfg, Path(hf_dir))
         marker = {"run": str(Path(run_dir).absolute().resolve()), "step": step}
         (Path(hf_dir) / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")

@@ -25,7 +25,16 @@ pair or kv group changes the logits by much more than the test's tolerance."""
 
 
 def _models():
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )  # fmt: skip
 
     gpt2 = GPT2Config(
         n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=32,
@@ -37,9 +46,24 @@ def _models():
         max_position_embeddings=32, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
         initializer_range=INIT_STD,
     )  # fmt: skip
+    attention = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=32, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0, initializer_range=INIT_STD, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    mixtral = MixtralConfig(
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+        **attention,
+    )  # fmt: skip
+    qwen2_moe = Qwen2MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **attention,
+    )  # fmt: skip
     return {
         "gpt2": (GPT2LMHeadModel(gpt2), "float16"),
         "llama_gqa": (LlamaForCausalLM(llama), "bfloat16"),
+        "mixtral": (MixtralForCausalLM(mixtral), "bfloat16"),
+        "qwen2_moe": (Qwen2MoeForCausalLM(qwen2_moe), "bfloat16"),
     }
 
 
@@ -49,13 +73,16 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf"))
+    parser.add_argument("--only", nargs="*", help="fixture names to write (default: all)")
     args = parser.parse_args(argv)
     torch.manual_seed(SEED)
     for name, (model, dtype) in _models().items():
+        if args.only and name not in args.only:
+            continue
         model = model.eval()
-        with torch.no_grad():  # biases and norms start at 0 and 1: make them count
-            for param in model.parameters():
-                if param.ndim == 1:
+        with torch.no_grad():  # biases, norms and routers start at 0 and 1 (or 0): make them count
+            for pname, param in model.named_parameters():
+                if param.ndim == 1 or pname.endswith("gate.weight"):
                     param.add_(0.1 * torch.randn_like(param))
         model = model.to(getattr(torch, dtype))
         out = Path(args.out) / name

@@ -27,7 +27,7 @@ from tests.helpers import put_batch, random_batch, trainable_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
-MODELS = ["gpt2", "llama_gqa"]
+MODELS = ["gpt2", "llama_gqa", "mixtral", "qwen2_moe"]
 LOGITS_TOL = 1e-4
 GRADS_TOL = 1e-5  # as tests/test_tensor_parallel.py at the initial params
 
@@ -43,10 +43,11 @@ convert_hf = load_script("convert_hf")
 
 
 def fixture(name: str):
-    """(ModelConfig, canonical params, HF tensors, reference.npz) of a fixture."""
+    """(ModelConfig, canonical params, HF tensors, reference.npz, MoeConfig) of a fixture."""
     hf_config, tensors = hf.read_checkpoint(FIXTURES / name)
-    model = hf.model_config(hf_config)
-    return model, hf.from_hf(tensors, model), tensors, np.load(FIXTURES / name / "reference.npz")
+    model, moe = hf.model_config(hf_config), hf.moe_config(hf_config)
+    params = hf.from_hf(tensors, model, moe)
+    return model, params, tensors, np.load(FIXTURES / name / "reference.npz"), moe
 
 
 def assert_trees_equal(got, want) -> None:
@@ -61,8 +62,8 @@ def assert_trees_equal(got, want) -> None:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_match_transformers(name):
-    model, params, _, reference = fixture(name)
-    logits = GPT(model, model.vocab_size).apply(
+    model, params, _, reference, moe = fixture(name)
+    logits = GPT(model, model.vocab_size, moe=moe).apply(
         {"params": params}, jnp.asarray(reference["input_ids"])
     )
     np.testing.assert_allclose(np.asarray(logits), reference["logits"], atol=LOGITS_TOL, rtol=0)
@@ -79,21 +80,21 @@ def test_llama_fixture_has_gqa_rope_theta_and_ffn():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_export_then_import_is_identity(name, tmp_path):
-    model, params, tensors, _ = fixture(name)
-    hf.write_checkpoint(tmp_path, model, params)
+    model, params, tensors, _, moe = fixture(name)
+    hf.write_checkpoint(tmp_path, model, params, moe)
     hf_config, written = hf.read_checkpoint(tmp_path)
-    assert hf.model_config(hf_config) == model
-    assert_trees_equal(hf.from_hf(written, model), params)
+    assert hf.model_config(hf_config) == model and hf.moe_config(hf_config) == moe
+    assert_trees_equal(hf.from_hf(written, model, moe), params)
     assert_trees_equal(written, tensors)  # and the fixture's own tensors, exactly
 
 
 def test_old_names_and_buffers_are_read():
-    model, params, tensors, _ = fixture("gpt2")
+    model, params, tensors, *_ = fixture("gpt2")
     old = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     old["h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
     old["lm_head.weight"] = tensors["transformer.wte.weight"]  # a tied copy
     assert_trees_equal(hf.from_hf(old, model), params)
-    model, params, tensors, _ = fixture("llama_gqa")
+    model, params, tensors, *_ = fixture("llama_gqa")
     buffer = {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}
     assert_trees_equal(hf.from_hf({**tensors, **buffer}, model), params)
     with pytest.raises(hf.HFCheckpointError, match="does not use: .'model.layers.2"):
@@ -165,12 +166,16 @@ def test_import_refuses_architecture_overrides(tmp_path, capsys):
     assert "model.hidden comes from" in capsys.readouterr().err and not out.exists()
 
 
-def loss_and_grads_from_run(run: Path, mesh: tuple[int, int, int], tokens: np.ndarray):
+def loss_and_grads_from_run(
+    run: Path, mesh: tuple[int, int, int], tokens: np.ndarray, **parallel
+):  # fmt: skip
     """Loss and canonical fp32 gradients (vocab trimmed) of the imported step-0 params, restored
-    from the run directory onto a (data, pipe, tensor) mesh."""
+    from the run directory onto a (data, pipe, tensor) mesh (and `parallel`'s other axes)."""
     data, pipe, tensor = mesh
     cfg = C.load(run / "config.yaml")
-    cfg = dataclasses.replace(cfg, parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor))
+    cfg = dataclasses.replace(
+        cfg, parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor, **parallel)
+    )
     trainable = trainable_for(cfg)
     checkpointer = Checkpointer(run / "checkpoints", trainable)
     step, state, _ = checkpointer.restore_latest()
@@ -191,17 +196,47 @@ def test_imported_llama_on_meshes_equals_one_device(tmp_path):
     tokens = random_batch(C.load(run / "config.yaml"))
     ref_loss, ref_grads = loss_and_grads_from_run(run, (1, 1, 1), tokens)
     for mesh in [(2, 2, 2), (1, 1, 4)]:  # kv heads split over tensor 2, replicated over 4
-        loss, grads = loss_and_grads_from_run(run, mesh, tokens)
-        np.testing.assert_allclose(loss, ref_loss, rtol=GRADS_TOL)
-        for (path, got), (_, want) in zip(
-            jax.tree_util.tree_leaves_with_path(grads),
-            jax.tree_util.tree_leaves_with_path(ref_grads),
-            strict=True,
-        ):
-            np.testing.assert_allclose(
-                got, want, rtol=GRADS_TOL, atol=GRADS_TOL * float(np.abs(want).max()),
-                err_msg=f"{jax.tree_util.keystr(path)} on (data, pipe, tensor) = {mesh}",
-            )  # fmt: skip
+        assert_equal_to(loss_and_grads_from_run(run, mesh, tokens), ref_loss, ref_grads, mesh)
+
+
+def assert_equal_to(loss_and_grads, ref_loss, ref_grads, mesh) -> None:
+    loss, grads = loss_and_grads
+    np.testing.assert_allclose(loss, ref_loss, rtol=GRADS_TOL)
+    for (path, got), (_, want) in zip(
+        jax.tree_util.tree_leaves_with_path(grads),
+        jax.tree_util.tree_leaves_with_path(ref_grads),
+        strict=True,
+    ):
+        np.testing.assert_allclose(
+            got, want, rtol=GRADS_TOL, atol=GRADS_TOL * float(np.abs(want).max()),
+            err_msg=f"{jax.tree_util.keystr(path)} on {mesh}",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_an_imported_mixture_of_experts_trains_on_expert_2_pipe_2_as_on_one_device(name, tmp_path):
+    """The experts split over 2 devices and the layers over 2 stages (4 devices): the imported
+    step-0 loss and every gradient, routers and expert weights included, equal one device's."""
+    run = import_run(name, tmp_path)
+    tokens = random_batch(C.load(run / "config.yaml"))
+    ref_loss, ref_grads = loss_and_grads_from_run(run, (1, 1, 1), tokens)
+    got = loss_and_grads_from_run(run, (1, 2, 1), tokens, expert=2)
+    assert_equal_to(got, ref_loss, ref_grads, "expert 2 x pipe 2")
+
+
+def test_what_mixtral_and_qwen2_moe_cannot_hold_is_refused_before_writing(tmp_path):
+    model, params, _, _, moe = fixture("mixtral")
+    moved = jax.tree.map(np.copy, params)
+    moved["blocks"]["layers"]["moe"]["router_bias"][0, 1] = 0.25
+    with pytest.raises(hf.HFCheckpointError, match="the routing bias moved"):
+        hf.write_checkpoint(tmp_path / "moved", model, moved, moe)
+    sigmoid = dataclasses.replace(moe, router="sigmoid")
+    with pytest.raises(hf.HFCheckpointError, match="route by softmax"):
+        hf.write_checkpoint(tmp_path / "sigmoid", model, params, sigmoid)
+    assert not (tmp_path / "moved").exists() and not (tmp_path / "sigmoid").exists()
+    qwen, _ = hf.read_checkpoint(FIXTURES / "qwen2_moe")
+    with pytest.raises(hf.HFCheckpointError, match="decoder_sparse_step = 2"):
+        hf.moe_config({**qwen, "decoder_sparse_step": 2})
 
 
 GQA = C.ModelConfig(

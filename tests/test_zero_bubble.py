@@ -236,7 +236,7 @@ def test_planner_fits_korthikantis_1t_run_with_zb_h1_only():
     """Korthikanti et al. 2022 trained 1T on 512 A100 80GB at t 8, p 64, b 1, batch 512 with
     selective recompute and sequence parallelism (56.3% MFU). Lockstep 1F1B keeps 2p - 1 inputs
     there and does not fit; ZB-H1 keeps p - s whole and s + 1 split, and does."""
-    from jaxmeg.config_sections import load
+    from jaxmeg.config_io import load
     from jaxmeg.perf.hardware import load_hardware
     from jaxmeg.perf.model import shape_of
     from jaxmeg.perf.planner import plan

@@ -116,7 +116,7 @@ def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, 
     qkv_BxSx3xNxH = weight_matmul(
         module, "w_qkv", "bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute), "input"
     )
-    if cfg.block == "gpt":
+    if cfg.block == "gpt" or cfg.qkv_bias:
         b_qkv = param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
         qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
     qkv_BxSx3xNxH = module.constrain(
@@ -137,7 +137,7 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
     w_kv = param(module, "w_kv", (d, 2, kv, h), kv_axes, normal(cfg.init_std))
     q_BxSxNxH = weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute))
     kv_BxSx2xKxH = weight_matmul(module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute))
-    if cfg.block == "gpt":
+    if cfg.block == "gpt" or cfg.qkv_bias:
         b_q = param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
         b_kv = param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
         q_BxSxNxH = q_BxSxNxH + b_q.astype(compute)

@@ -1,6 +1,7 @@
 """Hugging Face `transformers` checkpoints <-> jaxmeg parameters, in NumPy (no torch).
 
-Two architectures: `GPT2LMHeadModel` (block `gpt`) and `LlamaForCausalLM` (block `llama`). A
+Four architectures: `GPT2LMHeadModel` (block `gpt`) and `LlamaForCausalLM` (block `llama`), and
+the mixtures of experts `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`jaxmeg.models.hf_moe`). A
 checkpoint directory holds `config.json` and `model.safetensors`, or shards listed in
 `model.safetensors.index.json`. The jaxmeg side is the canonical parameter tree of
 `jaxmeg.training.checkpoint`: layers stacked [L, ...] in order, vocabulary dims exactly
@@ -18,46 +19,44 @@ permutation. GPT-2's `gelu_new` is the tanh GeLU of the `gpt` block.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxmeg.config import ModelConfig
+from jaxmeg.config import ModelConfig, MoeConfig
+from jaxmeg.models import hf_moe
+from jaxmeg.models.hf_files import (  # noqa: F401 (re-exported: the module's file half)
+    CONFIG_FILE,
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    copy_tokenizer,
+    read_checkpoint,
+    with_umask,
+)
+from jaxmeg.models.hf_moe import MOE_JSON_FIELDS, HFCheckpointError  # noqa: F401
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
-"""Hugging Face architecture -> jaxmeg `model.block`."""
-SAFETENSORS_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
+ARCHITECTURES = {
+    "GPT2LMHeadModel": "gpt",
+    "LlamaForCausalLM": "llama",
+    **dict.fromkeys(hf_moe.MOE_ARCHITECTURES, "llama"),
 }
+"""Hugging Face architecture -> jaxmeg `model.block`."""
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 """GPT-2 `activation_function`s equal to the `gpt` block's tanh GeLU."""
 CONFIG_JSON_FIELDS = (
     "block", "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "norm_eps",
-    "rope_theta", "tie_embeddings",
+    "rope_theta", "tie_embeddings", "qkv_bias",
 )  # fmt: skip
 """The ModelConfig fields that config.json fixes (`model_config`); `model.seq_len` is free
 (GPT-2: up to n_positions)."""
-WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "config.json",
-)
 
 Params = dict[str, Any]
 Tensors = dict[str, np.ndarray]
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint or config that jaxmeg cannot map (the message says why)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +65,7 @@ class HFCheckpointError(ValueError):
 
 def _architecture(hf: dict) -> str:
     names = hf.get("architectures") or []
-    by_type = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+    by_type = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **hf_moe.MOE_TYPES}
     known = [n for n in names if n in ARCHITECTURES]
     if known:
         return known[0]
@@ -114,8 +113,24 @@ def model_config(hf: dict, seq_len: int | None = None, **fields: Any) -> ModelCo
         ) from None
 
 
+def moe_config(hf: dict) -> MoeConfig:
+    """The MoeConfig of a config.json: Mixtral's or Qwen2-MoE's (`jaxmeg.models.hf_moe`), a
+    dense model's (experts 0) otherwise."""
+    architecture = _architecture(hf)
+    if architecture not in hf_moe.MOE_ARCHITECTURES:
+        return MoeConfig()
+    try:
+        return hf_moe.moe_config(architecture, hf)
+    except KeyError as err:
+        raise HFCheckpointError(
+            f"config.json ({hf.get('model_type')}) has no {err.args[0]!r}, which the "
+            f"architecture needs"
+        ) from None
+
+
 def _model_config(hf: dict, seq_len: int | None = None, **fields: Any) -> ModelConfig:
-    block = ARCHITECTURES[_architecture(hf)]
+    architecture = _architecture(hf)
+    block = ARCHITECTURES[architecture]
     if block == "gpt":
         _require(hf, "activation_function", GPT2_ACTIVATIONS, "gelu_new")
         _require(hf, "scale_attn_weights", (True,), True)
@@ -151,6 +166,8 @@ def _model_config(hf: dict, seq_len: int | None = None, **fields: Any) -> ModelC
             rope_theta=_rope_theta(hf),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
+        if architecture in hf_moe.MOE_ARCHITECTURES:
+            shape.update(hf_moe.model_fields(architecture, hf))
     seq_len = positions if seq_len is None else seq_len
     if block == "gpt" and not 1 <= seq_len <= positions:
         raise HFCheckpointError(
@@ -161,8 +178,14 @@ def _model_config(hf: dict, seq_len: int | None = None, **fields: Any) -> ModelC
     return ModelConfig(block=block, seq_len=seq_len, **{**base, **shape, **fields})
 
 
-def hf_config(model: ModelConfig) -> dict:
+def hf_config(model: ModelConfig, moe: MoeConfig | None = None) -> dict:
     """The config.json of a jaxmeg model, for `transformers.AutoModelForCausalLM`."""
+    moe = moe or MoeConfig()
+    if model.qkv_bias and not moe.experts:
+        raise HFCheckpointError(
+            "model.qkv_bias: a dense llama block with q, k, v biases (Qwen2) is not exported; "
+            "Llama's attention_bias would add an output bias too"
+        )
     common = {"vocab_size": model.vocab_size, "tie_word_embeddings": model.tie_embeddings}
     if model.block == "gpt":
         if model.num_kv_heads != model.heads:
@@ -186,7 +209,7 @@ def hf_config(model: ModelConfig) -> dict:
             "dtype": "float32",
             **common,
         }
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": model.hidden,
@@ -205,98 +228,25 @@ def hf_config(model: ModelConfig) -> dict:
         "dtype": "float32",
         **common,
     }
+    return {**llama, **hf_moe.hf_fields(model, moe)} if moe.experts else llama
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors files
+# files
 
 
-def _read_safetensors(path: Path) -> Tensors:
-    """Every tensor of one file as float32, read from a memory map one tensor at a time. The
-    format: an 8-byte little-endian header size, a JSON header {name: {dtype, shape,
-    data_offsets}} and the data; bf16 goes through ml_dtypes (safetensors' NumPy loader has
-    none)."""
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    size = int(np.frombuffer(data[:8].tobytes(), "<u8")[0])
-    header = json.loads(data[8 : 8 + size].tobytes())
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise HFCheckpointError(f"{path}: tensor {name} has dtype {entry['dtype']}")
-        start, stop = (8 + size + offset for offset in entry["data_offsets"])
-        array = data[start:stop].view(dtype).reshape(entry["shape"])
-        tensors[name] = array.astype(np.float32)
-    return tensors
-
-
-def read_checkpoint(directory: str | Path) -> tuple[dict, Tensors]:
-    """(config.json, tensors by name) of a Hugging Face checkpoint directory."""
-    directory = Path(directory)
-    if not (directory / CONFIG_FILE).is_file():
-        raise HFCheckpointError(f"{directory} has no {CONFIG_FILE}")
-    try:
-        hf = json.loads((directory / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as err:
-        raise HFCheckpointError(f"{directory / CONFIG_FILE} is not JSON: {err}") from None
-    if not isinstance(hf, dict):
-        raise HFCheckpointError(f"{directory / CONFIG_FILE} is not a JSON object")
-    if (directory / INDEX_FILE).is_file():
-        weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (directory / WEIGHTS_FILE).is_file():
-        files = [WEIGHTS_FILE]
-    else:
-        raise HFCheckpointError(
-            f"{directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}; re-save the model with "
-            f"save_pretrained(..., safe_serialization=True)"
-        )
-    tensors: Tensors = {}
-    for name in files:
-        try:
-            tensors.update(_read_safetensors(directory / name))
-        except (ValueError, KeyError, IndexError, UnicodeDecodeError) as err:
-            raise HFCheckpointError(
-                f"{directory / name} is not a readable safetensors file (truncated or corrupt: "
-                f"{type(err).__name__} {err})"
-            ) from None
-    return hf, tensors
-
-
-def write_checkpoint(directory: str | Path, model: ModelConfig, params: Params) -> None:
+def write_checkpoint(
+    directory: str | Path, model: ModelConfig, params: Params, moe: MoeConfig | None = None
+) -> None:
     """Writes config.json and model.safetensors (float32) of canonical jaxmeg params, readable
     as the user's umask allows (as any file they write)."""
     directory = Path(directory)
+    tensors = to_hf(params, model, moe)  # refuses what it cannot write before writing
+    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in to_hf(params, model).items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    (directory / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config(model, moe), indent=2) + "\n")
     with_umask(directory / WEIGHTS_FILE)
-
-
-def with_umask(path: Path) -> None:
-    """Gives `path` the permissions a new file gets under the user's umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model")  # fmt: skip
-"""A Hugging Face model directory's tokenizer files (`tokenizer.json` is what jaxmeg reads)."""
-
-
-def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
-    """Copies the tokenizer files of directory `source` into `target`; returns their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, Path(target) / name)
-            with_umask(Path(target) / name)
-            copied.append(name)
-    return copied
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +300,9 @@ def _gpt2_layer_to_hf(layer: Params, cfg: ModelConfig) -> Tensors:
     }
 
 
-def _llama_layer_from_hf(get: Callable[[str], np.ndarray], cfg: ModelConfig) -> Params:
+def _llama_layer_from_hf(
+    get: Callable[[str], np.ndarray], cfg: ModelConfig, moe: MoeConfig
+) -> Params:
     n, kv = cfg.heads, cfg.num_kv_heads
     q = _heads_in(get("self_attn.q_proj.weight").T, n)
     k = _heads_in(get("self_attn.k_proj.weight").T, kv)
@@ -359,33 +311,53 @@ def _llama_layer_from_hf(get: Callable[[str], np.ndarray], cfg: ModelConfig) -> 
         attn = {"w_qkv": np.stack([q, k, v], axis=1)}
     else:
         attn = {"w_q": q, "w_kv": np.stack([k, v], axis=1)}
+    if cfg.qkv_bias:
+        bq, bk, bv = (get(f"self_attn.{p}_proj.bias") for p in "qkv")
+        bq, bk, bv = bq.reshape(n, -1), bk.reshape(kv, -1), bv.reshape(kv, -1)
+        attn.update({"b_qkv": np.stack([bq, bk, bv])} if kv == n else
+                    {"b_q": bq, "b_kv": np.stack([bk, bv])})  # fmt: skip
     attn["w_out"] = get("self_attn.o_proj.weight").T.reshape(n, cfg.head_dim, cfg.hidden)
-    return {
+    layer = {
         "norm1": {"scale": get("input_layernorm.weight")},
         "norm2": {"scale": get("post_attention_layernorm.weight")},
         "attn": attn,
-        "mlp": {
+    }
+    if moe.experts:
+        layer["moe"] = hf_moe.layer_from_hf(get, hf_moe.architecture_of(cfg, moe), moe)
+    else:
+        layer["mlp"] = {
             "w_in": get("mlp.up_proj.weight").T,
             "w_gate": get("mlp.gate_proj.weight").T,
             "w_out": get("mlp.down_proj.weight").T,
-        },
-    }
+        }
+    return layer
 
 
-def _llama_layer_to_hf(layer: Params, cfg: ModelConfig) -> Tensors:
+def _llama_layer_to_hf(layer: Params, cfg: ModelConfig, moe: MoeConfig) -> Tensors:
     d = cfg.hidden
-    attn, mlp = layer["attn"], layer["mlp"]
+    attn = layer["attn"]
     if "w_qkv" in attn:
         q, k, v = (attn["w_qkv"][:, i] for i in range(3))
     else:
         q, (k, v) = attn["w_q"], (attn["w_kv"][:, i] for i in range(2))
-    return {
+    tensors = {
         "input_layernorm.weight": layer["norm1"]["scale"],
         "post_attention_layernorm.weight": layer["norm2"]["scale"],
         "self_attn.q_proj.weight": q.reshape(d, -1).T,
         "self_attn.k_proj.weight": k.reshape(d, -1).T,
         "self_attn.v_proj.weight": v.reshape(d, -1).T,
         "self_attn.o_proj.weight": attn["w_out"].reshape(-1, d).T,
+    }
+    if cfg.qkv_bias:
+        biases = attn["b_qkv"] if "b_qkv" in attn else [attn["b_q"], *attn["b_kv"]]
+        for name, b in zip("qkv", biases, strict=True):
+            tensors[f"self_attn.{name}_proj.bias"] = b.reshape(-1)
+    if moe.experts:
+        architecture = hf_moe.architecture_of(cfg, moe)
+        return {**tensors, **hf_moe.layer_to_hf(layer["moe"], architecture, moe)}
+    mlp = layer["mlp"]
+    return {
+        **tensors,
         "mlp.up_proj.weight": mlp["w_in"].T,
         "mlp.gate_proj.weight": mlp["w_gate"].T,
         "mlp.down_proj.weight": mlp["w_out"].T,
@@ -420,9 +392,11 @@ def _layer(tree: Params, i: int) -> Params:
     return tree[i]
 
 
-def from_hf(tensors: Tensors, cfg: ModelConfig) -> Params:
+def from_hf(tensors: Tensors, cfg: ModelConfig, moe: MoeConfig | None = None) -> Params:
     """Canonical jaxmeg params (float32) from a Hugging Face state dict, for `model_config`'s
-    config. Every tensor must be used: a leftover one means an unsupported variant."""
+    (and `moe_config`'s) config. Every tensor must be used: a leftover one means an unsupported
+    variant."""
+    moe = moe or MoeConfig()
     used: set[str] = set()
     if cfg.block == "gpt":
         names = {k.removeprefix(GPT2_PREFIX): v for k, v in tensors.items()}
@@ -437,7 +411,7 @@ def from_hf(tensors: Tensors, cfg: ModelConfig) -> Params:
         names = {k: v for k, v in tensors.items() if not k.endswith(IGNORED["llama"])}
         get = _getter(names, used)
         layers = [
-            _llama_layer_from_hf(lambda s, i=i: get(f"model.layers.{i}.{s}"), cfg)
+            _llama_layer_from_hf(lambda s, i=i: get(f"model.layers.{i}.{s}"), cfg, moe)
             for i in range(cfg.layers)
         ]
         embed = {"token": get("model.embed_tokens.weight")}
@@ -464,8 +438,10 @@ def _as_float32(params: Params) -> Params:
     return np.ascontiguousarray(params, dtype=np.float32)
 
 
-def to_hf(params: Params, cfg: ModelConfig) -> Tensors:
+def to_hf(params: Params, cfg: ModelConfig, moe: MoeConfig | None = None) -> Tensors:
     """The Hugging Face state dict of canonical jaxmeg params (the inverse of `from_hf`)."""
+    moe = moe or MoeConfig()
+    hf_config(cfg, moe)  # refuses what no architecture can express
     params = _as_float32(params)
     layers = params["blocks"]["layers"]
     head = params["head"]
@@ -486,7 +462,7 @@ def to_hf(params: Params, cfg: ModelConfig) -> Tensors:
             "model.norm.weight": head["final_norm"]["scale"],
         }
         for i in range(cfg.layers):
-            for suffix, t in _llama_layer_to_hf(_layer(layers, i), cfg).items():
+            for suffix, t in _llama_layer_to_hf(_layer(layers, i), cfg, moe).items():
                 tensors[f"model.layers.{i}.{suffix}"] = t
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = head["unembed"].T

@@ -20,6 +20,7 @@ SHAPE_FIELDS = (
     "model.mlp_ratio",
     "model.ffn_hidden",
     "model.kv_heads",
+    "model.qkv_bias",
     "model.seq_len",
     "model.tie_embeddings",
     "model.param_dtype",
