@@ -19,9 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 INSIDE_AXES = ("context", "expert", "tensor")
 """The mesh axes the executor's map leaves automatic (context where it is 1)."""
-HEADS = P("expert", None, "tensor", None)
-"""q, k, v and o [B, S, N, H]: heads over `tensor`, rows over `expert` (a data-parallel axis
-for attention), the rest as the enclosing map holds it."""
+
+
+def heads_spec(axis_names) -> P:
+    """q, k, v and o [B, S, N, H]: heads over `tensor`, rows over `expert` (a data-parallel
+    axis for attention) where the mesh has one, the rest as the enclosing map holds it."""
+    return P("expert" if "expert" in axis_names else None, None, "tensor", None)
 
 
 def per_tensor_rank(implementation: str) -> Callable:
@@ -42,11 +45,12 @@ def per_tensor_rank(implementation: str) -> Callable:
             for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
             if kind == jax.sharding.AxisType.Manual
         }
+        heads = heads_spec(mesh.axis_names)
         mapped = jax.shard_map(
             kernel,
-            in_specs=(HEADS, HEADS, HEADS),
-            out_specs=HEADS,
-            axis_names=set(INSIDE_AXES) - manual,
+            in_specs=(heads, heads, heads),
+            out_specs=heads,
+            axis_names=set(INSIDE_AXES) & set(mesh.axis_names) - manual,
         )
         return mapped(q, k, v)
 
