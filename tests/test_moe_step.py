@@ -143,7 +143,7 @@ def test_bias_update_evens_a_skewed_load_and_the_step_reports_it():
     the choices moves toward an even load step by step (max/mean falls), the bias never enters
     the optimizer (its AdamW moments stay 0), and `moe_load_spread` is each layer's max/mean."""
     moe = dataclasses.replace(TOP2, top_k=1, aux_loss=0.0, bias_update_rate=0.004)
-    trainable = trainable_for(config((1, 2, 1), moe))
+    trainable = trainable_for(config((1, 2, 1), moe))  # the spread whole on both stages
     tokens = put_batch(trainable, random_batch(trainable.cfg))
     with jax.set_mesh(trainable.mesh):
         state = init_state(trainable, seed=0)
@@ -153,7 +153,7 @@ def test_bias_update_evens_a_skewed_load_and_the_step_reports_it():
         spreads = []
         for _ in range(16):
             state, metrics = step(state, *tokens)
-            spreads.append(np.asarray(metrics["moe_load_spread"]))
+            spreads.append(np.asarray(metrics["moe_load_spread"].addressable_data(0)))
     assert spreads[0].shape == (LLAMA.layers,)
     # measured: 3.25 at the first step (expert 0 takes most tokens), 1.4 over the last three
     first, last = spreads[0].mean(), np.mean(spreads[-3:])

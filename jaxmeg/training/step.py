@@ -15,6 +15,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxmeg.parallel.gpu_target import compiler_options
 from jaxmeg.training import expert_balance
@@ -30,6 +32,7 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
     schedule = learning_rate_schedule(trainable.cfg.optimizer)
     shardings = state_shardings(trainable)
     moe = trainable.cfg.moe
+    replicated = NamedSharding(trainable.mesh, P())
 
     def step(state, tokens, targets):
         links = (state["links"],) if "links" in state else ()
@@ -52,8 +55,9 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
             "lr": schedule(state["step"]),
             "skipped": jnp.logical_not(finite).astype(jnp.int32),
         }
-        if loads:  # max / mean tokens per expert, each MoE layer
-            metrics["moe_load_spread"] = expert_balance.load_spread(loads, trainable.layout)
+        if loads:  # max / mean tokens per expert, each MoE layer, whole on every device
+            spread = expert_balance.load_spread(loads, trainable.layout)
+            metrics["moe_load_spread"] = jax.lax.with_sharding_constraint(spread, replicated)
         new_state = {
             "step": state["step"] + 1,
             "params": keep(params, state["params"]),
