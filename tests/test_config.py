@@ -25,7 +25,7 @@ def test_shipped_config_loads_and_validates(path):
     if cfg.model.vocab_size == -1:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=4096))
     par = cfg.parallel
-    devices = max(par.data, 1) * max(par.pipe, 1) * max(par.tensor, 1)
+    devices = max(par.data, 1) * max(par.pipe, 1) * max(par.tensor, 1) * par.context * par.expert
     resolved = C.validate(cfg, devices)
     b, m, d = resolved.train.microbatch_size, resolved.train.microbatches, resolved.parallel.data
     assert b * m * d == resolved.train.global_batch

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -264,3 +266,24 @@ def test_mfu_counts_the_active_experts_not_all_of_them():
         moe = C.MoeConfig(experts=experts, top_k=1)
         router = 3 * 8 * model.seq_len * model.layers * 2 * model.hidden * experts
         assert model_flops_per_step(model, 8, moe=moe) == pytest.approx(dense + router)
+
+
+def test_the_expert_load_plot_reads_metrics_and_names_a_file_without_them(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "plot_expert_load", Path(__file__).resolve().parent.parent / "scripts/plot_expert_load.py"
+    )
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(
+        json.dumps({"step": i, "loss": 1.0, "moe_load_spread": [4.0 / i, 2.0]}) + "\n"
+        for i in range(1, 4)
+    ))  # fmt: skip
+    assert plot.main([str(metrics), "--out", str(tmp_path / "load.png")]) == 0
+    assert (tmp_path / "load.png").stat().st_size > 0
+    dense = tmp_path / "dense.jsonl"
+    dense.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert plot.main([str(dense), "--out", str(tmp_path / "x.png")]) == 2
+    assert "has no moe_load_spread records" in capsys.readouterr().err
