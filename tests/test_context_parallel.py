@@ -185,7 +185,7 @@ def test_a_cluster_places_each_context_group_on_one_host():
     placement = place(records, ["ib", "roce"], data=2, pipe=2, tensor=2 * 1, mode="auto")
     par = C.ParallelConfig(data=2, pipe=2, context=2)
     mesh = make_mesh(par, jax.devices()[:8], placement)
-    assert mesh.devices.shape == (2, 2, 2, 1)
+    assert mesh.devices.shape == (2, 2, 2, 1, 1)  # (data, pipe, context, expert, tensor)
     host = np.vectorize(lambda device: device.id // 2)(mesh.devices)
     assert (host.min(axis=2) == host.max(axis=2)).all()  # every context group on one host
     assert data_groups_across_groups(placement) == 0

@@ -187,13 +187,13 @@ def test_context_1_prices_as_before_the_axis(case):
     assert tflops_per_gpu(shape, layout, hw) == pytest.approx(tflops, rel=1e-12)
     layer = layer_seconds(shape, layout, hw)
     assert (layer.ring_forward, layer.ring_backward) == (0.0, 0.0)
-    # The [d, p, t] grid of before, with a context axis of 1 between pipe and tensor.
+    # The [d, p, t] grid of before, with context and expert axes of 1 between pipe and tensor.
     d, p, t = layout.data, layout.pipe, layout.tensor
     ranks = np.arange(layout.gpus)
     old = ranks.reshape(d, p, t) if layout.outer_axis == "data" else (
         ranks.reshape(p, d, t).transpose(1, 0, 2)
     )  # fmt: skip
-    np.testing.assert_array_equal(device_grid(layout), old[:, :, None, :])
+    np.testing.assert_array_equal(device_grid(layout), old[:, :, None, None, :])
 
 
 def test_the_search_tries_context_for_long_sequences_only():
