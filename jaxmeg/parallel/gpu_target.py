@@ -58,9 +58,11 @@ collective-permute overlaps there already, and a send costs copies), nor for cyc
 interleaved placement's wrap-around, a context ring): XLA 0.10.2 aborts in its p2p scheduling
 there."""
 
-TARGET_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+TARGET_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cub_radix_sort": False}
 """Without a GPU nothing is autotuned: GEMMs as cuBLAS calls, not Triton fusions with a
-default tile."""
+default tile. Sorts (a MoE layer's rows by expert) as XLA's own sort kernels: CUB's radix sort
+asks the CUDA runtime for its scratch size while compiling, which fails without a device
+("invalid device ordinal")."""
 
 
 class TargetError(RuntimeError):
