@@ -1,9 +1,9 @@
 """Load balancing of a router that starts skewed: configs/moe_tiny.yaml trained from a routing
 bias that makes expert 0 every token's choice (top-2 of 8: 4 times its even share, max/mean
 load 4), with DeepSeek-V3's bias update at two rates, with the balance loss alone (the bias
-then stays), and with neither. Writes each run's metrics.jsonl under --work, the plot (scripts/plot_expert_load.py)
-to --out, and one summary line per run: the mean over layers of max/mean load at the first and
-last steps, and the first step where it is below 1.3.
+then stays), and with neither. Writes each run's metrics.jsonl under --work, the plot
+(scripts/plot_expert_load.py) to --out, and one summary line per run: the mean over layers of
+max/mean load at the first and last steps, and the first step where it is below 1.3.
 
 python scripts/moe_balance.py --steps 200 --out docs/moe_balance.png --work runs/moe_balance
 python scripts/moe_balance.py --runs "bias update 0.01" neither --out b.png --work runs/b
