@@ -117,20 +117,31 @@ def experts_ffn(
     Qwen-MoE's experts), else GeLU. Rows are sorted by expert (a stable sort: a token's choices
     keep their order), each expert's rows go through the grouped GEMMs, and the results are put
     back in token order and combined."""
-    tokens, k = routing.experts.shape
-    choice_expert = routing.experts.reshape(-1)  # [T k], token-major
-    order = jnp.argsort(choice_expert, stable=True)
+    k = routing.experts.shape[1]
+    order = jnp.argsort(routing.experts.reshape(-1), stable=True)  # [T k], token-major
     sizes = expert_load(routing, w_in.shape[0])
-    rows = x[order // k]  # [T k, h], grouped by expert
-    hidden = jax.lax.ragged_dot(rows, w_in.astype(x.dtype), sizes)
+    out = _grouped_ffn(x[order // k], sizes, w_in, w_out, w_gate)  # rows grouped by expert
+    return _combine(jnp.zeros_like(out).at[order].set(out), routing.weights).astype(x.dtype)
+
+
+def _grouped_ffn(rows, sizes, w_in, w_out, w_gate) -> jax.Array:
+    """Each expert's FFN on its group of `rows` (sorted by expert, `sizes` [E] rows each; rows
+    past the groups give zeros) as grouped GEMMs."""
+    hidden = jax.lax.ragged_dot(rows, w_in.astype(rows.dtype), sizes)
     if w_gate is not None:
-        hidden = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate.astype(x.dtype), sizes)) * hidden
+        gate = jax.lax.ragged_dot(rows, w_gate.astype(rows.dtype), sizes)
+        hidden = jax.nn.silu(gate) * hidden
     else:
         hidden = jax.nn.gelu(hidden)
-    out = jax.lax.ragged_dot(hidden, w_out.astype(x.dtype), sizes)  # [T k, h]
-    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(tokens, k, -1)
-    weights = routing.weights.astype(jnp.float32)[..., None]
-    return jnp.sum(unsorted.astype(jnp.float32) * weights, axis=1).astype(x.dtype)
+    return jax.lax.ragged_dot(hidden, w_out.astype(rows.dtype), sizes)
+
+
+def _combine(per_choice: jax.Array, weights: jax.Array) -> jax.Array:
+    """The sum over each token's k choices [T k, h] (token-major) weighted by `weights` [T, k]:
+    [T, h] in float32."""
+    tokens, k = weights.shape
+    per_choice = per_choice.reshape(tokens, k, -1).astype(jnp.float32)
+    return jnp.sum(per_choice * weights.astype(jnp.float32)[..., None], axis=1)
 
 
 def _sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -171,18 +182,11 @@ def experts_ffn_exchanged(
     # received rows sorted by local expert, the padding (id `local`) last: past every group
     by_expert, sizes, _ = _sorted_by(ids, local + 1)
     sizes = sizes[:local]
-    grouped = rows[by_expert]
-    hidden = jax.lax.ragged_dot(grouped, w_in.astype(x.dtype), sizes)
-    if w_gate is not None:
-        hidden = jax.nn.silu(jax.lax.ragged_dot(grouped, w_gate.astype(x.dtype), sizes)) * hidden
-    else:
-        hidden = jax.nn.gelu(hidden)
-    out = jax.lax.ragged_dot(hidden, w_out.astype(x.dtype), sizes)
+    out = _grouped_ffn(rows[by_expert], sizes, w_in, w_out, w_gate)
     out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ranks, choices, -1)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(back[rank, slot])
-    weights = routing.weights.astype(jnp.float32)[..., None]
-    combined = jnp.sum(per_choice.reshape(tokens, k, -1).astype(jnp.float32) * weights, axis=1)
+    combined = _combine(per_choice, routing.weights)
     if tensor_axis is not None:  # each tensor rank's experts ran a slice of their width
         combined = jax.lax.psum(combined, tensor_axis)
     return combined.astype(x.dtype)
