@@ -17,6 +17,8 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxmeg.parallel.mesh import automatic_axes_here
+
 INSIDE_AXES = ("context", "expert", "tensor")
 """The mesh axes the executor's map leaves automatic (context where it is 1)."""
 
@@ -39,18 +41,12 @@ def per_tensor_rank(implementation: str) -> Callable:
         # size 1): the partitioner runs wherever one axis is left. The same axes wherever the
         # step is traced, so residuals kept across ticks have one shape (a map stacks its
         # residuals over its manual axes).
-        mesh = jax.sharding.get_abstract_mesh()
-        manual = {
-            a
-            for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-            if kind == jax.sharding.AxisType.Manual
-        }
-        heads = heads_spec(mesh.axis_names)
+        heads = heads_spec(jax.sharding.get_abstract_mesh().axis_names)
         mapped = jax.shard_map(
             kernel,
             in_specs=(heads, heads, heads),
             out_specs=heads,
-            axis_names=set(INSIDE_AXES) & set(mesh.axis_names) - manual,
+            axis_names=automatic_axes_here(INSIDE_AXES),
         )
         return mapped(q, k, v)
 

@@ -28,6 +28,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.models.moe import moe_ffn
+from jaxmeg.parallel.mesh import automatic_axes_here
 
 EXPERT, TENSOR = "expert", "tensor"
 ROWS = P(EXPERT)
@@ -36,10 +37,7 @@ EXPERT_IN, EXPERT_OUT = P(EXPERT, None, TENSOR), P(EXPERT, TENSOR, None)
 
 
 def _nested_map(fn: Callable, in_specs: tuple, out_specs) -> Callable:
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = {a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-              if kind == jax.sharding.AxisType.Manual}  # fmt: skip
-    axes = {"context", EXPERT, TENSOR} - manual
+    axes = automatic_axes_here(("context", EXPERT, TENSOR))
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=axes)
 
 

@@ -59,3 +59,14 @@ def make_mesh(par: ParallelConfig, devices: list | None = None, placement=None) 
     by_id = {d.id: d for d in devices}
     grid = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def automatic_axes_here(names) -> set[str]:
+    """Which of the mesh axes `names` the code being traced may still map over: those of the
+    current mesh that an enclosing map has not made manual (the executor's map is manual over
+    data and pipe; a map nested in it takes the rest, as `jaxmeg.parallel.attention` and
+    `jaxmeg.parallel.experts` do)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = {a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+              if kind == AxisType.Manual}  # fmt: skip
+    return set(names) & set(mesh.axis_names) - manual
