@@ -12,6 +12,8 @@ os.environ["XLA_FLAGS"] = " ".join(
         "--xla_force_host_platform_device_count=8",
         "--xla_backend_optimization_level=0",
         "--xla_llvm_disable_expensive_passes=true",
+        # The older per-fusion LLVM emitters: the suite's steps compile about a quarter faster.
+        "--xla_cpu_use_fusion_emitters=false",
     ]
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
