@@ -1,15 +1,17 @@
-"""Plan a 3D-parallel layout: every (tensor, pipe, context, data, chunks, microbatch, recompute)
-that fits in memory, ranked by the predicted step time (--objective step_time, the default); or, per
-pipeline method, the layout of up to --gpus GPUs that reaches a target loss soonest at the
-critical batch (--objective shortest_time). With --cluster FILE (configs/clusters/), the layouts
-of that cluster of node groups with different NICs, each with its NIC-aware placement and
-self-adapting partition, next to Megatron's placement and even split. --compression on | auto
-adds pipeline-aware communication compression (the `compression` config section) to the
-step-time ranking: every technique, or each where the model predicts it saves, and what it
-saves. --context auto (the default) also searches context parallelism for long sequences (c
-GPUs per sequence, a ring of key/value blocks), --context N pins it, --context 1 forbids it;
-when the fastest plan splits the sequence, the fastest without context parallelism follows the
-table. docs/planner.md explains the models.
+"""Plan a 3D-parallel layout: every (tensor, pipe, context, expert, data, chunks, microbatch,
+recompute) that fits in memory, ranked by the predicted step time (--objective step_time, the
+default); or, per pipeline method, the layout of up to --gpus GPUs that reaches a target loss
+soonest at the critical batch (--objective shortest_time). With --cluster FILE
+(configs/clusters/), the layouts of that cluster of node groups with different NICs, each with
+its NIC-aware placement and self-adapting partition, next to Megatron's placement and even
+split. --compression on | auto adds pipeline-aware communication compression (the `compression`
+config section) to the step-time ranking: every technique, or each where the model predicts it
+saves, and what it saves. --context auto (the default) also searches context parallelism for
+long sequences (c GPUs per sequence, a ring of key/value blocks), --context N pins it, --context
+1 forbids it; when the fastest plan splits the sequence, the fastest without context parallelism
+follows the table. A config with a moe section also searches expert parallelism (--expert pins
+it), priced as jaxmeg exchanges tokens (--expert-exchange padded) or with the routed rows only
+(routed). docs/planner.md explains the models.
 
   python scripts/plan.py --config configs/megatron_1t.yaml --gpus 3072 --batch 3072 \
       --hardware a100_dgx --tokens 450e9
@@ -22,6 +24,8 @@ table. docs/planner.md explains the models.
       --gpus 1024 --batch 1536 --hardware a100_ethernet --compression auto
   python scripts/plan.py --config configs/megatron_7.5b.yaml --seq 32768 --gpus 64 --batch 128 \
       --hardware h100_dgx --recompute full selective none --top 5
+  python scripts/plan.py --config configs/mixtral_8x7b.yaml --gpus 64 --batch 256 \
+      --hardware h100_dgx --top 5
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def context_size(text: str) -> int | None:
 def parse_args(argv):
     from jaxmeg.config import OUTER_AXES, PIPE_GRAD_PHASES, REMAT_POLICIES, ZERO_STAGES
     from jaxmeg.perf.compression import DEFAULT_RANK, MODES
+    from jaxmeg.perf.layout import EXPERT_EXCHANGES
     from jaxmeg.pipeline.schedules import NAMES as SCHEDULES
 
     parser = argparse.ArgumentParser(
@@ -101,6 +106,16 @@ def parse_args(argv):
     )  # fmt: skip
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
+    parser.add_argument(
+        "--expert", type=int,
+        help="pin expert parallelism (a config with a moe section, step_time; default: search "
+        "every divisor of the experts)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--expert-exchange", choices=EXPERT_EXCHANGES, default="padded",
+        help="how tokens reach their experts: padded, jaxmeg's dropless all-to-all (default); "
+        "routed, the routed rows only (a ragged all-to-all, not run yet)",
+    )  # fmt: skip
     parser.add_argument(
         "--context", type=context_size, metavar="auto|N",
         help="context parallelism (step_time): auto, search it for long sequences (default); N, "
@@ -171,10 +186,11 @@ def model_shape(args):
     if args.config:
         from jaxmeg import config
 
-        model = config.load(args.config).model
+        cfg = config.load(args.config)
+        model = cfg.model
         if model.vocab_size < 1:  # set from the dataset at training time; GPT-2's, padded
             model = dataclasses.replace(model, vocab_size=51200)
-        return dataclasses.replace(shape_of(model), **given)
+        return dataclasses.replace(shape_of(model, cfg.moe), **given)
     missing = [k for k in ("hidden", "layers", "heads", "seq", "vocab") if getattr(args, k) is None]
     if missing:
         raise ValueError(f"give --config or all of --{', --'.join(missing)}")
@@ -185,7 +201,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxmeg.config_validation import pinned_layout_problem
     from jaxmeg.perf.hardware import load_hardware
-    from jaxmeg.perf.model import parameter_count
+    from jaxmeg.perf.model import active_parameters, parameter_count
     from jaxmeg.perf.planner import context_sizes, plan
 
     try:
@@ -201,10 +217,21 @@ def main(argv=None) -> int:
     pins = {k: getattr(args, k) for k in ("tensor", "pipe", "chunks", "microbatch")}
     if args.recompute:
         pins["recompute"] = tuple(dict.fromkeys(args.recompute))
+    if shape.experts and (args.cluster or args.objective != "step_time"):
+        what = "--cluster" if args.cluster else "--objective shortest_time"
+        print(f"error: {what} prices dense models; this config has {shape.experts.count} "
+              f"experts (plan it by step time, without --cluster)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.expert is not None and not shape.experts:
+        print("error: --expert splits a mixture of experts; give a --config with a moe "
+              "section", file=sys.stderr)  # fmt: skip
+        return 2
     if args.cluster:
         return cluster_report(args, shape, pins)
     if args.objective == "shortest_time":
         return shortest_time_report(args, shape, hw, pins)
+    if shape.experts:
+        pins.update(expert=args.expert, expert_exchange=args.expert_exchange)
     if args.zero_stage is not None:
         pins["zero_stage"] = args.zero_stage
     if args.schedule:
@@ -245,44 +272,51 @@ def main(argv=None) -> int:
             best["without_context"] = None if without is None else without.as_dict()
         print(json.dumps(best))
         return 0
+    active = ""
+    if shape.experts:
+        active = f", {active_parameters(shape) / 1e9:.1f}B active ({args.expert_exchange} exchange)"
     print(
-        f"{parameter_count(shape) / 1e9:.1f}B parameters (eq. 2) on {args.gpus} x {hw.name}, "
-        f"batch {args.batch} x {shape.seq_len}; {len(plans)} layouts fit, fastest first"
+        f"{parameter_count(shape) / 1e9:.1f}B parameters (eq. 2{active}) on {args.gpus} x "
+        f"{hw.name}, batch {args.batch} x {shape.seq_len}; {len(plans)} layouts fit, fastest first"
     )
-    print(_header(args, searched))
+    experts = shape.experts is not None
+    print(_header(args, searched, experts))
     for p in plans[: args.top]:
-        print(_row(p, args, searched))
+        print(_row(p, args, searched, experts))
     if compare:
-        print_without_context(plans[0], without, args)
+        print_without_context(plans[0], without, args, experts)
     if plans[0].compression is not None:
         print_compression(plans[0].compression)
     return 0
 
 
-def _header(args, context: bool) -> str:
+def _header(args, context: bool, experts: bool = False) -> str:
     """The step-time table's header; `context` adds c and the ring's MB per layer."""
     return (
-        f"{'t':>3} {'p':>3}" + (f" {'c':>2}" if context else "")
+        f"{'t':>3} {'p':>3}" + (f" {'c':>2}" if context else "") + (f" {'e':>2}" if experts else "")
         + f" {'d':>5} {'v':>2} {'b':>2} {'recomp':>9} {'TFLOP/s':>8} {'%peak':>6} "
         f"{'step s':>8} {'mem GB':>7} {'bubble':>7} {'TP GB':>8} {'PP GB':>7} {'DP GB':>7}"
-        + (f" {'ring MB':>7}" if context else "")
+        + (f" {'ring MB':>7}" if context else "") + (f" {'EP GB':>7}" if experts else "")
         + (f" {'days':>7} {'8TP/nX':>7}" if args.tokens else "")
         + (f" {'saved s':>7} {'compressed':<10}" if args.compression != "off" else "")
     )  # fmt: skip
 
 
-def _row(p, args, context: bool) -> str:
+def _row(p, args, context: bool, experts: bool = False) -> str:
     """A plan's row of the step-time table (`_header`). ring MB: what one GPU sends around the
-    context ring per layer per microbatch, forward and backward."""
+    context ring per layer per microbatch, forward and backward; EP GB: its all-to-alls per step.
+    b: sequences per GPU in a microbatch (train.microbatch_size is e b)."""
     lay, traffic = p.layout, p.bytes_per_step
     row = (
         f"{lay.tensor:>3} {lay.pipe:>3}" + (f" {lay.context:>2}" if context else "")
+        + (f" {lay.expert:>2}" if experts else "")
         + f" {lay.data:>5} {lay.chunks:>2} {lay.microbatch:>2} "
         f"{lay.recompute:>9} {p.tflops_per_gpu:>8.1f} {p.percent_of_peak:>6.1f} "
         f"{p.step_time_s:>8.3f} {p.memory_per_gpu_gb:>7.1f} {p.bubble:>7.3f} "
         f"{traffic['tensor'] / 1e9:>8.2f} {traffic['pipe'] / 1e9:>7.2f} "
         f"{traffic['data'] / 1e9:>7.2f}"
         + (f" {traffic['context_per_layer'] / 1e6:>7.1f}" if context else "")
+        + (f" {traffic['expert'] / 1e9:>7.2f}" if experts else "")
     )  # fmt: skip
     if args.tokens:
         row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"
@@ -291,7 +325,7 @@ def _row(p, args, context: bool) -> str:
     return row
 
 
-def print_without_context(best, without, args) -> None:
+def print_without_context(best, without, args, experts: bool = False) -> None:
     """The fastest plan without context parallelism (c = 1), or that none fits, against the
     fastest plan."""
     if without is None:
@@ -305,8 +339,8 @@ def print_without_context(best, without, args) -> None:
         f"{without.step_time_s:.3f} s, {without.step_time_s / best.step_time_s:.2f}x the fastest "
         f"plan's {best.step_time_s:.3f} s"
     )
-    print(_header(args, True))
-    print(_row(without, args, True))
+    print(_header(args, True, experts))
+    print(_row(without, args, True, experts))
 
 
 TECHNIQUE_CODES = {"pipe_grad": "P", "embedding_sync": "E", "data_grad": "D"}

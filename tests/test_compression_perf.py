@@ -15,8 +15,9 @@ from jaxmeg.perf import compression as cc
 from jaxmeg.perf.collectives import WIRE_BYTES
 from jaxmeg.perf.hardware import load_hardware
 from jaxmeg.perf.layout import Layout
-from jaxmeg.perf.model import Shape, bytes_per_step, shared_parameters_per_gpu, step_time
+from jaxmeg.perf.model import Shape, shared_parameters_per_gpu, step_time
 from jaxmeg.perf.planner import evaluate, plan
+from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.pipeline import critical_path, schedules
 from tests.test_train_cli import CLEAN_ENV, ROOT
 

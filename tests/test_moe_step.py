@@ -187,6 +187,9 @@ def test_expert_parallel_dispatch_is_all_to_all_over_expert_in_the_compiled_step
     on each device's own rows: the only all-gathers over `expert` are the embedding's backward
     (its tokens and cotangents), none in the MoE layers."""
     from jaxmeg.parallel import hlo
+    from jaxmeg.perf.layout import config_layout
+    from jaxmeg.perf.shape import shape_of
+    from jaxmeg.perf.traffic import bytes_per_step
 
     trainable = trainable_for(config((1, 1, 1), TOP2, expert=4, microbatches=1))
     with jax.set_mesh(trainable.mesh):
@@ -200,6 +203,10 @@ def test_expert_parallel_dispatch_is_all_to_all_over_expert_in_the_compiled_step
     assert all(c.axes == {"expert"} for c in found if c.kind == "all-to-all")
     assert sorted(set(exchanges)) == [4 * rows * TOP2.top_k * 4, buffer], exchanges
     assert exchanges.count(buffer) == 6 * LLAMA.layers
+    # the performance model sends what the program sends: (e - 1) / e of each row buffer
+    shape = shape_of(trainable.cfg.model, trainable.cfg.moe)
+    traffic = bytes_per_step(shape, config_layout(trainable.cfg), compute_bytes=4)
+    assert traffic["expert"] == pytest.approx(6 * LLAMA.layers * buffer * 3 / 4)
     gathers = [c for c in found if c.kind == "all-gather"]
     assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
 

@@ -184,7 +184,7 @@ def test_unknown_hardware_is_named():
                           ("interleaved_1f1b", 2, "min_bubble")],
 )  # fmt: skip
 def test_a_stage_keeps_its_schedules_input_ring_flat_in_m(schedule, v, warmup):
-    from jaxmeg.perf.model import stored_microbatches
+    from jaxmeg.perf.memory import stored_microbatches
 
     for m in (4, 8, 64):
         layout = Layout(tensor=1, pipe=4, data=1, chunks=v, microbatches=m, schedule=schedule,
@@ -198,13 +198,8 @@ def test_a_stage_keeps_its_schedules_input_ring_flat_in_m(schedule, v, warmup):
 def test_remat_choice_sets_what_a_slot_keeps_and_what_the_backward_reruns():
     """full: the chunk input, one more forward; selective: all but the attention internals,
     which are rerun; none: everything, backward = 2 forwards (t = 1: no all-reduces)."""
-    from jaxmeg.perf.model import (
-        kept_bytes_per_microbatch,
-        layer_activation_bytes,
-        layer_seconds,
-        memory_per_gpu,
-        step_time,
-    )
+    from jaxmeg.perf.memory import kept_bytes_per_microbatch, layer_activation_bytes, memory_per_gpu
+    from jaxmeg.perf.model import layer_seconds, step_time
 
     hw = load_hardware("a100_dgx")
     shape = Shape(hidden=4096, layers=32, heads=32, seq_len=2048, vocab=51200)
@@ -234,7 +229,8 @@ def test_remat_choice_sets_what_a_slot_keeps_and_what_the_backward_reruns():
 def test_uneven_stages_count_the_busiest_stage_and_no_padding():
     """[5, 3] over 8 layers holds, keeps and runs what an even 10-layer model's stages do; its
     FLOPs (and so TFLOP/s) are the 8 real layers'."""
-    from jaxmeg.perf.model import memory_per_gpu, params_per_gpu, step_time, tflops_per_gpu
+    from jaxmeg.perf.memory import memory_per_gpu
+    from jaxmeg.perf.model import params_per_gpu, step_time, tflops_per_gpu
 
     hw = load_hardware("a100_dgx")
     eight = Shape(hidden=2048, layers=8, heads=16, seq_len=2048, vocab=51200)
@@ -272,7 +268,7 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
     from jaxmeg.parallel.hlo import collectives
     from jaxmeg.parallel.hlo_cost import StepCost
     from jaxmeg.perf.jaxmeg_memory import jaxmeg_step_memory
-    from jaxmeg.perf.model import bytes_per_step
+    from jaxmeg.perf.traffic import bytes_per_step
     from jaxmeg.training.pipeline_step import make_loss_and_grads
     from jaxmeg.training.trainer import compile_step, memory_report
     from tests.helpers import trainable_for
@@ -372,7 +368,9 @@ def test_critical_batch_arithmetic_by_hand():
 
 
 def test_zero_shards_states_and_breadth_first_gathers_once_per_chunk():
-    from jaxmeg.perf.model import bytes_per_step, memory_per_gpu, params_per_gpu
+    from jaxmeg.perf.memory import memory_per_gpu
+    from jaxmeg.perf.model import params_per_gpu
+    from jaxmeg.perf.traffic import bytes_per_step
 
     hw = load_hardware("a100_dgx")
     base = Layout(tensor=8, pipe=8, data=4, chunks=2, microbatches=8, schedule="interleaved_1f1b")

@@ -23,19 +23,19 @@ from jaxmeg.perf.context import (
 )
 from jaxmeg.perf.hardware import load_hardware
 from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.memory import memory_per_gpu
 from jaxmeg.perf.model import (
     Shape,
-    bytes_per_step,
     context_link,
     data_link,
     device_grid,
     layer_seconds,
-    memory_per_gpu,
     params_per_gpu,
     step_time,
     tflops_per_gpu,
 )
 from jaxmeg.perf.planner import context_sizes, plan
+from jaxmeg.perf.traffic import bytes_per_step
 from tests.test_train_cli import CLEAN_ENV, ROOT
 
 H100 = load_hardware("h100_dgx")

@@ -17,7 +17,8 @@ from jaxmeg.perf.cluster_model import (
     one_transport,
 )
 from jaxmeg.perf.layout import Layout
-from jaxmeg.perf.model import Shape, memory_per_gpu
+from jaxmeg.perf.memory import memory_per_gpu
+from jaxmeg.perf.model import Shape
 from jaxmeg.perf.planner import MICROBATCH_SIZES, check_inputs
 
 

@@ -54,9 +54,12 @@ class Collective:
         return self.count * ring(self.nbytes, n, link)
 
 
-def model_state_bytes(params: float, chunk_params: float, layout: Layout) -> float:
+def model_state_bytes(
+    params: float, chunk_params: float, layout: Layout, group: int | None = None
+) -> float:
     """Bytes of model states one GPU holds (section 5), P = `params`, P_c = `chunk_params`, d
-    the gradient group (d c with context, whose GPUs hold the same parameters):
+    the gradient group (`group`, else `Layout.gradient_group`: the GPUs that hold the same
+    parameters):
     stage 0   16 P                fp32 weights 4, fp32 gradients 4, Adam moments 8
     stage 1   (2 + 4) P + 12 P/d  a bf16 weight copy and the fp32 gradients whole; the fp32
                                   master weights and moments sharded
@@ -64,7 +67,7 @@ def model_state_bytes(params: float, chunk_params: float, layout: Layout) -> flo
                                   of the next (prefetched), 2 x 2 P_c, and the chunk's fp32
                                   gradient until it is reduce-scattered, 4 P_c
     """
-    d = layout.gradient_group
+    d = group or layout.gradient_group
     if layout.zero_stage == 0:
         return 16.0 * params
     if layout.zero_stage == 1:

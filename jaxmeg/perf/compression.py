@@ -79,7 +79,6 @@ from jaxmeg.perf.model import (
     StepTime,
     _gemm_seconds,
     busiest_stage_layers,
-    bytes_per_step,
     data_link,
     device_grid,
     exposed_data_parallel_seconds,
@@ -90,6 +89,7 @@ from jaxmeg.perf.model import (
     stage_layout,
     step_time,
 )
+from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.pipeline import critical_path, schedules
 from jaxmeg.pipeline.gradients import broadcast_rounds
 from jaxmeg.pipeline.tick_table import build_tick_table
@@ -239,7 +239,7 @@ def pipe_grad_message(shape: Shape, layout: Layout, rank: int) -> float:
 
 def per_gpu_message(layout: Layout, message: float) -> float:
     """What one GPU sends of a pipeline message: 1/t with scatter/gather or sequence
-    parallelism (as `model.bytes_per_step`)."""
+    parallelism (as `traffic.bytes_per_step`)."""
     split = layout.pipe_scatter_gather or layout.sequence_parallel
     return message / layout.tensor if split else message
 

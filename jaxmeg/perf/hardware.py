@@ -55,6 +55,16 @@ class Hardware:
     configs/hardware/: what `--target` compiles for (`jaxmeg.parallel.gpu_target`)."""
 
 
+def gemm_seconds(m: float, n: float, k: float, hw: Hardware) -> float:
+    """2 m n k FLOPs at the profile's GEMM efficiency, lower along each dimension below
+    `gemm_half_dim` (tile quantisation and launch overheads), or the HBM roofline."""
+    c = hw.gemm_half_dim
+    efficiency = hw.gemm_efficiency * (m / (m + c)) * (n / (n + c)) * (k / (k + c))
+    compute = 2 * m * n * k / (hw.peak_tflops * 1e12 * efficiency)
+    memory = 2 * (m * k + k * n + m * n) / (hw.hbm_tb_per_s * 1e12)
+    return max(compute, memory)
+
+
 def load_hardware(name_or_path: str) -> Hardware:
     """A profile by name (`a100_dgx`) or by path to a YAML file."""
     path = find_shipped("hardware", name_or_path)

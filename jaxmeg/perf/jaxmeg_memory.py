@@ -32,12 +32,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmeg.perf.layout import Layout
-from jaxmeg.perf.model import (
-    Shape,
-    busiest_stage_layers,
-    layer_activation_bytes,
-    stage_layout,
-)
+from jaxmeg.perf.memory import layer_activation_bytes
+from jaxmeg.perf.model import Shape, busiest_stage_layers, stage_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +155,7 @@ def jaxmeg_step_memory(
     """The module docstring's sums; `input_slots` K and `cot_slots` J from the tick table;
     `flash_attention` for a step that runs cuDNN's (no s x s scores anywhere).
     Without context parallelism only: its ring's buffers are not counted here (the planner's
-    `model.memory_per_gpu` prices them)."""
+    `memory.memory_per_gpu` prices them)."""
     if layout.context > 1:
         raise ValueError(
             f"jaxmeg_step_memory prices a step without context parallelism, got context = "

@@ -2,7 +2,8 @@
 the schedule, recompute and ZeRO. Its own module so that `jaxmeg.perf.model` and
 `jaxmeg.perf.collectives` both import it, and the model imports the collectives one way.
 
-Words: t tensor, p pipe, c context, d data, v chunks, b microbatch, m microbatches per replica.
+Words: t tensor, p pipe, c context, e expert, d data, v chunks, b microbatch, m microbatches per
+replica (a replica: one of the d e groups that split the batch).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 
 from jaxmeg.config import OUTER_AXES, REMAT_POLICIES, ZERO_STAGES
 from jaxmeg.pipeline import schedules
+
+EXPERT_EXCHANGES = ("padded", "routed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,8 +25,17 @@ class Layout:
     """Context-parallel size c (`parallel.context`): each sequence split over c GPUs, which
     pass its keys and values around a ring for attention (`jaxmeg.perf.context`). The mesh
     axis sits between pipe and tensor: a context group is c consecutive tensor groups."""
+    expert: int = 1
+    """Expert-parallel size e (`parallel.expert`): each MoE layer's experts split over e GPUs,
+    which are data-parallel replicas for every other weight (the batch splits over d e). The
+    mesh axis sits between context and tensor (`jaxmeg.perf.experts`)."""
+    expert_exchange: str = "padded"
+    """How tokens reach their experts' GPUs (one of `EXPERT_EXCHANGES`): `padded`, jaxmeg's
+    dropless all-to-all at fixed shapes; `routed`, the routed rows only (a ragged all-to-all,
+    which jaxmeg does not run yet). See `jaxmeg.perf.experts`."""
     chunks: int = 1
     microbatch: int = 1
+    """b, sequences of one microbatch on one GPU (`train.microbatch_size` / e)."""
     microbatches: int = 1
     recompute: str = "full"
     """What a layer keeps for its backward, one of `config.REMAT_POLICIES` (`model.remat`)."""
@@ -49,8 +61,14 @@ class Layout:
     only (jaxmeg's config has no such field)."""
 
     def __post_init__(self) -> None:
-        if self.context < 1:
-            raise ValueError(f"context must be >= 1, got {self.context}")
+        for name in ("context", "expert"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_exchange not in EXPERT_EXCHANGES:
+            raise ValueError(
+                f"expert_exchange must be one of {list(EXPERT_EXCHANGES)}, got "
+                f"{self.expert_exchange!r}"
+            )
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(
                 f"zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"
@@ -81,26 +99,39 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.pipe * self.context * self.data
+        return self.tensor * self.pipe * self.context * self.expert * self.data
+
+    @property
+    def replicas(self) -> int:
+        """d e: the groups that split the batch."""
+        return self.data * self.expert
 
     @property
     def gradient_group(self) -> int:
-        """d c: the GPUs that hold the same parameters and reduce their gradients together (and
-        share ZeRO's shards); parameters are replicated over context as over data."""
+        """d c e: the GPUs that hold the same dense parameters and reduce their gradients
+        together (and share ZeRO's shards); they are replicated over context and expert as
+        over data."""
+        return self.data * self.context * self.expert
+
+    @property
+    def expert_gradient_group(self) -> int:
+        """d c: the GPUs that hold the same experts (`jaxmeg.perf.experts`)."""
         return self.data * self.context
 
     @property
     def global_batch(self) -> int:
-        return self.data * self.microbatches * self.microbatch
+        return self.replicas * self.microbatches * self.microbatch
 
 
 def config_layout(cfg) -> Layout:
-    """The layout a run config asks for (`jaxmeg.config.Config`), as the planner prices it."""
+    """The layout a run config asks for (`jaxmeg.config.Config`), as the planner prices it. A
+    microbatch of `train.microbatch_size` rows splits over the expert ranks: b is each GPU's
+    share."""
     par = cfg.parallel
     return Layout(
         tensor=par.tensor, pipe=par.pipe, data=par.data, context=par.context,
-        chunks=par.chunks,
-        microbatch=cfg.train.microbatch_size, microbatches=cfg.train.microbatches,
+        expert=par.expert, chunks=par.chunks,
+        microbatch=cfg.train.microbatch_size // par.expert, microbatches=cfg.train.microbatches,
         recompute=cfg.model.remat, pipe_scatter_gather=par.uses_scatter_gather,
         sequence_parallel=par.sequence_parallel,
         schedule=par.schedule if par.pipe > 1 else "1f1b", warmup=par.pipeline_warmup,

@@ -19,15 +19,15 @@ def hardware_link(hw: Hardware, inside_node: bool) -> tuple[float, float]:
 
 
 def device_grid(layout: Layout) -> np.ndarray:
-    """int [d, p, c, 1, t] (`config.MESH_AXES`; the performance model has no expert axis yet):
-    each GPU's rank in the device order, laid out as `jaxmeg.parallel.mesh.make_mesh` lays out
-    the mesh: tensor fastest, then context (a context group is c consecutive tensor groups),
-    `outer_axis` slowest. Nodes are runs of `gpus_per_node` consecutive ranks."""
-    d, p, c, t = layout.data, layout.pipe, layout.context, layout.tensor
+    """int [d, p, c, e, t] (`config.MESH_AXES`): each GPU's rank in the device order, laid out
+    as `jaxmeg.parallel.mesh.make_mesh` lays out the mesh: tensor fastest, then expert, then
+    context (a context group is c consecutive expert x tensor groups), `outer_axis` slowest.
+    Nodes are runs of `gpus_per_node` consecutive ranks."""
+    d, p, c, e, t = layout.data, layout.pipe, layout.context, layout.expert, layout.tensor
     ranks = np.arange(layout.gpus)
     if layout.outer_axis == "pipe":
-        return ranks.reshape(p, d, c, 1, t).transpose(1, 0, 2, 3, 4)
-    return ranks.reshape(d, p, c, 1, t)
+        return ranks.reshape(p, d, c, e, t).transpose(1, 0, 2, 3, 4)
+    return ranks.reshape(d, p, c, e, t)
 
 
 def inside_node(layout: Layout, hw: Hardware, axis: str | tuple[str, ...]) -> bool:
@@ -51,9 +51,20 @@ def pipe_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
 
 
 def data_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """The gradient group, data x context: data neighbours are c t GPUs apart (outer_axis
-    pipe) or c t p (outer_axis data), with the c t GPUs of a context group between them."""
+    """The gradient group, data x context x expert: data neighbours are c e t GPUs apart
+    (outer_axis pipe) or c e t p (outer_axis data), with the c e t GPUs of a context group
+    between them."""
+    return hardware_link(hw, inside_node(layout, hw, ("data", "context", "expert")))
+
+
+def expert_data_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """The experts' gradient group, data x context (`Layout.expert_gradient_group`)."""
     return hardware_link(hw, inside_node(layout, hw, ("data", "context")))
+
+
+def expert_link(layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """An expert group is e consecutive tensor groups: NVLink while e t fits in a node."""
+    return hardware_link(hw, inside_node(layout, hw, "expert"))
 
 
 def context_link(layout: Layout, hw: Hardware) -> tuple[float, float]:

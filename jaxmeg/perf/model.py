@@ -10,7 +10,10 @@ Lamy-Poirier, 2021, "Layered gradient accumulation and modular pipeline parallel
 breadth-first schedule's gathers once per chunk and its overlapped data-parallel traffic).
 Context parallelism (c GPUs per sequence, a ring of key/value blocks) is priced in
 `jaxmeg.perf.context`; each GPU then holds s / c tokens of each sequence (`local_seq_len`),
-which is the s of every per-token figure below.
+which is the s of every per-token figure below. Mixture-of-experts layers (`Shape.experts`,
+e expert ranks) are priced in `jaxmeg.perf.experts`: their experts split over e GPUs that are
+data-parallel replicas for every other weight, their block's time and bytes in place of the
+dense MLP's.
 
 Words: t tensor, p pipe, c context, d data, v chunks, b microbatch, m microbatches per replica,
 B = d m b sequences per step, s sequence, h hidden, a heads, l layers, V vocabulary, Lc layers
@@ -29,25 +32,24 @@ input kept, one layer recomputed at a time).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
+from jaxmeg.perf import experts
 from jaxmeg.perf.collectives import (
     data_parallel_collectives,
-    model_state_bytes,
     ring_all_reduce_seconds,
 )
 from jaxmeg.perf.context import (
     exposed_ring_seconds,
     local_seq_len,
-    ring_buffer_bytes,
-    ring_bytes_per_layer,
 )
 from jaxmeg.perf.hardware import Hardware
+from jaxmeg.perf.hardware import gemm_seconds as _gemm_seconds
 from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, inside_node: re-exported)
     context_link,
     data_link,
     device_grid,
+    expert_data_link,
     hardware_link,
     inside_node,
     pipe_link,
@@ -55,45 +57,41 @@ from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, insid
 )
 from jaxmeg.perf.shape import Shape, shape_of  # noqa: F401 (re-exported)
 from jaxmeg.pipeline import schedules, timing
-from jaxmeg.pipeline.analysis import held_microbatches
 from jaxmeg.pipeline.layout import StageLayout
-from jaxmeg.pipeline.tick_table import STEADY_STATE_MICROBATCHES_PER_STAGE, build_tick_table
 
 
 def parameter_count(shape: Shape) -> float:
-    """Megatron eq. 2: P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)) (MLP of 4h)."""
+    """Megatron eq. 2: P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)) (MLP of 4h); with
+    experts, l MoE layers (`experts.moe_layer_parameters`) and the same embeddings."""
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
+    if shape.experts:
+        return l * layer_parameters(shape) + (v + s) * h
     return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+
+
+def active_parameters(shape: Shape) -> float:
+    """The parameters a token runs through: `parameter_count` less the routed experts it is not
+    sent to (E - k of each layer's E)."""
+    x = shape.experts
+    if x is None:
+        return parameter_count(shape)
+    unused = shape.layers * experts.expert_parameters(shape) * (1 - x.top_k / x.count)
+    return parameter_count(shape) - unused
 
 
 def flops_per_iteration(shape: Shape, batch: int, recompute: bool = True) -> float:
     """Megatron eq. 3: F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) with full recompute
-    (one extra forward); 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)) without."""
+    (one extra forward); 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)) without. With experts,
+    the MoE block's active FLOPs (`experts.mlp_flops_per_token`) replace the dense MLP's 16 h^2
+    per token and pass."""
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
+    moe = 0.0
+    if shape.experts:
+        dense = experts.mlp_flops_per_token(dataclasses.replace(shape, experts=None))
+        moe = (4 if recompute else 3) * batch * s * l * (experts.mlp_flops_per_token(shape) - dense)
     if recompute:
-        return 96 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return 72 * batch * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory
-
-
-@dataclasses.dataclass(frozen=True)
-class Memory:
-    params: float
-    """Parameter count held by one GPU (the busiest stage)."""
-    model_states: float
-    """Bytes of fp32 params, fp32 gradients, Adam first and second moments (16 B / param),
-    less what ZeRO shards (`collectives.model_state_bytes`)."""
-    activations: float
-    """Bytes of activations kept for the backward at the busiest moment."""
-    workspace: float
-    """Bytes held by libraries and transient buffers."""
-
-    @property
-    def total(self) -> float:
-        return self.model_states + self.activations + self.workspace
+        return 96 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) + moe
+    return 72 * batch * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)) + moe
 
 
 def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
@@ -113,8 +111,17 @@ def busiest_stage_layers(shape: Shape, layout: Layout) -> int:
 
 
 def layer_parameters(shape: Shape) -> float:
-    """One layer's parameters, 12 h^2 + 13 h (eq. 2's per-layer term)."""
+    """One layer's parameters, 12 h^2 + 13 h (eq. 2's per-layer term), or an MoE layer's
+    (`experts.moe_layer_parameters`, all E experts)."""
+    if shape.experts:
+        return experts.moe_layer_parameters(shape)
     return 12 * shape.hidden * shape.hidden + 13 * shape.hidden
+
+
+def layer_parameters_per_gpu(shape: Shape, layout: Layout) -> float:
+    """One layer's parameters on one GPU: split t ways, the routed experts e t ways."""
+    routed = experts.expert_parameters(shape)
+    return (layer_parameters(shape) - routed + routed / layout.expert) / layout.tensor
 
 
 def shared_parameters_per_gpu(shape: Shape, tensor: int) -> float:
@@ -123,158 +130,56 @@ def shared_parameters_per_gpu(shape: Shape, tensor: int) -> float:
 
 
 def params_per_gpu(shape: Shape, layout: Layout) -> float:
-    """Layer parameters of the busiest stage split t ways, plus the vocab-parallel embedding."""
+    """Layer parameters of the busiest stage on one GPU (`layer_parameters_per_gpu`), plus the
+    vocab-parallel embedding."""
     layers = busiest_stage_layers(shape, layout)
-    return layers * layer_parameters(shape) / layout.tensor + shared_parameters_per_gpu(
+    return layers * layer_parameters_per_gpu(shape, layout) + shared_parameters_per_gpu(
         shape, layout.tensor
     )
 
 
 def chunk_params_per_gpu(shape: Shape, layout: Layout) -> float:
-    """Parameters of the busiest chunk split t ways (its Lc layers and the embedding): what
+    """Parameters of the busiest chunk on one GPU (its Lc layers and the embedding): what
     ZeRO-3 gathers at once."""
     lc = busiest_stage_layers(shape, layout) // layout.chunks
-    return lc * layer_parameters(shape) / layout.tensor + shared_parameters_per_gpu(
+    return lc * layer_parameters_per_gpu(shape, layout) + shared_parameters_per_gpu(
         shape, layout.tensor
     )
 
 
-def layer_activation_bytes(shape: Shape, layout: Layout, flash_attention: bool = True) -> float:
-    """Korthikanti et al. table 2, 16-bit activations, per layer per microbatch.
+@dataclasses.dataclass(frozen=True)
+class ParameterGroup:
+    """Parameters one GPU holds that the same GPUs hold (and reduce, and shard under ZeRO)."""
 
-    none:      s b h (10 + 24/t + 5 a s / (h t)),  with sequence parallelism (34 + 5 a s/h) / t
-    selective: s b h (10 + 24/t),                  with sequence parallelism 34 / t
-    full:      2 s b h (the layer input),          with sequence parallelism / t
-    Flash attention keeps no s x s scores, so the 5 a s / h term drops. With context, s b h is
-    of the s / c local tokens, whose scores rows are s long.
-    """
-    s, b, h, a, t = shape.seq_len, layout.microbatch, shape.hidden, shape.heads, layout.tensor
-    sbh = local_seq_len(shape, layout) * b * h
-    scores = 0.0 if flash_attention else 5 * a * s / h
-    sp = layout.sequence_parallel
-    if layout.recompute == "full":
-        return 2 * sbh / (t if sp else 1)
-    if layout.recompute == "selective":
-        return sbh * (34 / t if sp else 10 + 24 / t)
-    return sbh * ((34 + scores) / t if sp else 10 + 24 / t + scores / t)
+    params: float
+    chunk_params: float
+    """Of the busiest chunk (what ZeRO-3 gathers at once)."""
+    ranks: int
+    """The GPUs that hold them: `Layout.gradient_group`, or `expert_gradient_group`."""
+    experts: bool
+    """The routed experts (their data-parallel traffic takes `links.expert_data_link`)."""
 
 
-@functools.cache
-def _ring_slots(schedule: str, p: int, v: int, warmup: str) -> int:
-    m = STEADY_STATE_MICROBATCHES_PER_STAGE * p  # 1F1B-type rings are full by then, flat after
-    return build_tick_table(schedules.build(schedule, p, m, v, warmup)).num_input_slots
-
-
-def stored_microbatches(layout: Layout) -> int:
-    """K, the (microbatch, chunk) inputs a stage keeps for its backward at once: the stage-input
-    ring of the schedule's tick table (`num_input_slots`, the same for every m) for 1F1B-type
-    schedules, m for GPipe, m v for breadth-first (every microbatch's input to every chunk
-    waits for the backward), 1 without a pipeline (microbatches run one after another)."""
-    if layout.schedule == "breadth_first" and (layout.pipe > 1 or layout.chunks > 1):
-        return layout.microbatches * layout.chunks
-    if layout.pipe == 1:
-        return 1
-    if layout.schedule == "gpipe":
-        return layout.microbatches
-    return _ring_slots(layout.schedule, layout.pipe, layout.chunks, layout.warmup)
-
-
-def split_store_bytes_per_layer(shape: Shape, layout: Layout) -> float:
-    """What a split backward keeps per layer between I and W (`jaxmeg.models.split_backward`):
-    each weight matmul's input X and output cotangent dY, 16-bit. The column-parallel matmuls'
-    inputs and the row-parallel ones' output cotangents are whole over the tensor group, split
-    on the sequence with sequence parallelism: s b (4 h + (4 h + 2 f) / t), with it s b (8 h +
-    2 f) / t, f the MLP width (16 s b h / t)."""
-    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
-    f = shape.mlp_ratio * h
-    residual = h / t if layout.sequence_parallel else h  # a residual-stream-shaped tensor
-    return 2 * s * b * (4 * residual + (4 * h + 2 * f) / t)
-
-
-def matmul_input_bytes_per_layer(shape: Shape, layout: Layout) -> float:
-    """The matmul inputs X a split backward's forward keeps for W until I moves them (with
-    stored residuals), 16-bit: s b (2 h + (h + f) / t), the first term / t with sequence
-    parallelism."""
-    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
-    f = shape.mlp_ratio * h
-    residual = h / t if layout.sequence_parallel else h
-    return 2 * s * b * (2 * residual + (h + f) / t)
-
-
-@functools.cache
-def _held_microbatches(schedule: str, p: int, v: int) -> tuple[tuple[float, ...], ...]:
-    m = STEADY_STATE_MICROBATCHES_PER_STAGE * p
-    return held_microbatches(schedules.build(schedule, p, m, v))
-
-
-def split_backward_stored_bytes(shape: Shape, layout: Layout) -> float:
-    """A split-backward schedule's stored activations on its busiest stage: per stage, the
-    microbatches held whole (forward ran, I not yet) times what the forward keeps, plus those
-    between I and W times `split_store_bytes_per_layer`, from the tick table
-    (`analysis.held_microbatches`, flat in m)."""
-    whole, split = _held_microbatches(layout.schedule, layout.pipe, layout.chunks)
-    v, lc = layout.chunks, busiest_stage_layers(shape, layout) // layout.chunks
-    kept = kept_bytes_per_microbatch(shape, layout)
-    if layout.recompute != "full":
-        kept += lc * matmul_input_bytes_per_layer(shape, layout)
-    per_split = lc * split_store_bytes_per_layer(shape, layout)
-    return max(v * (w * kept + x * per_split) for w, x in zip(whole, split, strict=True))
-
-
-def kept_bytes_per_microbatch(shape: Shape, layout: Layout) -> float:
-    """Bytes one ring slot holds for the backward: the chunk's input (2 s b h, /t with sequence
-    parallelism) and, unless `full`, the residuals of its Lc layers at the remat choice's
-    per-layer count. Without a pipeline or chunks, every layer keeps its per-layer count."""
-    lc = busiest_stage_layers(shape, layout) // layout.chunks
-    per_layer = layer_activation_bytes(shape, layout)
-    if layout.pipe == 1 and layout.chunks == 1:
-        return lc * per_layer
-    chunk_input = layer_activation_bytes(shape, dataclasses.replace(layout, recompute="full"))
-    return chunk_input + (0.0 if layout.recompute == "full" else lc * per_layer)
-
-
-def recompute_working_bytes(shape: Shape, layout: Layout) -> float:
-    """Residuals alive while `full` recompute runs: a whole chunk's (the executor recomputes
-    the chunk at once), one layer's without a pipeline or chunks; none for the other choices."""
-    if layout.recompute != "full":
-        return 0.0
-    all_kept = layer_activation_bytes(shape, dataclasses.replace(layout, recompute="none"))
-    lc = busiest_stage_layers(shape, layout) // layout.chunks
-    return all_kept * (lc if layout.pipe > 1 or layout.chunks > 1 else 1)
-
-
-def memory_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> Memory:
-    """Model states at 16 B/param less ZeRO's sharding (`collectives.model_state_bytes`);
-    activations: K ring slots of what the remat choice keeps
-    (`stored_microbatches` x `kept_bytes_per_microbatch`), the recompute working set, the last
-    stage's fp32 logits, one received activation and the context ring's blocks
-    (`context.ring_buffer_bytes`); the hardware's workspace. The busiest stage's, s the local
-    s / c with context."""
-    params = params_per_gpu(shape, layout)
-    states = model_state_bytes(params, chunk_params_per_gpu(shape, layout), layout)
-    if schedules.splits_backward(layout.schedule) and layout.pipe > 1:
-        stored = split_backward_stored_bytes(shape, layout)
-    else:
-        stored = stored_microbatches(layout) * kept_bytes_per_microbatch(shape, layout)
-    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
-    logits = 3 * 4 * s * b * shape.vocab / t  # fp32 logits, softmax and gradient
-    activations = stored + recompute_working_bytes(shape, layout) + logits + 2 * s * b * h
-    activations += ring_buffer_bytes(shape, layout)
-    return Memory(params, states, activations, hw.workspace_gb * 1e9)
+def parameter_groups(shape: Shape, layout: Layout) -> list[ParameterGroup]:
+    """The busiest stage's parameters by who shares them: every weight over the d c e GPUs of
+    the gradient group, except the routed experts, over d c."""
+    params, chunk = params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout)
+    dense = ParameterGroup(params, chunk, layout.gradient_group, False)
+    if shape.experts is None:
+        return [dense]
+    per_layer = experts.expert_parameters(shape) / (layout.expert * layout.tensor)
+    layers = busiest_stage_layers(shape, layout)
+    routed = ParameterGroup(
+        layers * per_layer, layers // layout.chunks * per_layer, layout.expert_gradient_group, True
+    )
+    dense = dataclasses.replace(
+        dense, params=params - routed.params, chunk_params=chunk - routed.chunk_params
+    )
+    return [dense, routed]
 
 
 # ---------------------------------------------------------------------------------------------
 # Communication and time
-
-
-def _gemm_seconds(m: float, n: float, k: float, hw: Hardware) -> float:
-    """2 m n k FLOPs at the profile's GEMM efficiency, lower along each dimension below
-    `gemm_half_dim` (tile quantisation and launch overheads), or the HBM roofline."""
-    c = hw.gemm_half_dim
-    efficiency = hw.gemm_efficiency * (m / (m + c)) * (n / (n + c)) * (k / (k + c))
-    compute = 2 * m * n * k / (hw.peak_tflops * 1e12 * efficiency)
-    memory = 2 * (m * k + k * n + m * n) / (hw.hbm_tb_per_s * 1e12)
-    return max(compute, memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,12 +231,13 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     t, c = layout.tensor, layout.context
     tokens = s * b
     f = shape.mlp_ratio * h
-    gemms = (
-        _gemm_seconds(tokens, 3 * h / t, h, hw)  # QKV
-        + _gemm_seconds(tokens, h, h / t, hw)  # attention output
-        + _gemm_seconds(tokens, f / t, h, hw)  # fc1
-        + _gemm_seconds(tokens, h, f / t, hw)  # fc2
-    )
+    gemms = _gemm_seconds(tokens, 3 * h / t, h, hw) + _gemm_seconds(tokens, h, h / t, hw)
+    moe_f = moe_b = 0.0
+    if shape.experts:  # the MoE block in place of fc1 and fc2 and their GeLU
+        moe_f, moe_b = experts.moe_seconds(shape, layout, hw)
+        f = 0
+    else:
+        gemms += _gemm_seconds(tokens, f / t, h, hw) + _gemm_seconds(tokens, h, f / t, hw)
     heads = a / t
     block = (
         b * heads * (_gemm_seconds(s, s, h / a, hw) + _gemm_seconds(s, h / a, s, hw))
@@ -346,13 +252,13 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     replicated = 12 * tokens * h / (t if layout.sequence_parallel else 1)
     block_softmax = 6 * b * heads * s * s * 2 / hbm_bytes_per_s
     softmax = c * block_softmax
-    elementwise = (replicated + 16 * tokens * h / t) * 2 / hbm_bytes_per_s + softmax
+    elementwise = (replicated + 4 * tokens * f / t) * 2 / hbm_bytes_per_s + softmax
     all_reduce = ring_all_reduce_seconds(2 * tokens * h, t, tensor_link(layout, hw))
     ring_f, ring_b = exposed_ring_seconds(
         shape, layout, context_link(layout, hw), block + block_softmax
     )
-    forward = gemms + attention + elementwise + 2 * all_reduce + ring_f
-    backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce + ring_b
+    forward = gemms + attention + elementwise + 2 * all_reduce + ring_f + moe_f
+    backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce + ring_b + moe_b
     return LayerSeconds(forward, backward, attention + softmax, ring_f, ring_b)
 
 
@@ -366,12 +272,13 @@ def data_parallel_seconds(
     chunk's weights can be gathered while this one computes (Lamy-Poirier, 2021, sections 4-5):
     only the first gather and the last reduce-scatter, 1/v of the traffic, must wait, and the
     rest hides behind the step's compute C: max(T / v, T - C). With context the ring is the
-    d c GPUs of the data x context group (`Layout.gradient_group`)."""
-    link = data_link(layout, hw)
-    collectives = data_parallel_collectives(
-        params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
-    )
-    total = sum(c.seconds(layout.gradient_group, link) for c in collectives)
+    d c e GPUs of the data x context x expert group (`Layout.gradient_group`), and for the
+    routed experts the d c of `expert_gradient_group`, over their own link."""
+    total = 0.0
+    for group in parameter_groups(shape, layout):
+        link = (expert_data_link if group.experts else data_link)(layout, hw)
+        collectives = data_parallel_collectives(group.params, group.chunk_params, layout)
+        total += sum(c.seconds(group.ranks, link) for c in collectives)
     return exposed_data_parallel_seconds(total, layout, compute_seconds)
 
 
@@ -419,10 +326,12 @@ def logits_seconds(shape: Shape, layout: Layout, hw: Hardware) -> float:
     return _gemm_seconds(tokens, shape.vocab / layout.tensor, shape.hidden, hw)
 
 
-def optimizer_seconds(params: float, layout: Layout, hw: Hardware) -> float:
+def optimizer_seconds(
+    params: float, layout: Layout, hw: Hardware, group: int | None = None
+) -> float:
     """The optimizer step of `params` parameters, memory bound: 16 bytes per parameter read
-    and written, on the 1/d shard with ZeRO (1/(d c) with context: the gradient group's)."""
-    updated = params / (layout.gradient_group if layout.zero_stage else 1)
+    and written, on the 1 / `group` shard with ZeRO (default: the gradient group's)."""
+    updated = params / ((group or layout.gradient_group) if layout.zero_stage else 1)
     return 16 * updated * 2 / (hw.hbm_tb_per_s * 1e12)
 
 
@@ -447,7 +356,9 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
         p2p = 2 * v * (m + (p - 1) / v) * pipe_message_seconds(shape, layout, hw)
     compute = m * (forward + backward)
     dp = data_parallel_seconds(shape, layout, hw, compute)
-    optimizer = optimizer_seconds(params_per_gpu(shape, layout), layout, hw)
+    optimizer = sum(
+        optimizer_seconds(g.params, layout, hw, g.ranks) for g in parameter_groups(shape, layout)
+    )
     return StepTime(forward, backward, pipeline, p2p, dp, optimizer, bubble)
 
 
@@ -461,49 +372,3 @@ def tflops_per_gpu(shape: Shape, layout: Layout, hw: Hardware) -> float:
 def paper_training_days(shape: Shape, gpus: int, tflops_per_gpu_: float, tokens: float) -> float:
     """Megatron section 5.1: end-to-end time ~ 8 T P / (n X)."""
     return 8 * tokens * parameter_count(shape) / (gpus * tflops_per_gpu_ * 1e12) / 86400
-
-
-def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict[str, float]:
-    """Bytes one GPU sends per step on each link, and the message sizes behind them.
-
-    tensor: 2 all-reduces of b s h per layer in the forward and 2 in the backward (+2 more for
-    the recomputed forward with `recompute="full"`), each moving 2 (t-1)/t of the message, and
-    with scatter/gather the all-gather of each received pipeline message, (t-1)/t of it; pipe:
-    b s h per microbatch per boundary each way (/t with scatter-gather), as a stage with a
-    neighbour on both sides sends (jaxmeg's executor sends only what Megatron-LM sends); data: the
-    `collectives.data_parallel_collectives` on a ring of d (d c with context); context: the
-    ring's blocks (`context.ring_bytes_per_layer`) per layer per microbatch, its forward twice
-    with `recompute="full"`. s is the s / c local tokens with context. Layers are the busiest
-    stage's.
-    """
-    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
-    message = s * b * h * compute_bytes
-    per_layer = 6 if layout.recompute == "full" else 4
-    layers = busiest_stage_layers(shape, layout)
-    tensor = per_layer * layers * layout.microbatches
-    tensor_bytes = tensor * message * (2 * (t - 1) / t if t > 1 else 0)
-    split = layout.pipe_scatter_gather or layout.sequence_parallel
-    pipe_message = message / t if split else message
-    sends = 2 * layout.microbatches * layout.chunks
-    pipe_bytes = sends * pipe_message if layout.pipe > 1 else 0
-    if layout.pipe > 1 and t > 1 and layout.pipe_scatter_gather and not layout.sequence_parallel:
-        # scatter/gather: each received message is all-gathered over the tensor group
-        tensor_bytes += sends * message * (t - 1) / t
-    collectives = data_parallel_collectives(
-        params_per_gpu(shape, layout), chunk_params_per_gpu(shape, layout), layout
-    )
-    data_bytes = sum(c.wire_bytes(layout.gradient_group) for c in collectives)
-    ring = ring_bytes_per_layer(shape, layout, compute_bytes)
-    ring_forwards = 2 if layout.recompute == "full" else 1
-    context_bytes = layers * layout.microbatches * (ring_forwards * ring.forward + ring.backward)
-    return {
-        "tensor_message": float(message),
-        "tensor_all_reduces": float(tensor),
-        "tensor": float(tensor_bytes),
-        "pipe_message": float(pipe_message),
-        "pipe": float(pipe_bytes),
-        "data": float(data_bytes),
-        "context_block": float(ring.block),
-        "context_per_layer": float(ring.per_layer),
-        "context": float(context_bytes),
-    }

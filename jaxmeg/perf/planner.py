@@ -1,4 +1,4 @@
-"""The parallel-configuration planner: every (t, p, c, d, v, b, recompute) that fits in memory,
+"""The parallel-configuration planner: every (t, p, c, e, d, v, b, recompute) that fits in memory,
 ranked by predicted step time for a fixed global batch, with communication compression off, on
 or where it saves (`compression`); and, per pipeline method, the layout that reaches a target
 loss soonest at the critical batch (`shortest_time`, without context parallelism)."""
@@ -19,15 +19,10 @@ from jaxmeg.perf.compression import (
 )
 from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.layout import Layout
-from jaxmeg.perf.model import (
-    Shape,
-    bytes_per_step,
-    memory_per_gpu,
-    paper_training_days,
-    step_time,
-    tflops_per_gpu,
-)
+from jaxmeg.perf.memory import memory_per_gpu
+from jaxmeg.perf.model import Shape, paper_training_days, step_time, tflops_per_gpu
 from jaxmeg.perf.scaling import Target
+from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.pipeline import schedules
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -64,6 +59,8 @@ class Plan:
             "tensor": lay.tensor,
             "pipe": lay.pipe,
             "context": lay.context,
+            "expert": lay.expert,
+            "expert_exchange": lay.expert_exchange,
             "data": lay.data,
             "chunks": lay.chunks,
             "microbatch": lay.microbatch,
@@ -82,6 +79,7 @@ class Plan:
             "data_bytes_per_step": self.bytes_per_step["data"],
             "context_bytes_per_step": self.bytes_per_step["context"],
             "context_bytes_per_layer": self.bytes_per_step["context_per_layer"],
+            "expert_bytes_per_step": self.bytes_per_step["expert"],
             "training_days": None if self.training_days is None else round(self.training_days, 2),
             "paper_estimate_days": None if self.paper_days is None else round(self.paper_days, 2),
             **compression,
@@ -90,6 +88,14 @@ class Plan:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def expert_sizes(shape: Shape, expert: int | None = None) -> list[int]:
+    """e the search tries: `expert` if pinned; 1 for a dense model; else every divisor of E
+    (the experts split evenly over the expert ranks)."""
+    if expert:
+        return [expert]
+    return _divisors(shape.experts.count) if shape.experts else [1]
 
 
 def context_sizes(shape: Shape, context: int | None = None) -> list[int]:
@@ -114,6 +120,8 @@ def candidate_layouts(
     tensor: int | None = None,
     pipe: int | None = None,
     context: int | None = None,
+    expert: int | None = None,
+    expert_exchange: str = "padded",
     chunks: int | None = None,
     microbatch: int | None = None,
     recompute: tuple[str, ...] = ("full", "selective"),
@@ -126,23 +134,25 @@ def candidate_layouts(
     The schedule is Megatron's (1f1b, interleaved_1f1b with chunks), or `schedule` where its
     chunks allow (a zero-bubble schedule: zb_h1 at v = 1, interleaved_zb at v >= 2, zbv at 2).
     c over `context_sizes`; c > 1 as training runs it: s / c divisible by t, and no
-    split-backward schedule."""
+    split-backward schedule. e over `expert_sizes` (an MoE model's); the batch splits over the
+    d e replicas, b sequences per GPU."""
     # A tensor group stays inside a node and splits it evenly (t divides the GPUs per node).
     tensors = (
         [tensor] if tensor else [t for t in _divisors(shape.heads) if hw.gpus_per_node % t == 0]
     )
-    for t, p, c in itertools.product(
-        tensors, [pipe] if pipe else _divisors(shape.layers), context_sizes(shape, context)
-    ):
-        if gpus % (t * p * c):
+    for t, p, c, e in itertools.product(
+        tensors, [pipe] if pipe else _divisors(shape.layers), context_sizes(shape, context),
+        expert_sizes(shape, expert),
+    ):  # fmt: skip
+        if gpus % (t * p * c * e):
             continue
         if c > 1 and ((shape.seq_len // c) % t or schedules.splits_backward(schedule or "")):
             continue
-        d = gpus // (t * p * c)
+        d = gpus // (t * p * c * e)
         for b in [microbatch] if microbatch else MICROBATCH_SIZES:
-            if batch % (d * b):
+            if batch % (d * e * b):
                 continue
-            m = batch // (d * b)
+            m = batch // (d * e * b)
             for v in [chunks] if chunks else _divisors(shape.layers // p):
                 if v > MAX_CHUNKS and not chunks:
                     continue
@@ -153,7 +163,8 @@ def candidate_layouts(
                     continue
                 for r in recompute:
                     yield Layout(
-                        tensor=t, pipe=p, context=c, data=d, chunks=v, microbatch=b,
+                        tensor=t, pipe=p, context=c, expert=e, expert_exchange=expert_exchange,
+                        data=d, chunks=v, microbatch=b,
                         microbatches=m, recompute=r, sequence_parallel=sequence_parallel,
                         outer_axis=outer_axis, zero_stage=zero_stage, schedule=name,
                     )  # fmt: skip
@@ -218,7 +229,7 @@ def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
     fields = {"gpus": gpus, "batch": batch, **{f"shape.{k}": v for k, v in vars(shape).items()}}
     fields.update({k: v for k, v in pins.items() if type(v) is int and k != "zero_stage"})
     for name, value in fields.items():
-        if value is not None and value < 1:
+        if type(value) is int and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if shape.hidden % shape.heads:
         raise ValueError(f"hidden ({shape.hidden}) must be divisible by heads ({shape.heads})")
@@ -229,6 +240,13 @@ def check_inputs(shape: Shape, gpus: int, batch: int, **pins) -> None:
         raise ValueError(
             f"context = {context} splits the sequence into {2 * context} blocks: seq_len "
             f"({shape.seq_len}) must be divisible by {2 * context}"
+        )
+    expert = pins.get("expert")
+    if expert and expert > 1 and (shape.experts is None or shape.experts.count % expert):
+        count = shape.experts.count if shape.experts else 0
+        raise ValueError(
+            f"expert = {expert} splits the experts over {expert} GPUs: the model's experts "
+            f"({count}) must be divisible by it"
         )
     unknown = [r for r in pins.get("recompute", ()) if r not in REMAT_POLICIES]
     if unknown:
@@ -253,6 +271,11 @@ def plan(
     comes without context parallelism (as training runs it), so it searches c = 1 only."""
     check_inputs(shape, gpus, batch, **pins)
     check_mode(compression, compression_rank, pipe_grad_phase)
+    if compression != "off" and shape.experts:
+        raise ValueError(
+            f"compression is priced for dense models (jaxmeg does not run it with experts), "
+            f"got {shape.experts.count} experts"
+        )
     if compression != "off":
         if pins.get("context", 1) not in (None, 1):
             raise ValueError(
@@ -271,8 +294,8 @@ def plan(
 
 
 def _model_parallel(layout: Layout) -> int:
-    """t p c: the GPUs one replica spans; of two equally fast plans the one with fewer."""
-    return layout.tensor * layout.pipe * layout.context
+    """t p c e: the GPUs one model copy spans; of two equally fast plans the one with fewer."""
+    return layout.tensor * layout.pipe * layout.context * layout.expert
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,28 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmeg.config import ModelConfig
+from jaxmeg.config import ModelConfig, MoeConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Experts:
+    """A mixture-of-experts layer in place of every layer's MLP (`moe` config section), as the
+    performance model reads it (`jaxmeg.perf.experts`)."""
+
+    count: int
+    """Routed experts E."""
+    top_k: int
+    """Experts each token goes to, k."""
+    width: int
+    """One expert's FFN width f_e."""
+    shared_width: int = 0
+    """The shared experts' width together (0: none); every token goes through them."""
+    gated: bool = True
+    """SwiGLU experts (the llama block: three h x f matrices each), else GeLU (two)."""
+
+    @property
+    def matrices(self) -> int:
+        return 3 if self.gated else 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,15 +41,28 @@ class Shape:
     kv_heads: int | None = None
     """Key/value heads of grouped-query attention (`model.kv_heads`); None = heads. Only the
     context ring's block size reads it (the parameters and FLOPs are multi-head attention's)."""
+    experts: Experts | None = None
+    """The MoE layers' shape; None: a dense model."""
 
 
-def shape_of(model: ModelConfig) -> Shape:
-    """The Shape of a model config: h, l, a, s, V (`vocab_size`, which must be set) and the
-    MLP ratio. The one place a config becomes a Shape."""
+def shape_of(model: ModelConfig, moe: MoeConfig | None = None) -> Shape:
+    """The Shape of a model config (and its `moe` section): h, l, a, s, V (`vocab_size`, which
+    must be set), the MLP ratio and the experts. The one place a config becomes a Shape."""
     if model.vocab_size < 1:
         raise ValueError(f"model.vocab_size must be set (>= 1), got {model.vocab_size}")
     return Shape(
         hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
         vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
         kv_heads=None if model.kv_heads == -1 else model.kv_heads,
+        experts=experts_of(model, moe),
+    )  # fmt: skip
+
+
+def experts_of(model: ModelConfig, moe: MoeConfig | None) -> Experts | None:
+    if moe is None or moe.experts == 0:
+        return None
+    dense = model.mlp_hidden
+    return Experts(
+        count=moe.experts, top_k=moe.top_k, width=moe.expert_width(dense),
+        shared_width=moe.shared_width(dense), gated=model.block != "gpt",
     )  # fmt: skip

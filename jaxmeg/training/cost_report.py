@@ -34,7 +34,8 @@ import numpy as np
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
 from jaxmeg.perf.layout import config_layout
-from jaxmeg.perf.model import bytes_per_step, flops_per_iteration, shape_of
+from jaxmeg.perf.model import flops_per_iteration, shape_of
+from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step
 from jaxmeg.training.pipeline_step import make_loss_and_grads

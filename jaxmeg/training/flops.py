@@ -8,8 +8,9 @@ MFU uses the formula WITHOUT recompute (model FLOPs, not hardware FLOPs), so rec
 up as a lower MFU rather than a higher one.
 
 Mixture-of-experts layers count the FLOPs a token runs, not those of every expert: the dense
-MLP's share of the formula (2 matmuls of h x f, 4 h f per token and forward pass) is replaced
-by the router (2 h E), the k routed experts and the shared ones (4 h f each, 6 h f as SwiGLU).
+MLP's share of the formula (16 h^2 per token and forward pass) is replaced by the router
+(2 h E), the k routed experts and the shared ones (4 h f each, 6 h f as SwiGLU):
+`jaxmeg.perf.experts.mlp_flops_per_token`.
 """
 
 from __future__ import annotations
@@ -30,18 +31,7 @@ def model_flops_per_step(
 ) -> float:
     """Eq. 3 of the paper for this model config (`jaxmeg.perf.model.flops_per_iteration`), with
     MoE layers' active FLOPs in place of the dense MLP's (see the module docstring)."""
-    dense = flops_per_iteration(shape_of(model), sequences, recompute)
-    if moe is None or not moe.experts:
-        return dense
-    h, f = model.hidden, model.mlp_hidden
-    per_matrix = 2 * h * (3 if model.block == "llama" else 2)  # 6 h f SwiGLU, 4 h f GeLU
-    active = (
-        2 * h * moe.experts
-        + per_matrix * moe.top_k * moe.expert_width(f)
-        + per_matrix * moe.shared_width(f)
-    )
-    passes = 4 if recompute else 3  # forward, backward (2x), and a recomputed forward
-    return dense + passes * sequences * model.seq_len * model.layers * (active - 4 * h * f)
+    return flops_per_iteration(shape_of(model, moe), sequences, recompute)
 
 
 @functools.cache

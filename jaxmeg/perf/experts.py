@@ -1,0 +1,147 @@
+"""Mixture-of-experts layers in the performance model (the `moe` section, `jaxmeg.models.moe`,
+`jaxmeg.parallel.experts`): parameters, active FLOPs, what expert parallelism sends and keeps,
+and an MoE feed-forward block's time, as jaxmeg runs them.
+
+Words: as `jaxmeg.perf.model`, and E experts, k of them per token, f one expert's width, f_s the
+shared experts' width together, M matrices per expert (3 SwiGLU, 2 GeLU), e expert ranks, T the
+tokens of one microbatch on one GPU (s b, with s / c under context parallelism).
+
+How jaxmeg runs an MoE block with e > 1: each GPU routes its T tokens, sends each of its T k
+choices to the GPU that holds the expert and gets the output back, by two all-to-alls over the
+expert axis. Dropless at fixed shapes (`Layout.expert_exchange = "padded"`, what jaxmeg runs):
+each (sender, receiver) block holds all T k choices, so a GPU sends (e - 1) T k rows each way,
+and its grouped GEMMs take the e T k rows it receives, of which T k on average are real (the
+compiled program counts e times the routed FLOPs). `"routed"` prices what a ragged all-to-all
+and a grouped GEMM over the real rows only would cost, (e - 1) / e T k rows each way (Megatron-
+Core's dispatcher); jaxmeg does not run it yet. The backward reruns the forward's exchange and
+expert GEMMs (the map keeps no residuals): 2 all-to-alls forward, 4 backward. With e = 1 the
+experts run on the GPU with no exchange.
+"""
+
+from __future__ import annotations
+
+from jaxmeg.perf.context import local_seq_len, send_seconds
+from jaxmeg.perf.hardware import Hardware, gemm_seconds
+from jaxmeg.perf.layout import Layout
+from jaxmeg.perf.links import expert_link
+from jaxmeg.perf.shape import Shape
+
+BUFFER_PASSES = 6
+"""Memory passes over the exchange's e T k x h buffers per forward (zero fill, scatter into the
+send blocks, sort by expert, unsort, gather back, combine), priced at HBM bandwidth."""
+
+
+def expert_parameters(shape: Shape) -> float:
+    """One layer's routed experts, all E of them: E M h f (no biases)."""
+    x = shape.experts
+    return 0.0 if x is None else x.count * x.matrices * shape.hidden * x.width
+
+
+def moe_layer_parameters(shape: Shape) -> float:
+    """One MoE layer: attention and layer norms as eq. 2 counts them (4 h^2 + 8 h), the router
+    (h E, and E routing biases), the shared experts (M h f_s; GeLU ones with biases) and the
+    routed experts."""
+    h, x = shape.hidden, shape.experts
+    shared = x.matrices * h * x.shared_width
+    if x.shared_width and not x.gated:
+        shared += x.shared_width + h
+    return 4 * h * h + 8 * h + (h + 1) * x.count + shared + expert_parameters(shape)
+
+
+def mlp_flops_per_token(shape: Shape) -> float:
+    """Forward FLOPs per token of one layer's feed-forward block: eq. 3's dense MLP, 4 h f for
+    f = mlp_ratio h (16 h^2); an MoE block's router (2 h E), its k routed experts and the shared
+    ones (2 M h per unit of width): the FLOPs a token runs, not those of every expert."""
+    h, x = shape.hidden, shape.experts
+    if x is None:
+        return 4 * h * shape.mlp_ratio * h
+    return 2 * h * x.count + 2 * x.matrices * h * (x.top_k * x.width + x.shared_width)
+
+
+def tokens(shape: Shape, layout: Layout) -> float:
+    """T: one microbatch's tokens on one GPU."""
+    return local_seq_len(shape, layout) * layout.microbatch
+
+
+def expert_rows(shape: Shape, layout: Layout) -> float:
+    """Rows one GPU's grouped GEMMs take per layer and microbatch: T k routed (and with e = 1),
+    e T k padded."""
+    rows = tokens(shape, layout) * shape.experts.top_k
+    return rows * layout.expert if layout.expert_exchange == "padded" else rows
+
+
+def all_to_all_bytes(shape: Shape, layout: Layout, compute_bytes: int = 2) -> float:
+    """Bytes one GPU sends in one all-to-all (dispatch or combine): (e - 1) T k h padded,
+    (e - 1) / e T k h routed; 0 with e = 1."""
+    e = layout.expert
+    share = (e - 1) if layout.expert_exchange == "padded" else (e - 1) / e
+    return share * tokens(shape, layout) * shape.experts.top_k * shape.hidden * compute_bytes
+
+
+def all_to_alls(layout: Layout) -> tuple[int, int]:
+    """(forward, backward) all-to-alls per MoE layer and microbatch: none with e = 1; else the
+    dispatch and combine, and in the backward their transposes and the forward's again. Full
+    recompute runs the forward once more (`LayerSeconds.recompute`)."""
+    return (0, 0) if layout.expert == 1 else (2, 4)
+
+
+def moe_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE block for one microbatch on one GPU, its tensor
+    all-reduce aside (counted with the layer, as the dense MLP's): the router, the E / e local
+    experts' GEMMs (their width / t; rows shared evenly), the shared experts, the exchange's
+    buffer passes and its all-to-alls over `links.expert_link`, none hidden behind compute. The
+    backward: twice the forward's GEMMs, and with e > 1 the forward's exchange and expert GEMMs
+    once more."""
+    x, h, t, e = shape.experts, shape.hidden, layout.tensor, layout.expert
+    rows, local = expert_rows(shape, layout), x.count / e
+    per_expert, f = rows / local, x.width / t
+    experts = local * (
+        (x.matrices - 1) * gemm_seconds(per_expert, f, h, hw) + gemm_seconds(per_expert, h, f, hw)
+    )
+    shared = 0.0
+    if x.shared_width:
+        fs = x.shared_width / t
+        n = tokens(shape, layout)
+        shared = (x.matrices - 1) * gemm_seconds(n, fs, h, hw) + gemm_seconds(n, h, fs, hw)
+    router = gemm_seconds(tokens(shape, layout), x.count, h, hw)
+    buffers = 0.0
+    if e > 1:
+        buffers = BUFFER_PASSES * 2 * rows * h / (hw.hbm_tb_per_s * 1e12)
+    exchange = send_seconds(all_to_all_bytes(shape, layout), expert_link(layout, hw))
+    fwd, bwd = all_to_alls(layout)
+    compute = router + experts + shared
+    forward = compute + buffers + fwd * exchange
+    rerun = experts + buffers if e > 1 else 0.0
+    return forward, 2 * compute + rerun + bwd * exchange
+
+
+def kept_bytes_per_layer(shape: Shape, layout: Layout) -> float:
+    """What an MoE block keeps for its backward per microbatch, in place of the dense MLP's
+    (Korthikanti's (3 + 16 / t) s b h of a 4h MLP): its input (2 T h) and fp32 router logits
+    (4 T E); with e = 1 also the sorted rows and the experts' hidden activations, 2 T k (h + M
+    f / t), and the per-choice outputs in fp32 (4 T k h). With e > 1 the exchange keeps nothing
+    (its backward reruns it)."""
+    x, h, n = shape.experts, shape.hidden, tokens(shape, layout)
+    kept = 2 * n * h + 4 * n * x.count
+    if layout.expert == 1:
+        kept += 2 * n * x.top_k * (h + x.matrices * x.width / layout.tensor) + 4 * n * x.top_k * h
+    return kept
+
+
+def dense_mlp_kept_bytes(shape: Shape, layout: Layout) -> float:
+    """The dense MLP's share of `model.layer_activation_bytes` (none and selective): its input
+    and dropout mask, 3 s b h (/ t with sequence parallelism), and the two 4h activations,
+    16 s b h / t."""
+    sbh = tokens(shape, layout) * shape.hidden
+    t = layout.tensor
+    return sbh * ((3 + 16) / t if layout.sequence_parallel else 3 + 16 / t)
+
+
+def working_bytes(shape: Shape, layout: Layout) -> float:
+    """The exchange's buffers while one MoE block runs (e > 1): the send, received, sorted,
+    output and returned blocks, e T k h each (padded), and the experts' hidden activations,
+    M e T k f / t, all 16-bit."""
+    if layout.expert == 1:
+        return 0.0
+    x, rows = shape.experts, expert_rows(shape, layout)
+    return 2 * rows * (5 * shape.hidden + x.matrices * x.width / layout.tensor)

@@ -1,0 +1,114 @@
+"""The performance model of mixture-of-experts layers (`jaxmeg.perf.experts`): parameters and
+active parameters against Mixtral's published counts, the experts' memory split over the expert
+ranks, the all-to-all bytes of jaxmeg's padded exchange against the routed rows, and the
+planner's search over `expert`. The compiled step's all-to-all bytes are checked against
+`bytes_per_step` in tests/test_moe_step.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxmeg import config as C
+from jaxmeg.perf.experts import expert_parameters
+from jaxmeg.perf.hardware import load_hardware
+from jaxmeg.perf.layout import Layout, config_layout
+from jaxmeg.perf.memory import memory_per_gpu
+from jaxmeg.perf.model import (
+    active_parameters,
+    flops_per_iteration,
+    parameter_count,
+    params_per_gpu,
+    step_time,
+)
+from jaxmeg.perf.planner import plan
+from jaxmeg.perf.shape import Experts, Shape, shape_of
+from jaxmeg.perf.traffic import bytes_per_step
+
+# Mixtral 8x7B (Jiang et al., 2024): h 4096, 32 layers, 32 heads (8 key/value), f 14336, 8
+# experts, top-2; 46.7B parameters, 12.9B active. The model counts multi-head attention
+# (4 h^2 per layer where grouped-query attention has 2.5 h^2): 0.8B more in both; and eq. 2's
+# tied embedding with learned positions, (V + s) h, where Mixtral's is untied with rotary
+# positions, (2 V) h: 0.1B fewer.
+MIXTRAL = Shape(
+    hidden=4096, layers=32, heads=32, kv_heads=8, seq_len=4096, vocab=32000,
+    experts=Experts(count=8, top_k=2, width=14336),
+)  # fmt: skip
+GQA_OVERCOUNT = 32 * 1.5 * 4096**2
+H100 = load_hardware("h100_dgx")
+
+
+def test_mixtral_parameters_and_active_parameters_are_the_published_ones():
+    assert parameter_count(MIXTRAL) - GQA_OVERCOUNT == pytest.approx(46.7e9, rel=0.01)
+    assert active_parameters(MIXTRAL) - GQA_OVERCOUNT == pytest.approx(12.9e9, rel=0.015)
+    dense = dataclasses.replace(MIXTRAL, experts=None)
+    assert active_parameters(dense) == parameter_count(dense)
+
+
+def test_flops_count_k_experts_not_all():
+    """Doubling E leaves the FLOPs but the router's (2 h E per token and pass); doubling k adds
+    k's experts (2 M h f per token and pass)."""
+    more = dataclasses.replace(MIXTRAL, experts=dataclasses.replace(MIXTRAL.experts, count=16))
+    top3 = dataclasses.replace(MIXTRAL, experts=dataclasses.replace(MIXTRAL.experts, top_k=3))
+    tokens = MIXTRAL.seq_len * MIXTRAL.layers * 3  # one sequence, 3 passes without recompute
+    base = flops_per_iteration(MIXTRAL, 1, recompute=False)
+    assert flops_per_iteration(more, 1, False) - base == pytest.approx(tokens * 2 * 4096 * 8)
+    assert flops_per_iteration(top3, 1, False) - base == pytest.approx(tokens * 6 * 4096 * 14336)
+
+
+def test_experts_split_over_the_expert_ranks_and_their_states_over_data():
+    one = Layout(tensor=1, pipe=4, data=16, microbatches=4, recompute="selective", zero_stage=1)
+    eight = dataclasses.replace(one, data=2, expert=8)
+    assert one.gpus == eight.gpus == 64 and one.global_batch == eight.global_batch
+    routed = MIXTRAL.layers // 4 * expert_parameters(MIXTRAL)
+    assert params_per_gpu(MIXTRAL, one) - params_per_gpu(MIXTRAL, eight) == pytest.approx(
+        routed * 7 / 8
+    )
+    # ZeRO-1: the dense weights' fp32 states over d e = 16 GPUs either way, the experts' over
+    # d = 16 without expert parallelism and over d = 2 with it (each holds 1/8 of them)
+    states = {
+        e: memory_per_gpu(MIXTRAL, lay, H100).model_states for e, lay in ((1, one), (8, eight))
+    }
+    expert_states = {1: (6 + 12 / 16) * routed, 8: (6 + 12 / 2) * routed / 8}
+    assert states[1] - states[8] == pytest.approx(expert_states[1] - expert_states[8])
+
+
+def test_padded_exchange_sends_e_times_the_routed_rows():
+    """jaxmeg's dropless exchange at fixed shapes sends (e - 1) T k h per all-to-all, a ragged
+    one (e - 1) / e T k h; 6 all-to-alls per layer and microbatch (dispatch and combine, their
+    transposes and the backward's rerun of both), none without expert parallelism."""
+    lay = Layout(tensor=1, pipe=1, data=1, expert=8, microbatch=1, microbatches=2, recompute="none")
+    padded = bytes_per_step(MIXTRAL, lay)
+    routed = bytes_per_step(MIXTRAL, dataclasses.replace(lay, expert_exchange="routed"))
+    rows = MIXTRAL.seq_len * 2  # T k
+    assert padded["expert_message"] == 7 * rows * 4096 * 2
+    assert routed["expert_message"] == pytest.approx(7 / 8 * rows * 4096 * 2)
+    assert padded["expert"] == 6 * 32 * 2 * padded["expert_message"]
+    assert bytes_per_step(MIXTRAL, dataclasses.replace(lay, expert=1, data=8))["expert"] == 0
+    # the padded rows also run through the experts' GEMMs: a slower step
+    assert (
+        step_time(MIXTRAL, lay, H100).total
+        > step_time(MIXTRAL, dataclasses.replace(lay, expert_exchange="routed"), H100).total
+    )
+
+
+def test_planner_searches_the_expert_axis_and_refuses_what_cannot_split():
+    plans = plan(MIXTRAL, 64, 256, H100, context=1, expert_exchange="routed")
+    assert {p.layout.expert for p in plans} == {1, 2, 4, 8}
+    assert all(p.layout.global_batch == 256 and p.layout.gpus == 64 for p in plans)
+    assert {p.layout.expert for p in plan(MIXTRAL, 64, 256, H100, context=1, expert=4)} == {4}
+    with pytest.raises(ValueError, match=r"expert = 3 .* experts \(8\) must be divisible"):
+        plan(MIXTRAL, 48, 48, H100, expert=3)
+    with pytest.raises(ValueError, match="compression is priced for dense models"):
+        plan(MIXTRAL, 64, 256, H100, compression="on")
+
+
+def test_a_moe_config_is_the_shape_and_layout_the_planner_prices():
+    cfg = C.load("configs/mixtral_8x7b.yaml")
+    shape = shape_of(dataclasses.replace(cfg.model, vocab_size=32000), cfg.moe)
+    assert shape.experts == Experts(count=8, top_k=2, width=14336, gated=True)
+    assert parameter_count(shape) == pytest.approx(parameter_count(MIXTRAL))
+    lay = config_layout(C.validate(cfg, 32))
+    assert lay.expert == cfg.parallel.expert and lay.gpus == 32
+    assert lay.global_batch == cfg.train.global_batch
