@@ -118,6 +118,7 @@ CASES = {
     "d2e2p2-interleaved-zero1-gpt": (
         (2, 2, 1), TOP2, GPT, "interleaved_1f1b", 2, {"expert": 2, "zero_stage": 1}
     ),
+    "d2e2p2-zero3": ((2, 2, 1), SHARED, LLAMA, "1f1b", 1, {"expert": 2, "zero_stage": 3}),
 }  # fmt: skip
 
 
