@@ -94,13 +94,15 @@ def train_one_step_and_save(source, directory, meta):
     return state, tokens, saved
 
 
-def test_checkpoint_reshards_to_any_mesh(tmp_path):
-    source = trainable_for(reshard_config(2, 2, 2, "interleaved_1f1b", 2))
+def test_checkpoint_reshards_to_any_mesh_and_zero_stage(tmp_path):
+    """A ZeRO-3 interleaved run's checkpoint is canonical: runs on other meshes, with ZeRO-1 or
+    none, read the same arrays bit for bit, and their next step equals the source's."""
+    source = trainable_for(reshard_config(2, 2, 2, "interleaved_1f1b", 2, zero_stage=3))
     state, tokens, saved = train_one_step_and_save(source, tmp_path, {"padded_vocab": source.vocab})
     ref_loss, ref_params = one_step(source, state, tokens)
 
-    for mesh in [(1, 1, 8), (1, 4, 2), (8, 1, 1)]:
-        target = trainable_for(reshard_config(*mesh))
+    for mesh, zero_stage in [((1, 1, 8), 0), ((4, 1, 2), 1), ((1, 4, 2), 0), ((8, 1, 1), 1)]:
+        target = trainable_for(reshard_config(*mesh, zero_stage=zero_stage))
         reader = Checkpointer(tmp_path, target)
         step, restored, _ = reader.restore_latest()
         reader.close()
@@ -111,26 +113,6 @@ def test_checkpoint_reshards_to_any_mesh(tmp_path):
         # One more step from the restored state == the same step on the original mesh (fp32:
         # loss to 1e-5 relative, parameters to 1e-5 absolute; the AdamW update itself is
         # lr-sized, so this is far below one step's change).
-        loss, params = one_step(target, restored, tokens)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-
-
-def test_checkpoint_moves_between_zero_stages(tmp_path):
-    """A ZeRO-3 breadth-first run's checkpoint is canonical: a ZeRO-1 run on another mesh and an
-    unsharded one read the same arrays, and their next step equals the source's."""
-    source = trainable_for(reshard_config(2, 2, 2, "breadth_first", 2, zero_stage=3))
-    state, tokens, saved = train_one_step_and_save(source, tmp_path, {"padded_vocab": source.vocab})
-    ref_loss, ref_params = one_step(source, state, tokens)
-    for mesh, zero_stage in [((4, 1, 2), 1), ((1, 2, 4), 0)]:
-        target = trainable_for(reshard_config(*mesh, zero_stage=zero_stage))
-        reader = Checkpointer(tmp_path, target)
-        _, restored, _ = reader.restore_latest()
-        reader.close()
-        got = jax.tree.map(np.asarray, to_canonical_layout(restored, target.layout))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
-            np.testing.assert_array_equal(a, b)
         loss, params = one_step(target, restored, tokens)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
