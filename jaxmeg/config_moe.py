@@ -39,8 +39,12 @@ class MoeConfig:
     """Renormalise a softmax router's top-k weights to sum to 1 (Mixtral; Qwen1.5-MoE keeps
     them as they are). A sigmoid router's are always normalised."""
     capacity_factor: float = 0.0
-    """Tokens an expert takes per step, as a multiple of its even share; 0 = dropless (every
-    choice computed, however uneven the load). Only 0 runs yet."""
+    """Choices an expert takes from each sequence, as a multiple of its even share: C =
+    ceil(cf s k / E) slots, first come in token order, the rest dropped (Switch Transformer's
+    capacity). The experts then run on fixed [E, C] buffers per sequence and expert
+    parallelism moves only those (cf times the routed tokens' bytes). 0 = dropless (every
+    choice computed, however uneven the load; the exchange then pads each device pair's block
+    to all of a device's choices)."""
     aux_loss: float = 0.01
     """Coefficient of the load-balancing loss (Switch Transformer's E sum_e f_e P_e), taken per
     sequence and averaged, so its gradient is the same however the batch is split over

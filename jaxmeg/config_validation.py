@@ -267,8 +267,6 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
     not_yet = [
         (moe.first_dense != 0, f"moe.first_dense = {moe.first_dense} (dense leading layers)"),
         (moe.every != 1, f"moe.every = {moe.every} (MoE on some layers only)"),
-        (moe.capacity_factor > 0, f"moe.capacity_factor = {moe.capacity_factor} (capacity "
-                                  f"limits; 0 = dropless)"),
         (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
         (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
         (bool(comp.data_grad_rank), f"compression.data_grad_rank = {comp.data_grad_rank} (it "

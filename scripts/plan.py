@@ -117,6 +117,11 @@ def parse_args(argv):
         "routed, the routed rows only (a ragged all-to-all, not run yet)",
     )  # fmt: skip
     parser.add_argument(
+        "--capacity-factor", type=float,
+        help="the experts' capacity factor (moe.capacity_factor; default the config's): fixed "
+        "buffers of cf times the routed rows, whatever --expert-exchange says",
+    )  # fmt: skip
+    parser.add_argument(
         "--context", type=context_size, metavar="auto|N",
         help="context parallelism (step_time): auto, search it for long sequences (default); N, "
         "pin c = N; 1, forbid it",
@@ -222,10 +227,17 @@ def main(argv=None) -> int:
         print(f"error: {what} prices dense models; this config has {shape.experts.count} "
               f"experts (plan it by step time, without --cluster)", file=sys.stderr)  # fmt: skip
         return 2
-    if args.expert is not None and not shape.experts:
-        print("error: --expert splits a mixture of experts; give a --config with a moe "
-              "section", file=sys.stderr)  # fmt: skip
+    if (args.expert is not None or args.capacity_factor is not None) and not shape.experts:
+        print("error: --expert and --capacity-factor are a mixture of experts'; give a --config "
+              "with a moe section", file=sys.stderr)  # fmt: skip
         return 2
+    if args.capacity_factor is not None:
+        if args.capacity_factor < 0:
+            print(f"error: --capacity-factor must be >= 0 (0 = dropless), got "
+                  f"{args.capacity_factor}", file=sys.stderr)  # fmt: skip
+            return 2
+        experts = dataclasses.replace(shape.experts, capacity_factor=args.capacity_factor)
+        shape = dataclasses.replace(shape, experts=experts)
     if args.cluster:
         return cluster_report(args, shape, pins)
     if args.objective == "shortest_time":
@@ -274,7 +286,9 @@ def main(argv=None) -> int:
         return 0
     active = ""
     if shape.experts:
-        active = f", {active_parameters(shape) / 1e9:.1f}B active ({args.expert_exchange} exchange)"
+        cf = shape.experts.capacity_factor
+        how = f"capacity factor {cf:g}" if cf else f"{args.expert_exchange} exchange"
+        active = f", {active_parameters(shape) / 1e9:.1f}B active ({how})"
     print(
         f"{parameter_count(shape) / 1e9:.1f}B parameters (eq. 2{active}) on {args.gpus} x "
         f"{hw.name}, batch {args.batch} x {shape.seq_len}; {len(plans)} layouts fit, fastest first"

@@ -39,6 +39,7 @@ GPT = dataclasses.replace(LLAMA, block="gpt", tie_embeddings=True)
 TOP2 = C.MoeConfig(experts=4, top_k=2, ffn_hidden=16, aux_loss=0.1, z_loss=0.01)
 SHARED = dataclasses.replace(TOP2, shared_experts=1, shared_gate=True)
 SIGMOID_TOP1 = dataclasses.replace(TOP2, top_k=1, router="sigmoid", normalize=False)
+CAPACITY = dataclasses.replace(TOP2, capacity_factor=1.0)  # 4 slots per expert and sequence
 TOL = 2e-5
 
 
@@ -119,6 +120,11 @@ CASES = {
         (2, 2, 1), TOP2, GPT, "interleaved_1f1b", 2, {"expert": 2, "zero_stage": 1}
     ),
     "d2e2p2-zero3": ((2, 2, 1), SHARED, LLAMA, "1f1b", 1, {"expert": 2, "zero_stage": 3}),
+    # capacity limits: choices past an expert's slots in a sequence dropped, as on one device
+    "e2p2t2-capacity": ((1, 2, 2), CAPACITY, LLAMA, "1f1b", 1, {"expert": 2}),
+    "d2p2-capacity-half-gpt": (
+        (2, 2, 1), dataclasses.replace(TOP2, capacity_factor=0.5), GPT, "1f1b", 1, {}
+    ),
 }  # fmt: skip
 
 
@@ -212,11 +218,49 @@ def test_expert_parallel_dispatch_is_all_to_all_over_expert_in_the_compiled_step
     assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
 
 
+def test_capacity_exchange_moves_its_buffers_and_the_experts_run_the_routed_flops():
+    """(expert 4), capacity factor 1: per layer and microbatch the all-to-alls move the fixed
+    [E, sequences x C] buffers (C = s k / E), 6 of them over `expert` and nothing else: the
+    routed tokens' bytes, not the dropless exchange's 4x. The compiled step's matmul FLOPs are
+    the model's active FLOPs plus the backward's rerun of the experts' forward (the exchange's
+    custom VJP keeps no residuals): the experts compute E C rows per sequence, the k s routed
+    choices, not every expert on every token."""
+    from jaxmeg.parallel import hlo
+    from jaxmeg.perf.layout import config_layout
+    from jaxmeg.perf.shape import shape_of
+    from jaxmeg.perf.traffic import bytes_per_step
+    from jaxmeg.training.cost_report import cost_report
+
+    cfg = config((1, 1, 1), CAPACITY, expert=4, microbatches=1)
+    trainable = trainable_for(cfg)
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+        compiled = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
+    found = hlo.collectives(compiled.as_text(), trainable.mesh)
+    sequences = trainable.cfg.train.microbatch_size // 4  # on each device
+    slots = LLAMA.seq_len * CAPACITY.top_k // CAPACITY.experts  # C
+    buffer = CAPACITY.experts * sequences * slots * LLAMA.hidden * 4  # fp32 rows
+    exchanges = [c for c in found if c.kind == "all-to-all"]
+    assert all(c.axes == {"expert"} and c.bytes == buffer for c in exchanges), exchanges
+    assert len(exchanges) == 6 * LLAMA.layers
+    shape = shape_of(trainable.cfg.model, trainable.cfg.moe)
+    traffic = bytes_per_step(shape, config_layout(trainable.cfg), compute_bytes=4)
+    assert traffic["expert"] == pytest.approx(6 * LLAMA.layers * buffer * 3 / 4)
+    report = cost_report(trainable)
+    rows = cfg.train.global_batch * LLAMA.seq_len * CAPACITY.top_k  # the routed choices
+    expert_forward = 3 * 2 * rows * LLAMA.hidden * CAPACITY.ffn_hidden * LLAMA.layers
+    tokens = cfg.train.global_batch * LLAMA.seq_len
+    padding = 6 * tokens * LLAMA.hidden * (trainable.vocab - LLAMA.vocab_size)  # 500 -> 512
+    assert report["matmul_flops"] == pytest.approx(
+        report["model_flops"] + expert_forward + padding, rel=1e-6
+    )
+
+
 BAD = [
     ({"experts": 4, "top_k": 5}, "moe.top_k must be between 1 and moe.experts (4), got 5"),
     ({"experts": -2}, "moe.experts must be >= 0"),
     ({"experts": 4, "capacity_factor": -1.0}, "moe.capacity_factor must be >= 0, got -1.0"),
-    ({"experts": 4, "capacity_factor": 1.25}, "does not run with moe.capacity_factor = 1.25"),
     ({"experts": 4, "router": "relu"}, "moe.router"),
     ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
     ({"experts": 4, "first_dense": 1}, "does not run with moe.first_dense = 1"),

@@ -35,8 +35,16 @@ the losses and loads are sown in the `moe_stats` collection for a caller that as
 Expert parallelism (`parallel.expert` > 1): the experts are split over the mesh's `expert`
 axis, a microbatch's rows too, and each choice travels to its expert's device and back by
 all-to-all (`experts_ffn_exchanged`, run under a map by `jaxmeg.parallel.experts`, which the
-step hands the layer as its `dispatch`). Not here yet: capacity limits, dense leading layers
-(`moe.first_dense`, `moe.every`).
+step hands the layer as its `dispatch`). Not here yet: dense leading layers (`moe.first_dense`,
+`moe.every`).
+
+Capacity limits (`moe.capacity_factor` cf > 0, Switch Transformer's): each expert takes at most
+C = ceil(cf s k / E) of each sequence's s k choices, first come in token order; the rest are
+dropped (they add nothing to the token's output; the residual carries it). Decided per sequence,
+so the same choices drop however the batch is split. The experts then run on fixed buffers of
+[E, sequences x C] rows as one batched GEMM (`experts_ffn_capacity`), and with expert
+parallelism the all-to-all moves exactly those buffers: cf times the routed tokens' bytes, not
+the dropless exchange's E_ranks times (`experts_ffn_capacity_exchanged`).
 """
 
 from __future__ import annotations
@@ -192,6 +200,91 @@ def experts_ffn_exchanged(
     return combined.astype(x.dtype)
 
 
+def capacity(moe: MoeConfig, tokens_per_sequence: int) -> int:
+    """C, the slots each expert has for one sequence's choices: ceil(cf s k / E)."""
+    return math.ceil(moe.capacity_factor * tokens_per_sequence * moe.top_k / moe.experts)
+
+
+def capacity_slots(
+    routing: Routing, sequences: int, num_experts: int, cap: int
+) -> tuple[jax.Array, jax.Array]:
+    """(each choice's row in its expert's buffer [T k], whether it keeps it [T k]): sequence n's
+    choices of expert e take rows n C .. n C + C - 1 in token order; those past C are dropped
+    (their row is the buffer's end, which a scatter with mode='drop' ignores)."""
+    expert = routing.experts.reshape(-1)  # [T k], token-major
+    per_sequence = expert.shape[0] // sequences
+    sequence = jnp.arange(expert.shape[0]) // per_sequence
+    order, _, position = _sorted_by(sequence * num_experts + expert, sequences * num_experts)
+    position = jnp.zeros_like(position).at[order].set(position)
+    kept = position < cap
+    return jnp.where(kept, sequence * cap + position, sequences * cap), kept
+
+
+def _batched_ffn(rows, w_in, w_out, w_gate) -> jax.Array:
+    """Each expert's FFN on its own rows [E, N, h] as batched GEMMs (zero rows give zeros)."""
+    hidden = jnp.einsum("enh,ehf->enf", rows, w_in.astype(rows.dtype))
+    if w_gate is not None:
+        gate = jnp.einsum("enh,ehf->enf", rows, w_gate.astype(rows.dtype))
+        hidden = jax.nn.silu(gate) * hidden
+    else:
+        hidden = jax.nn.gelu(hidden)
+    return jnp.einsum("enf,efh->enh", hidden, w_out.astype(rows.dtype))
+
+
+def _capacity_buffers(x, routing, sequences, num_experts, cap):
+    """(the [E, sequences C, h] buffers of the kept choices' rows, each choice's expert, row and
+    whether it is kept)."""
+    k = routing.experts.shape[1]
+    expert = routing.experts.reshape(-1)
+    row, kept = capacity_slots(routing, sequences, num_experts, cap)
+    buffers = jnp.zeros((num_experts, sequences * cap, x.shape[-1]), x.dtype)
+    token = jnp.arange(expert.shape[0]) // k
+    return buffers.at[expert, row].set(x[token], mode="drop"), expert, row, kept
+
+
+def _capacity_combine(out, expert, row, kept, weights, dtype) -> jax.Array:
+    per_choice = out.at[expert, row].get(mode="fill", fill_value=0)
+    return _combine(per_choice, weights * kept.reshape(weights.shape)).astype(dtype)
+
+
+def experts_ffn_capacity(
+    x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
+    w_gate: jax.Array | None, sequences: int, cap: int,
+) -> jax.Array:  # fmt: skip
+    """`experts_ffn` with at most `cap` of each sequence's choices per expert (see the module
+    docstring): the kept choices' rows in [E, sequences x cap] buffers, one batched GEMM per
+    matrix, the dropped choices adding nothing."""
+    buffers, expert, row, kept = _capacity_buffers(x, routing, sequences, w_in.shape[0], cap)
+    out = _batched_ffn(buffers, w_in, w_out, w_gate)
+    return _capacity_combine(out, expert, row, kept, routing.weights, x.dtype)
+
+
+def experts_ffn_capacity_exchanged(
+    x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
+    w_gate: jax.Array | None, sequences: int, cap: int, axis: str,
+    tensor_axis: str | None = None,
+) -> jax.Array:  # fmt: skip
+    """`experts_ffn_capacity` with the experts split over mesh `axis` (as
+    `experts_ffn_exchanged`): this device's [E, sequences x cap] buffers go to the experts'
+    devices by one all-to-all (E_l experts' buffers to each) and come back by another; each
+    device runs its E_l experts on the e x sequences x cap rows it received."""
+    ranks, local = jax.lax.axis_size(axis), w_in.shape[0]
+    buffers, expert, row, kept = _capacity_buffers(x, routing, sequences, ranks * local, cap)
+    h = x.shape[-1]
+    send = buffers.reshape(ranks, local, sequences * cap, h)
+    received = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [sender, E_l, n C, h]
+    rows = received.transpose(1, 0, 2, 3).reshape(local, ranks * sequences * cap, h)
+    out = _batched_ffn(rows, w_in, w_out, w_gate).reshape(local, ranks, sequences * cap, h)
+    back = jax.lax.all_to_all(out.transpose(1, 0, 2, 3), axis, 0, 0, tiled=True)
+    combined = _capacity_combine(
+        back.reshape(ranks * local, sequences * cap, h), expert, row, kept, routing.weights,
+        jnp.float32,
+    )  # fmt: skip
+    if tensor_axis is not None:  # each tensor rank's experts ran a slice of their width
+        combined = jax.lax.psum(combined, tensor_axis)
+    return combined.astype(x.dtype)
+
+
 def sequence_balance_loss(routing: Routing, sequences: int, router: str = "softmax") -> jax.Array:
     """`load_balancing_loss` of each sequence's tokens (rows in sequence-major order), averaged
     over the `sequences`. A sigmoid router's scores are normalised per token first (DeepSeek-V3's
@@ -225,7 +318,15 @@ def moe_ffn(
     every device holds as many sequences, so that is the mean over all of them."""
     routing = route(logits, moe.top_k, moe.router, moe.normalize, bias)
     gate = w_gate[0] if w_gate else None
-    if axis is None:
+    if moe.capacity_factor:
+        cap = capacity(moe, x.shape[0] // sequences)
+        if axis is None:
+            y = experts_ffn_capacity(x, routing, w_in, w_out, gate, sequences, cap)
+        else:
+            y = experts_ffn_capacity_exchanged(
+                x, routing, w_in, w_out, gate, sequences, cap, axis, tensor_axis
+            )
+    elif axis is None:
         y = experts_ffn(x, routing, w_in, w_out, gate)
     else:
         y = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis)

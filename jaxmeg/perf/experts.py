@@ -15,10 +15,15 @@ compiled program counts e times the routed FLOPs). `"routed"` prices what a ragg
 and a grouped GEMM over the real rows only would cost, (e - 1) / e T k rows each way (Megatron-
 Core's dispatcher); jaxmeg does not run it yet. The backward reruns the forward's exchange and
 expert GEMMs (the map keeps no residuals): 2 all-to-alls forward, 4 backward. With e = 1 the
-experts run on the GPU with no exchange.
+experts run on the GPU with no exchange. With a capacity factor cf (`moe.capacity_factor`) the
+exchange moves fixed buffers of E C rows per sequence, C = ceil(cf s k / E), whatever
+`expert_exchange` says: (e - 1) / e of them per all-to-all, and the experts run on E C rows per
+sequence, about cf times the routed work.
 """
 
 from __future__ import annotations
+
+import math
 
 from jaxmeg.perf.context import local_seq_len, send_seconds
 from jaxmeg.perf.hardware import Hardware, gemm_seconds
@@ -63,17 +68,31 @@ def tokens(shape: Shape, layout: Layout) -> float:
     return local_seq_len(shape, layout) * layout.microbatch
 
 
+def capacity_rows(shape: Shape, layout: Layout) -> float:
+    """With a capacity factor, the E C slots of each of a GPU's b sequences (0 without)."""
+    x = shape.experts
+    if not x.capacity_factor:
+        return 0.0
+    slots = math.ceil(x.capacity_factor * local_seq_len(shape, layout) * x.top_k / x.count)
+    return x.count * slots * layout.microbatch
+
+
 def expert_rows(shape: Shape, layout: Layout) -> float:
-    """Rows one GPU's grouped GEMMs take per layer and microbatch: T k routed (and with e = 1),
-    e T k padded."""
+    """Rows one GPU's expert GEMMs take per layer and microbatch: T k routed (and with e = 1),
+    e T k padded, E C per sequence with a capacity factor."""
+    if shape.experts.capacity_factor:
+        return capacity_rows(shape, layout)
     rows = tokens(shape, layout) * shape.experts.top_k
     return rows * layout.expert if layout.expert_exchange == "padded" else rows
 
 
 def all_to_all_bytes(shape: Shape, layout: Layout, compute_bytes: int = 2) -> float:
     """Bytes one GPU sends in one all-to-all (dispatch or combine): (e - 1) T k h padded,
-    (e - 1) / e T k h routed; 0 with e = 1."""
+    (e - 1) / e T k h routed, (e - 1) / e of its E C slots per sequence with a capacity factor;
+    0 with e = 1."""
     e = layout.expert
+    if shape.experts.capacity_factor:
+        return (e - 1) / e * capacity_rows(shape, layout) * shape.hidden * compute_bytes
     share = (e - 1) if layout.expert_exchange == "padded" else (e - 1) / e
     return share * tokens(shape, layout) * shape.experts.top_k * shape.hidden * compute_bytes
 

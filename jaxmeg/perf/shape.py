@@ -24,6 +24,9 @@ class Experts:
     """The shared experts' width together (0: none); every token goes through them."""
     gated: bool = True
     """SwiGLU experts (the llama block: three h x f matrices each), else GeLU (two)."""
+    capacity_factor: float = 0.0
+    """Slots per expert as a multiple of its even share of a sequence's choices (`moe`'s);
+    0 = dropless."""
 
     @property
     def matrices(self) -> int:
@@ -65,4 +68,5 @@ def experts_of(model: ModelConfig, moe: MoeConfig | None) -> Experts | None:
     return Experts(
         count=moe.experts, top_k=moe.top_k, width=moe.expert_width(dense),
         shared_width=moe.shared_width(dense), gated=model.block != "gpt",
+        capacity_factor=moe.capacity_factor,
     )  # fmt: skip
