@@ -152,6 +152,28 @@ def _combine(per_choice: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.sum(per_choice * weights.astype(jnp.float32)[..., None], axis=1)
 
 
+def _all_to_all_raw(x: jax.Array, axis: str) -> jax.Array:
+    if x.dtype in (jnp.bfloat16, jnp.float16):  # as 16-bit integers: XLA widens 16-bit floats
+        bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, jnp.uint16), axis, 0, 0,
+                                  tiled=True)  # fmt: skip
+        return jax.lax.bitcast_convert_type(bits, x.dtype)
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def exchange(x: jax.Array, axis: str) -> jax.Array:
+    """`all_to_all` over mesh `axis` of x's leading dim (block i to device i, tiled), moving
+    16-bit floats as 16-bit integers: XLA's CPU and GPU backends otherwise send them as float32
+    (twice the bytes). Its own transpose."""
+    return _all_to_all_raw(x, axis)
+
+
+exchange.defvjp(
+    lambda x, axis: (_all_to_all_raw(x, axis), None),
+    lambda axis, _, g: (_all_to_all_raw(g, axis),),
+)
+
+
 def _sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(the stable order that sorts `keys` [N] in [0, groups), each group's size [groups], each
     sorted entry's position within its group [N])."""
@@ -185,14 +207,14 @@ def experts_ffn_exchanged(
     rank = (expert // local)[order]
     send = jnp.zeros((ranks, choices, x.shape[-1]), x.dtype).at[rank, slot].set(x[order // k])
     ids = jnp.full((ranks, choices), local, jnp.int32).at[rank, slot].set(expert[order] % local)
-    rows = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ranks * choices, -1)
+    rows = exchange(send, axis).reshape(ranks * choices, -1)
     ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
     # received rows sorted by local expert, the padding (id `local`) last: past every group
     by_expert, sizes, _ = _sorted_by(ids, local + 1)
     sizes = sizes[:local]
     out = _grouped_ffn(rows[by_expert], sizes, w_in, w_out, w_gate)
     out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ranks, choices, -1)
-    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    back = exchange(out, axis)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(back[rank, slot])
     combined = _combine(per_choice, routing.weights)
     if tensor_axis is not None:  # each tensor rank's experts ran a slice of their width
@@ -272,10 +294,10 @@ def experts_ffn_capacity_exchanged(
     buffers, expert, row, kept = _capacity_buffers(x, routing, sequences, ranks * local, cap)
     h = x.shape[-1]
     send = buffers.reshape(ranks, local, sequences * cap, h)
-    received = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [sender, E_l, n C, h]
+    received = exchange(send, axis)  # [sender, E_l, n C, h]
     rows = received.transpose(1, 0, 2, 3).reshape(local, ranks * sequences * cap, h)
     out = _batched_ffn(rows, w_in, w_out, w_gate).reshape(local, ranks, sequences * cap, h)
-    back = jax.lax.all_to_all(out.transpose(1, 0, 2, 3), axis, 0, 0, tiled=True)
+    back = exchange(out.transpose(1, 0, 2, 3), axis)
     combined = _capacity_combine(
         back.reshape(ranks * local, sequences * cap, h), expert, row, kept, routing.weights,
         jnp.float32,

@@ -42,6 +42,8 @@ from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import Trainable
 
 AXES = ("pipe", "data", "tensor")
+EXPERT_KEY = "all-to-all@expert"
+"""How `_collective_bytes` names the experts' exchange (an MoE layer's tokens over `expert`)."""
 
 
 def _collective_bytes(by_kind) -> dict[str, float]:
@@ -93,7 +95,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
 
     busiest = max(range(len(stages)), key=lambda i: stages[i].matmul_flops)
     device = stages[busiest]
-    shape = shape_of(model)
+    shape = shape_of(model, cfg.moe)
     layout = config_layout(cfg)
     predicted = bytes_per_step(shape, layout, compute_bytes=act_bytes)
     grad_bytes = 4  # gradients are reduced in fp32
@@ -143,6 +145,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
                 "pipe": predicted["pipe"],
                 "tensor": predicted["tensor"],
                 "data": predicted["data"] * grad_bytes / WIRE_BYTES,
+                EXPERT_KEY: predicted["expert"],
             },
         },
         "per_stage_collective_bytes": [_collective_bytes(c.collective_bytes) for c in stages],
@@ -171,7 +174,7 @@ def _exposed_seconds(cost, trainable: Trainable, hw) -> float:
 
     layout = config_layout(trainable.cfg)
     link_of = {"pipe": links.pipe_link, "data": links.data_link, "tensor": links.tensor_link,
-               "context": links.context_link}  # fmt: skip
+               "context": links.context_link, "expert": links.expert_link}  # fmt: skip
     seconds = 0.0
     for (kind, axes), nbytes in cost.collective_bytes.items():
         exposed = nbytes - cost.overlapped_bytes.get((kind, axes), 0.0)
@@ -251,11 +254,12 @@ def format_report(report: dict[str, Any]) -> str:
     dev, plan = r["per_device"], r["planner"]
     lines.append(f"busiest device (stage {dev['stage']}) | planner per GPU:")
     lines.append(f"  matmul FLOPs {gf(dev['matmul_flops'])} | {gf(plan['flops'] / r['devices'])}")
-    for axis in AXES:
+    planned = plan["collective_bytes_per_device"]
+    experts = (EXPERT_KEY,) if planned[EXPERT_KEY] or EXPERT_KEY in dev["collective_bytes"] else ()
+    for axis in (*AXES, *experts):
         ours = dev["collective_bytes"].get(axis, 0.0)
-        lines.append(
-            f"  {axis:6} bytes {gb(ours)} | {gb(plan['collective_bytes_per_device'][axis])}"
-        )
+        name = "expert" if axis == EXPERT_KEY else axis
+        lines.append(f"  {name:6} bytes {gb(ours)} | {gb(planned[axis])}")
     if "target" in r:
         lines += _format_gpu(r, gb, gf)
     if r["unweighted_conditionals"]:
