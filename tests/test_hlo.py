@@ -69,3 +69,16 @@ def test_compiled_psum_over_each_axis_is_named():
         text = jax.jit(fn).lower(np.ones((8, 4), np.float32)).compile().as_text()
         found = [c for c in collectives(text, MESH) if c.kind == "all-reduce"]
         assert [c.axes for c in found] == [frozenset({axis})], (axis, found)
+
+
+def test_an_async_all_to_all_counts_the_bytes_that_move():
+    """A GPU `all-to-all-start` returns ((operands...), results...): what moves is the results,
+    once (the operand tuple is the same bytes again)."""
+    from jaxmeg.parallel.hlo import _result_bytes
+    from jaxmeg.parallel.hlo_gpu import after_operand_tuple
+
+    one = "((u16[8,1,1024,4096]{3,2,1,0}), u16[8,1,1024,4096]{3,2,1,0})"
+    assert _result_bytes(after_operand_tuple(one)) == 8 * 1024 * 4096 * 2
+    two = "((bf16[4,2]{1,0}, s32[4]{0}), bf16[4,2]{1,0}, s32[4]{0})"
+    assert _result_bytes(after_operand_tuple(two)) == 4 * 2 * 2 + 4 * 4
+    assert after_operand_tuple("f32[4]{0}") == "f32[4]{0}"

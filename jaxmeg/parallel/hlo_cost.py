@@ -416,6 +416,8 @@ class StepCost:
         elif ins.op in ("collective-permute-start", "all-gather-start") and ins.shape[0] == "(":
             # a GPU start's result is (operand, result[, contexts]): the result is what moves
             nbytes = hlo_gpu.first_array_bytes(ins.shape.split(", ", 1)[1])
+        elif ins.op == "all-to-all-start":  # ((operands...), results...): the results move
+            nbytes = _result_bytes(hlo_gpu.after_operand_tuple(ins.shape))
         if kind == "collective-permute":
             sources = {self._stage_of(a) for a, _ in groups}
             if stage not in sources:

@@ -59,6 +59,19 @@ def first_array_bytes(shape_text: str) -> int:
     return int(np.prod(found[0][1])) * _BYTES[found[0][0]] if found else 0
 
 
+def after_operand_tuple(shape_text: str) -> str:
+    """Of an async start's result `((operands...), results...)`, the results' text (what
+    moves); the whole text when it does not start with a tuple of operands."""
+    if not shape_text.startswith("(("):
+        return shape_text
+    depth = 0
+    for i, char in enumerate(shape_text[1:], start=1):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return shape_text[i + 1 :]
+    return shape_text
+
+
 def call_target(attributes: str) -> str:
     m = _TARGET_RE.search(attributes)
     return m.group(1) if m else ""
