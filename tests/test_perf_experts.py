@@ -7,6 +7,7 @@ planner's search over `expert`. The compiled step's all-to-all bytes are checked
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -105,7 +106,7 @@ def test_planner_searches_the_expert_axis_and_refuses_what_cannot_split():
 
 
 def test_a_moe_config_is_the_shape_and_layout_the_planner_prices():
-    cfg = C.load("configs/mixtral_8x7b.yaml")
+    cfg = C.load(Path(__file__).resolve().parent.parent / "configs" / "mixtral_8x7b.yaml")
     shape = shape_of(dataclasses.replace(cfg.model, vocab_size=32000), cfg.moe)
     assert shape.experts == Experts(count=8, top_k=2, width=14336, gated=True)
     assert parameter_count(shape) == pytest.approx(parameter_count(MIXTRAL))
