@@ -302,6 +302,14 @@ def test_moe_refuses_what_it_does_not_run_yet_by_name():
         C.validate(context, 2)
 
 
+def test_the_fit_check_does_not_price_moe_steps_as_dense_ones():
+    """`train.py --compile-only --target` shows no planner figure for a MoE step: the step
+    estimate (`jaxmeg.perf.jaxmeg_memory`) counts dense MLPs."""
+    from jaxmeg.training.fit import predicted_step_bytes
+
+    assert predicted_step_bytes(trainable_for(config((1, 1, 1), TOP2))) is None
+
+
 def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
     dense = C.validate(config((1, 1, 1), C.MoeConfig()), 1)
     saved = {"config": {k: v for k, v in C.to_dict(dense).items() if k != "moe"}}

@@ -38,11 +38,13 @@ def step_bytes(memory: dict[str, int]) -> int:
 def predicted_step_bytes(trainable: Trainable, loss_and_grads=None) -> float | None:
     """The planner's per-device figure for jaxmeg's step (`jaxmeg.perf.jaxmeg_memory`), with
     flash attention's kept statistics when the step runs cuDNN attention; None where it does
-    not price the layout (context parallelism)."""
+    not price the layout: context parallelism, and MoE layers (it counts a dense MLP's
+    parameters and residuals; `jaxmeg.perf.memory.memory_per_gpu`, the planner's, prices the
+    experts but not jaxmeg's step buffer by buffer)."""
     from jaxmeg.training.pipeline_step import make_loss_and_grads
 
     cfg = trainable.cfg
-    if cfg.parallel.context > 1:
+    if cfg.parallel.context > 1 or cfg.moe.experts:
         return None
     table = (loss_and_grads or make_loss_and_grads(trainable)).program.table
     predicted = jaxmeg_step_memory(
