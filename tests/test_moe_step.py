@@ -175,10 +175,38 @@ def test_bias_update_evens_a_skewed_load_and_the_step_reports_it():
     assert moments and all(np.all(m == 0) for m in moments)
 
 
+def test_the_step_reports_the_share_of_choices_its_capacity_dropped():
+    """`moe_dropped`, each layer's share of the step's routing choices past an expert's slots:
+    with C = ceil(cf s k / E) slots per expert and sequence, at least 1 - E C / (s k) of them
+    (a factor of 0.5: 4 x 2 slots for 16 choices, at least half dropped); none with a factor
+    that gives every expert a slot for every token; the kept-share slot never enters the
+    optimizer."""
+    dropped = {}
+    for factor in (0.5, 2.0):  # 2.0: C = s = 8
+        moe = dataclasses.replace(TOP2, capacity_factor=factor)
+        trainable = trainable_for(config((1, 2, 1), moe))
+        with jax.set_mesh(trainable.mesh):
+            state = init_state(trainable, seed=0)
+            state, metrics = make_train_step(trainable)(
+                state, *put_batch(trainable, random_batch(trainable.cfg))
+            )
+        dropped[factor] = np.asarray(metrics["moe_dropped"].addressable_data(0))
+        moments = [
+            np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+            if "router_kept" in jax.tree_util.keystr(path)
+        ]
+        assert moments and all(np.all(m == 0) for m in moments)
+    assert dropped[0.5].shape == (LLAMA.layers,)
+    assert np.all(dropped[0.5] >= 0.5 - 1e-6) and np.all(dropped[0.5] < 1), dropped
+    np.testing.assert_allclose(dropped[2.0], 0, atol=1e-6)
+
+
 def test_loads_leave_the_gradients_and_move_each_bias_toward_the_mean():
     grads = {"moe": {"router_bias": np.array([[0.5, 0.25, 0.25, 0.0]], np.float32),
                      "w_in": np.ones(2, np.float32)}}  # fmt: skip
-    cleaned, loads = expert_balance.take_loads(grads)
+    cleaned, loads, kept = expert_balance.take_loads(grads)
+    assert kept == []  # no capacity factor
     np.testing.assert_array_equal(cleaned["moe"]["router_bias"], 0)
     np.testing.assert_array_equal(cleaned["moe"]["w_in"], 1)
     params = {"moe": {"router_bias": np.zeros((1, 4), np.float32), "w_in": np.ones(2)}}
@@ -315,6 +343,12 @@ def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
     saved = {"config": {k: v for k, v in C.to_dict(dense).items() if k != "moe"}}
     mismatches = checkpoint_meta.shape_mismatches(saved, C.validate(config((1, 1, 1), TOP2), 1))
     assert ("moe.experts", 0, 4) in mismatches
+    # a capacity factor on or off adds or removes the kept-share slot; another factor does not
+    dropless = {"config": C.to_dict(C.validate(config((1, 1, 1), TOP2), 1))}
+    capped = C.validate(config((1, 1, 1), CAPACITY), 1)
+    assert checkpoint_meta.shape_mismatches(dropless, capped) == [("moe.capacity_factor", 0.0, 1.0)]
+    more = C.validate(config((1, 1, 1), dataclasses.replace(CAPACITY, capacity_factor=1.5)), 1)
+    assert checkpoint_meta.shape_mismatches({"config": C.to_dict(capped)}, more) == []
 
 
 def test_mfu_counts_the_active_experts_not_all_of_them():

@@ -64,8 +64,8 @@ from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, 
 ROUTERS = MOE_ROUTERS
 MOE_STATS = "moe_stats"
 """The collection a MoE layer sows its `aux` (the weighted auxiliary losses, scalar) and `share`
-(each expert's share of the k T routing choices [E], summing to 1) in, when the caller makes it
-mutable."""
+(each expert's share of the k T routing choices [E], summing to 1; with a capacity factor
+[2, E], and each expert's share of the choices it kept) in, when the caller makes it mutable."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +334,8 @@ def moe_ffn(
 ) -> tuple[Array, Array, Array]:  # fmt: skip
     """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
     router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
-    share of the k T choices [E]). w_gate: () or (the SwiGLU gate,). With `axis` (inside a map
+    share of the k T choices [E]; with a capacity factor [2, E]: that and its share of the
+    choices it kept). w_gate: () or (the SwiGLU gate,). With `axis` (inside a map
     manual over it, each device holding its own rows and E_l experts) the choices travel by
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
     every device holds as many sequences, so that is the mean over all of them."""
@@ -358,6 +359,11 @@ def moe_ffn(
     if moe.z_loss:
         aux = aux + moe.z_loss * z_loss(routing)
     share = expert_load(routing, logits.shape[-1]) / routing.experts.size
+    if moe.capacity_factor:  # and each expert's share of the choices it kept
+        _, kept = capacity_slots(routing, sequences, logits.shape[-1], cap)
+        expert = routing.experts.reshape(-1)
+        kept_share = jnp.zeros_like(share).at[expert].add(kept.astype(share.dtype))
+        share = jnp.stack([share, kept_share / routing.experts.size])
     if axis is not None:
         aux, share = jax.lax.pmean((aux, share), axis)
     return y, aux, share
@@ -393,8 +399,10 @@ into_backward.defvjp(_into_backward_fwd, _into_backward_bwd)
 
 class MoeMlp(nn.Module):
     """The mixture-of-experts block in place of `Mlp`: router (`w_router` [D, E], float32),
-    routing bias (`router_bias` [E]), routed experts (`w_in` [E, D, F], `w_out` [E, F, D], and
-    for SwiGLU, the llama block's, `w_gate` [E, D, F]), and optional shared experts (`shared`,
+    routing bias (`router_bias` [E]; with a capacity factor also `router_kept` [E], never
+    trained, whose "gradient" is each expert's share of the kept choices), routed experts
+    (`w_in` [E, D, F], `w_out` [E, F, D], and for SwiGLU, the llama block's, `w_gate`
+    [E, D, F]), and optional shared experts (`shared`,
     a dense MLP, with `w_shared_gate` [D, 1]). The experts' width is split over `tensor`
     (`expert_mlp`); the expert dim (`experts`) is whole on every device."""
 
@@ -413,6 +421,9 @@ class MoeMlp(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         w_router = param(self, "w_router", (d, e), ("embed", None), normal(cfg.init_std))
         bias = param(self, "router_bias", (e,), (None,), nn.initializers.zeros)
+        kept = None
+        if moe.capacity_factor:  # its "gradient": each expert's share of the kept choices
+            kept = param(self, "router_kept", (e,), (None,), nn.initializers.zeros)
         expert_in = ("experts", "embed", "expert_mlp")
         expert_out = ("experts", "expert_mlp", "embed")
         w_in = param(self, "w_in", (e, d, f), expert_in, normal(cfg.init_std))
@@ -439,5 +450,9 @@ class MoeMlp(nn.Module):
         self.sow(MOE_STATS, "aux", aux, init_fn=lambda: None, reduce_fn=lambda _, new: new)
         self.sow(MOE_STATS, "share", share, init_fn=lambda: None, reduce_fn=lambda _, new: new)
         if self.grad_scale:
-            y_BxSxD = into_backward(y_BxSxD, aux, bias, share, self.grad_scale)
+            load = share if kept is None else share[0]
+            y_BxSxD = into_backward(y_BxSxD, aux, bias, load, self.grad_scale)
+            if kept is not None:  # no second aux: its cotangent goes to a constant
+                none = jnp.zeros((), jnp.float32)
+                y_BxSxD = into_backward(y_BxSxD, none, kept, share[1], self.grad_scale)
         return y_BxSxD

@@ -68,6 +68,10 @@ def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
         for name in SHAPE_FIELDS
         if _field(saved, name) is not None and _field(saved, name) != _field(now, name)
     ]
+    # A capacity factor on or off adds or removes the MoE layers' kept-share slot.
+    saved_cf = _field(saved, "moe.capacity_factor")
+    if saved_cf is not None and (saved_cf > 0) != (cfg.moe.capacity_factor > 0):
+        mismatches.append(("moe.capacity_factor", saved_cf, cfg.moe.capacity_factor))
     # Clipping on or off adds or removes a state in the optimizer chain.
     saved_clip = _field(saved, "optimizer.grad_clip")
     if saved_clip is not None and (saved_clip > 0) != (cfg.optimizer.grad_clip > 0):

@@ -4,7 +4,8 @@ the step's microbatches and replicas), not a gradient. The step takes it out of 
 before the norm, clipping and the optimizer (which then leave the bias alone: AdamW's moments
 of a zero gradient stay zero, and the bias has no weight decay), moves the bias toward an even
 load (DeepSeek-V3's loss-free balancing: + rate where an expert got less than the layer's
-mean, - rate where more), and reports how uneven each layer's load was."""
+mean, - rate where more), and reports how uneven each layer's load was and, with a capacity
+factor, what share of its choices it dropped."""
 
 from __future__ import annotations
 
@@ -14,23 +15,31 @@ import jax.numpy as jnp
 from jaxmeg.pipeline.layout import StageLayout
 
 BIAS = "router_bias"
+KEPT = "router_kept"
+"""With a capacity factor: a never-trained [E] whose "gradient" is each expert's share of the
+kept choices (`jaxmeg.models.moe`)."""
+
+
+def _name(path) -> str:
+    return str(getattr(path[-1], "key", path[-1]))
 
 
 def _is_bias(path) -> bool:
-    return str(getattr(path[-1], "key", path[-1])) == BIAS
+    return _name(path) == BIAS
 
 
-def take_loads(grads) -> tuple[object, list[jax.Array]]:
-    """(the gradients with every routing bias's entry zeroed, those entries: the loads)."""
-    loads = []
+def take_loads(grads) -> tuple[object, list[jax.Array], list[jax.Array]]:
+    """(the gradients with every routing bias's and kept slot's entry zeroed, the bias entries:
+    the loads, the kept slots' entries: the kept shares; [] where there are none)."""
+    taken = {BIAS: [], KEPT: []}
 
     def take(path, g):
-        if _is_bias(path):
-            loads.append(g)
+        if _name(path) in taken:
+            taken[_name(path)].append(g)
             return jnp.zeros_like(g)
         return g
 
-    return jax.tree_util.tree_map_with_path(take, grads), loads
+    return jax.tree_util.tree_map_with_path(take, grads), taken[BIAS], taken[KEPT]
 
 
 def move_biases(params, loads: list[jax.Array], rate: float):
@@ -53,3 +62,10 @@ def load_spread(loads: list[jax.Array], layout: StageLayout) -> jax.Array:
     load = layout.to_canonical(load)
     mean = jnp.mean(load, axis=-1)
     return jnp.max(load, axis=-1) / jnp.where(mean > 0, mean, 1.0)
+
+
+def dropped_share(kept: list[jax.Array], layout: StageLayout) -> jax.Array:
+    """The share of each MoE layer's routing choices that its experts' capacity dropped [L], in
+    model order (0 = none)."""
+    (share,) = kept  # the stacked layers' one leaf, [v, p, Lc, E]
+    return 1.0 - jnp.sum(layout.to_canonical(share), axis=-1)

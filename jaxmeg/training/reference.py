@@ -48,7 +48,11 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
                 params, *microbatch
             )
             if load is not None:  # the routing bias's slot holds the load shares (`models.moe`)
-                grads["blocks"]["layers"]["moe"]["router_bias"] = load.astype(jnp.float32)
+                moe = grads["blocks"]["layers"]["moe"]
+                if "router_kept" in moe:  # [layers, 2, E]: routed and kept shares
+                    load, kept = load[:, 0], load[:, 1]
+                    moe["router_kept"] = kept.astype(jnp.float32)
+                moe["router_bias"] = load.astype(jnp.float32)
             grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
             return (loss_sum + loss, grad_sum), None
 

@@ -40,7 +40,7 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         step_arg = {"step": state["step"]} if links else {}
         loss, grads, *links = loss_and_grads(state["params"], tokens, targets, *links, **step_arg)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
-        grads, loads = expert_balance.take_loads(grads)  # [] without MoE layers
+        grads, loads, kept = expert_balance.take_loads(grads)  # [] without MoE layers
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -58,6 +58,9 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         if loads:  # max / mean tokens per expert, each MoE layer, whole on every device
             spread = expert_balance.load_spread(loads, trainable.layout)
             metrics["moe_load_spread"] = jax.lax.with_sharding_constraint(spread, replicated)
+        if kept:  # with a capacity factor: the share of choices dropped, each MoE layer
+            dropped = expert_balance.dropped_share(kept, trainable.layout)
+            metrics["moe_dropped"] = jax.lax.with_sharding_constraint(dropped, replicated)
         new_state = {
             "step": state["step"] + 1,
             "params": keep(params, state["params"]),
