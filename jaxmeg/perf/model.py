@@ -230,12 +230,12 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     s, b, h, a = local_seq_len(shape, layout), layout.microbatch, shape.hidden, shape.heads
     t, c = layout.tensor, layout.context
     tokens = s * b
-    f = shape.mlp_ratio * h
+    # the dense MLP's width; an MoE block takes the place of fc1, fc2 and their GeLU
+    f = 0 if shape.experts else shape.mlp_ratio * h
     gemms = _gemm_seconds(tokens, 3 * h / t, h, hw) + _gemm_seconds(tokens, h, h / t, hw)
     moe_f = moe_b = 0.0
-    if shape.experts:  # the MoE block in place of fc1 and fc2 and their GeLU
+    if shape.experts:
         moe_f, moe_b = experts.moe_seconds(shape, layout, hw)
-        f = 0
     else:
         gemms += _gemm_seconds(tokens, f / t, h, hw) + _gemm_seconds(tokens, h, f / t, hw)
     heads = a / t
