@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         help="one device: time the one step path against the plain autodiff step, alternating",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="with --compare-plain: rounds of --steps timed steps of each path, alternating",
+    )
+    parser.add_argument(
         "--cost-report",
         action="store_true",
         help="compile only: what the step executes, counted from its HLO (text, or --json)",
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = cli.target_problem(args) or cli.count_problems(
         {"--cpu-devices": (args.cpu_devices, 1), "--steps": (args.steps, 1),
-         "--warmup": (args.warmup, 0)}
+         "--warmup": (args.warmup, 0), "--rounds": (args.rounds, 1)}
     )  # fmt: skip
     if args.target and not args.cost_report:
         problem = problem or "--target compiles only: add --cost-report"
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             report = cost_report(prepare(cfg, dataset=None, devices=devices), target)
             print(json.dumps(report) if args.json else format_report(report))
         elif args.compare_plain:
-            print(json.dumps(compare_with_plain(cfg, steps=args.steps)))
+            print(json.dumps(compare_with_plain(cfg, steps=args.steps, rounds=args.rounds)))
         else:
             print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
 
