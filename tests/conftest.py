@@ -66,13 +66,17 @@ drew one of them late would finish alone while the other waits."""
 
 def pytest_configure(config):
     """The controller (not an xdist worker, which inherits the variable) makes the run's XLA
-    cache directory for the scripts the tests run (`tests/test_train_cli._subprocess_env`)."""
+    cache directory; the workers' own compiles and the scripts the tests run
+    (`tests/test_train_cli._subprocess_env`) share it, so a step that another test or worker
+    compiled already (each worker's one-device references, a script's step) loads instead."""
     from tests.helpers import XLA_CACHE_VARIABLE
 
     if not hasattr(config, "workerinput") and XLA_CACHE_VARIABLE not in os.environ:
         config.xla_cache = os.environ[XLA_CACHE_VARIABLE] = tempfile.mkdtemp(
             prefix="jaxmeg-tests-xla-cache-"
         )
+    jax.config.update("jax_compilation_cache_dir", os.environ[XLA_CACHE_VARIABLE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def pytest_unconfigure(config):
