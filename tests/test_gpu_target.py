@@ -27,7 +27,9 @@ if not gpu_target.plugin_installed():
         raise RuntimeError(f"CI compiles for H100: {reason}")
     pytestmark = pytest.mark.skip(reason=reason)
 
-MODEL = dict(vocab_size=8192, hidden=1024, layers=4, heads=8, seq_len=1024)
+MODEL = dict(vocab_size=8192, hidden=1024, layers=2, heads=8, seq_len=1024)
+"""Two layers unless a test needs more (a pipeline's stages and chunks): each layer adds about
+5 s to a GPU compile here."""
 
 
 def gpu_config(data=1, pipe=1, tensor=1, remat="none", microbatches=2, **model) -> C.Config:
@@ -146,7 +148,7 @@ def test_a_data_mean_due_beside_a_backward_overlaps_it_on_four_h100():
     (Before: none. With 1f1b a stage's only chunk finishes with its last backward, so its
     mean has no B slot after it on that stage; with tensor > 1 XLA's scheduler does not start
     it before a B loop that holds tensor all-reduces of its own.)"""
-    cfg = gpu_config(data=2, pipe=2, microbatches=4)
+    cfg = gpu_config(data=2, pipe=2, microbatches=4, layers=4)
     parallel = dataclasses.replace(cfg.parallel, schedule="interleaved_1f1b", chunks=2)
     _, report = report_for(dataclasses.replace(cfg, parallel=parallel))
     assert report["collective_bytes"]["data"] > 0
@@ -159,6 +161,7 @@ def test_train_py_says_when_a_step_does_not_fit_and_exits_3():
     proc = subprocess.run(
         [sys.executable, "scripts/train.py", "--compile-only", "--target", "h100", "--gpus",
          "1", "--set", "model.vocab_size=65536", "--set", "model.compute_dtype=bfloat16",
+         "--set", "model.layers=1",
          "--set", "train.global_batch=4096", "--set", "train.microbatches=1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
