@@ -237,6 +237,8 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path, overwrite: bool =
         raise ValueError(f"{hf_dir} exists and is not a directory; export writes a directory")
     _check_export_target(Path(run_dir), Path(hf_dir), overwrite)
     cfg = _one_device_config(_saved_config(checkpoints))
+    if cfg.moe.experts and cfg.moe.capacity_factor > 0:
+        print(capacity_warning(cfg.moe.capacity_factor), file=sys.stderr)
     trainable = _trainable(cfg)
     checkpointer = Checkpointer(checkpoints, trainable, cfg.checkpoint.keep)
     try:
@@ -251,6 +253,16 @@ def export_checkpoint(run_dir: str | Path, hf_dir: str | Path, overwrite: bool =
         marker = {"run": str(Path(run_dir).absolute().resolve()), "step": step}
         (Path(hf_dir) / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
     return step
+
+
+def capacity_warning(capacity_factor: float) -> str:
+    """What export says of a run that trained with expert capacity limits."""
+    return (
+        f"warning: this run trained with moe.capacity_factor={capacity_factor:g} (an expert "
+        f"drops the choices beyond its capacity); Hugging Face's MoE models route every "
+        f"choice, so the exported model's outputs differ from the trained model's wherever "
+        f"capacity dropped choices"
+    )
 
 
 EXPORT_MARKER = ".jaxmeg-export.json"
