@@ -1,12 +1,21 @@
 """Rough edges a new user hit, each an `error:` line with exit code 2 and no traceback, before
-anything compiles; and the README's notebook snippet and bench.py's docstring example hold."""
+anything compiles; and the README's notebook snippet and bench.py's docstring example hold.
+
+Each script's refusals run its `main` in this process (the message is the test); one refusal per
+script runs it as a process, for the exit code and the clean stderr of the real command."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import os
 import re
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -24,23 +33,61 @@ def train_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def assert_clean_error(result: subprocess.CompletedProcess, message: str) -> None:
+@cache
+def script(name: str):
+    """scripts/NAME.py as a module, imported once."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Ran:
+    """What `main` of a script returned and printed, in the shape of a CompletedProcess."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def in_process(name: str, *args: str) -> Ran:
+    """scripts/NAME.py's `main(args)` in this process, its stdout and stderr captured; an
+    exception is a traceback in `stderr`, as the script would print it."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = script(name).main(list(args))
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+    return Ran(code, out.getvalue(), err.getvalue())
+
+
+def train_main(*args: str) -> Ran:
+    return in_process("train", "--no-progress", *args)
+
+
+def assert_clean_error(result, message: str) -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert message in result.stderr, result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("count", ["-2", "0"])
-def test_cpu_devices_below_one_is_an_error(count):
-    assert_clean_error(
-        train_cli("--cpu-devices", count), f"error: --cpu-devices must be >= 1, got {count}"
-    )
+def test_cpu_devices_below_one_is_an_error():
+    # the process: exit code 2 and one line, no traceback
+    result = train_cli("--cpu-devices", "-2")
+    assert_clean_error(result, "error: --cpu-devices must be >= 1, got -2")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert_clean_error(train_main("--cpu-devices", "0"), "error: --cpu-devices must be >= 1, got 0")
 
 
 def test_out_pointing_at_a_file_is_an_error(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("keep me")
-    assert_clean_error(train_cli("--out", str(path)), f"error: --out {path} is a file")
+    assert_clean_error(train_main("--out", str(path)), f"error: --out {path} is a file")
     assert path.read_text() == "keep me"
 
 
@@ -48,19 +95,19 @@ def test_read_only_out_is_an_error():
     if os.access("/proc/sys", os.W_OK):
         pytest.skip("no read-only directory on this machine")
     assert_clean_error(
-        train_cli("--out", "/proc/sys/jaxmeg-run"), "error: --out /proc/sys/jaxmeg-run: /proc/sys"
+        train_main("--out", "/proc/sys/jaxmeg-run"), "error: --out /proc/sys/jaxmeg-run: /proc/sys"
     )
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  hidden: 128\n  layers: [8\ntrain:\n  steps: 3\n")
-    result = train_cli("--config", str(path))
+    result = train_main("--config", str(path))
     assert_clean_error(result, f"config error: config file '{path}' at line 4")
 
 
 def test_config_directory_is_named_as_a_directory():
-    result = train_cli("--config", "configs")
+    result = train_main("--config", "configs")
     assert_clean_error(result, "config error: config 'configs' is a directory; pass a YAML file")
 
 
@@ -126,22 +173,27 @@ def test_every_train_and_bench_example_fits_its_devices():
     assert checked >= 12, checked
 
 
-def test_every_plan_and_plot_example_runs(tmp_path):
-    ran = 0
+@pytest.mark.timeout(300)
+def test_every_plan_and_plot_example_runs(tmp_path, monkeypatch):
+    """Each distinct example's arguments through its script's `main`, in this process (the
+    scripts' refusals as processes: test_bench_reports_config_errors_as_one_line and the
+    others below)."""
+    monkeypatch.chdir(ROOT)  # the examples' relative paths
+    ran: set[tuple[str, ...]] = set()
     for where, words in command_examples():
-        script = next((w for w in words if w.endswith(("plan.py", "plot_schedule.py"))), None)
-        if script is None:
+        name = next((w for w in words if w.endswith(("plan.py", "plot_schedule.py"))), None)
+        if name is None:
             continue
-        args = words[words.index(script) + 1 :]
+        args = words[words.index(name) + 1 :]
         if "--out" in args:
             args[args.index("--out") + 1] = str(tmp_path / "schedule.png")
-        result = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / Path(script).name), *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=120, env=CLEAN_ENV,
-        )  # fmt: skip
+        if (name, *args) in ran:
+            continue  # README.md repeats a docstring's example
+        result = in_process(Path(name).stem, *args)
         assert result.returncode == 0, f"{where}: {' '.join(words)}\n{result.stderr[-2000:]}"
-        ran += 1
-    assert ran >= 4, ran
+        assert result.stdout.strip(), f"{where}: {' '.join(words)} printed nothing"
+        ran.add((name, *args))
+    assert len(ran) >= 4, ran
 
 
 def _cpu_examples() -> list[tuple[str, list[str]]]:
@@ -165,15 +217,29 @@ def _cpu_examples() -> list[tuple[str, list[str]]]:
     return sorted(found.values(), key=lambda item: " ".join(item[1]))
 
 
+CPU_EXAMPLES = _cpu_examples()
+RESUMABLE = next((example for example in CPU_EXAMPLES if "--out" in example[1]), None)
+"""train.py's example with --out: test_steps_at_the_checkpoint_say_so_and_compile_nothing runs
+it, and runs it again."""
+
+
+def _with_out(args: list[str], out: Path) -> list[str]:
+    args = list(args)
+    if "--out" in args:
+        args[args.index("--out") + 1] = str(out)
+    return args
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "where,words", _cpu_examples(), ids=lambda x: x if isinstance(x, str) else " ".join(x[1:])
+    "where,words",
+    [example for example in CPU_EXAMPLES if example is not RESUMABLE],
+    ids=lambda x: x if isinstance(x, str) else " ".join(x[1:]),
 )
 def test_cpu_examples_run_for_a_step(where, words, tmp_path, small_corpus):
-    """Each CPU example as written, with a small corpus and one step (two for bench.py)."""
-    script, args = Path(words[0]).name, list(words[1:])
-    if "--out" in args:
-        args[args.index("--out") + 1] = str(tmp_path / "run")
+    """Each CPU example as written, with a small corpus and one step (two for bench.py); the one
+    with --out: test_steps_at_the_checkpoint_say_so_and_compile_nothing."""
+    script, args = Path(words[0]).name, _with_out(words[1:], tmp_path / "run")
     short = ["--steps", "1", "--no-progress"] if script == "train.py" else ["--steps", "2"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / script), *args, *short, *small_corpus],
@@ -191,40 +257,36 @@ def script_cli(name: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_malformed_set_value_is_one_line():
     assert_clean_error(
-        train_cli("--set", "model.hidden=[1,"),
+        train_main("--set", "model.hidden=[1,"),
         "config error: override 'model.hidden=[1,': the value is not valid YAML",
     )
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--config", "no-such.yaml"], "config error: config file 'no-such.yaml' does not exist"),
-        (["--config", "configs/gpt_tiny.yaml", "--set", "model.nope=1"],
-         "config error: unknown config key model.nope"),
-    ],
-)  # fmt: skip
-def test_bench_reports_config_errors_as_one_line(args, message):
-    assert_clean_error(script_cli("bench", *args), message)
+def test_bench_reports_config_errors_as_one_line(monkeypatch):
+    result = script_cli("bench", "--config", "no-such.yaml")  # the process
+    assert_clean_error(result, "config error: config file 'no-such.yaml' does not exist")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    monkeypatch.chdir(ROOT)
+    assert_clean_error(
+        in_process("bench", "--config", "configs/gpt_tiny.yaml", "--set", "model.nope=1"),
+        "config error: unknown config key model.nope",
+    )
 
 
 def test_export_to_a_file_or_from_a_typo_changes_nothing(tmp_path):
     target = tmp_path / "a-file"
     target.write_text("keep me")
     typo = tmp_path / "TYPO"
-    assert_clean_error(
-        script_cli("convert_hf", "export", "--run", str(typo), "--to", str(tmp_path / "x")),
-        f"error: {typo} holds no checkpoints to export",
-    )
+    result = script_cli("convert_hf", "export", "--run", str(typo), "--to", str(tmp_path / "x"))
+    assert_clean_error(result, f"error: {typo} holds no checkpoints to export")  # the process
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not typo.exists() and not (tmp_path / "x").exists()
     hf_run = tmp_path / "run"
     fixtures = ROOT / "tests" / "fixtures" / "hf" / "gpt2"
-    assert (
-        script_cli("convert_hf", "import", "--from", str(fixtures), "--run", str(hf_run)).returncode
-        == 0
-    )
+    imported = in_process("convert_hf", "import", "--from", str(fixtures), "--run", str(hf_run))
+    assert imported.returncode == 0, imported.stderr[-2000:]
     assert_clean_error(
-        script_cli("convert_hf", "export", "--run", str(hf_run), "--to", str(target)),
+        in_process("convert_hf", "export", "--run", str(hf_run), "--to", str(target)),
         f"error: {target} exists and is not a directory",
     )
     assert target.read_text() == "keep me"
@@ -238,24 +300,20 @@ def test_export_to_a_file_or_from_a_typo_changes_nothing(tmp_path):
     ],
 )
 def test_import_of_a_broken_config_names_the_file_or_field(config_json, message, tmp_path):
-    import shutil
-
     hf_dir = tmp_path / "hf"
     shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / "gpt2", hf_dir)
     (hf_dir / "config.json").write_text(config_json)
-    result = script_cli("convert_hf", "import", "--from", str(hf_dir), "--run", str(tmp_path / "r"))
+    result = in_process("convert_hf", "import", "--from", str(hf_dir), "--run", str(tmp_path / "r"))
     assert_clean_error(result, message)
     assert not (tmp_path / "r").exists()
 
 
 def test_import_of_a_truncated_safetensors_names_it(tmp_path):
-    import shutil
-
     hf_dir = tmp_path / "hf"
     shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / "gpt2", hf_dir)
     weights = hf_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:2000])
-    result = script_cli("convert_hf", "import", "--from", str(hf_dir), "--run", str(tmp_path / "r"))
+    result = in_process("convert_hf", "import", "--from", str(hf_dir), "--run", str(tmp_path / "r"))
     assert_clean_error(result, f"{weights} is not a readable safetensors file")
 
 
@@ -267,22 +325,29 @@ def test_preprocess_with_a_garbage_tokenizer_is_one_line(tmp_path):
     out = str(tmp_path / "out")
     result = script_cli("preprocess_data", "--input", str(text), "--output-prefix", out,
                         "--tokenizer", str(garbage), "--no-progress")  # fmt: skip
-    assert_clean_error(result, f"error: {garbage} is not a tokenizer.json")
+    assert_clean_error(result, f"error: {garbage} is not a tokenizer.json")  # the process
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_metrics_file_on_a_directory_is_refused_before_compiling(tmp_path):
-    result = train_cli("--metrics-file", str(tmp_path))
+    result = train_main("--metrics-file", str(tmp_path))
     assert_clean_error(result, f"error: --metrics-file {tmp_path} is a directory")
     assert "compiled" not in result.stderr
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(300)
 def test_steps_at_the_checkpoint_say_so_and_compile_nothing(tmp_path, small_corpus):
+    """train.py's docstring example with --out, as written with one step (as
+    test_cpu_examples_run_for_a_step runs the others); then again at its checkpoint."""
+    assert RESUMABLE, "train.py's docstring has no example with --out"
+    where, words = RESUMABLE
     run = tmp_path / "run"
-    tiny = ["--out", str(run), "--set", "train.global_batch=2", *small_corpus]
-    assert train_cli(*tiny, "--steps", "1").returncode == 0
+    args = [*_with_out(words[1:], run), "--steps", "1", *small_corpus]
+    first = train_cli(*args)
+    assert first.returncode == 0, f"{where}: {' '.join(words)}\n{first.stderr[-3000:]}"
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    result = train_cli(*tiny, "--steps", "1")
+    result = train_cli(*args)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "the checkpoint is at step 1 and the run stops at step 1" in result.stderr
     assert "compiled" not in result.stderr.replace("nothing compiled", "")
@@ -292,14 +357,14 @@ def test_steps_at_the_checkpoint_say_so_and_compile_nothing(tmp_path, small_corp
 def test_preprocess_of_nothing_is_an_error_and_a_short_vocabulary_is_said(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    result = script_cli("preprocess_data", "--input", str(empty), "--output-prefix",
+    result = in_process("preprocess_data", "--input", str(empty), "--output-prefix",
                         str(tmp_path / "e"), "--no-progress")  # fmt: skip
     assert_clean_error(result, "hold no text (no document)")
     assert not list(tmp_path.glob("e.*"))
     one = tmp_path / "one.txt"
     one.write_text("hello world")
     prefix = str(tmp_path / "out") + "/"
-    result = script_cli("preprocess_data", "--input", str(one), "--output-prefix", prefix,
+    result = in_process("preprocess_data", "--input", str(one), "--output-prefix", prefix,
                         "--vocab-size", "32000", "--no-progress")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out" / "tokens.bin").is_file()  # a directory prefix: files inside it

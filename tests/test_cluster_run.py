@@ -4,6 +4,7 @@ before anything compiles."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from tests.test_train_cli import (
     read_metrics,
     run_train,
     single_device_losses,  # noqa: F401  (a fixture)
+    train_main,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -80,32 +82,52 @@ def test_measured_partition_is_saved_and_reused(tmp_path, small_corpus):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
 
 
+def test_unknown_nic_is_named_before_compile(tmp_path, small_corpus):
+    """The process: exit code 2 and a named error, no traceback, nothing compiled."""
+    cluster = write_cluster(tmp_path, [group("a", "omnipath", gpus=2)])
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--cpu-devices", "4", "--cluster", cluster,
+         "--no-progress", *small_corpus],
+        cwd=ROOT, env=CLEAN_ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "unknown NIC type 'omnipath'" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "compiled" not in result.stderr
+
+
 @pytest.mark.parametrize(
     "groups, args, message",
     [
-        ([group("a", "omnipath", gpus=2)], [], "unknown NIC type 'omnipath'"),
-        ([group("a", "infiniband", gpus=1), group("b", "roce", gpus=3)],
-         ["--set", "parallel.data=2", "--set", "parallel.pipe=2"],
+        ([group("a", "infiniband", gpus=1), group("b", "roce", gpus=7)],
+         ["--set", "parallel.data=2", "--set", "parallel.pipe=4"],
          "node group 'a' has 1 GPUs, which do not split into whole pipeline stages of "
          r"parallel.data \* parallel.tensor = 2 \* 1 = 2 GPUs"),
-        ([group("a", "infiniband", gpus=2, hosts=["gpu01"]),
-          group("b", "roce", gpus=2, hosts=["gpu02"])],
-         ["--set", "parallel.pipe=2"], "host 'elsewhere' is in no group"),
+        ([group("a", "infiniband", gpus=4, hosts=["gpu01"]),
+          group("b", "roce", gpus=4, hosts=["gpu02"])],
+         ["--set", "parallel.data=4", "--set", "parallel.pipe=2"],
+         "host 'elsewhere' is in no group"),
         ([group("a", "infiniband", gpus=2), group("b", "roce", gpus=4)],
-         ["--set", "parallel.pipe=2"],
-         r"has 6 GPUs \(a 1 x 2 \+ b 1 x 4\), but the job has 4 devices"),
+         ["--set", "parallel.data=4", "--set", "parallel.pipe=2"],
+         r"has 6 GPUs \(a 1 x 2 \+ b 1 x 4\), but the job has 8 devices"),
     ],
-    ids=["unknown-nic", "group-too-small", "host-in-no-group", "gpu-total"],
+    ids=["group-too-small", "host-in-no-group", "gpu-total"],
 )  # fmt: skip
-def test_bad_clusters_are_named_before_compile(tmp_path, small_corpus, groups, args, message):
+def test_bad_clusters_are_named_before_compile(
+    tmp_path, small_corpus, monkeypatch, groups, args, message
+):
+    """scripts/train.py's `main` in this process (its 8 devices); a cluster that passed would
+    train one step and fail the test."""
     cluster = write_cluster(tmp_path, groups)
-    result = subprocess.run(
-        [sys.executable, "scripts/train.py", "--cpu-devices", "4", "--cluster", cluster, *args,
-         "--no-progress", *small_corpus],
-        cwd=ROOT, env={**CLEAN_ENV, "JAXMEG_NODE_NAME": "elsewhere"}, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert re.search(message, result.stderr), result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    assert "compiled" not in result.stderr
+    monkeypatch.setenv("JAXMEG_NODE_NAME", "elsewhere")
+    environ = dict(os.environ)  # a group's NCCL variables, set by the run, are put back
+    try:
+        code, stderr = train_main("--cpu-devices", "8", "--cluster", cluster, *args, "--steps",
+                                  "1", "--no-progress", *small_corpus)  # fmt: skip
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    assert code == 2, stderr[-3000:]
+    assert re.search(message, stderr), stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "compiled" not in stderr

@@ -21,21 +21,43 @@ from tests.test_train_cli import CLEAN_ENV, ROOT, read_metrics, run_train
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_two_processes_match_one_process(tmp_path, small_corpus):
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, small_corpus) -> tuple[Path, int, str]:
+    """(run directory, launcher exit code, launcher stdout + stderr) of scripts/launch_local.sh 2
+    on MESH_222 for up to 1000 steps, whose process 1 alone got SIGTERM after step 3."""
+    out = tmp_path_factory.mktemp("two-processes") / "run"
+    launcher = subprocess.Popen(
+        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml",
+         *small_corpus, *MESH_222, "--steps", "1000", "--no-progress", "--out", str(out)],
+        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    output = StderrLines(launcher, launcher.stdout)
+    try:
+        wait_for(lambda: metric_steps(out / "metrics.jsonl") >= 3 or launcher.poll() is not None)
+        second = [
+            pid
+            for pid in child_pids(launcher.pid)
+            if "--process-id\x001\x00" in Path(f"/proc/{pid}/cmdline").read_text()
+        ]
+        assert len(second) == 1, output.text()[-3000:]
+        os.kill(second[0], signal.SIGTERM)  # process 1 only: process 0 must stop with it
+        code = launcher.wait(timeout=300)
+    finally:
+        launcher.kill()
+    return out, code, output.text()
+
+
+def test_two_processes_match_one_process(tmp_path, small_corpus, two_process_run):
+    out, code, output = two_process_run
+    assert code == 0, output[-3000:]
+    assert "in 2 process(es)" in output
+    assert "Gloo" not in output, output[:500]  # its connection lines
     common = [*small_corpus, *MESH_222, "--steps", "3", "--no-progress"]
     one = run_train(["--cpu-devices", "8", *common, "--metrics-file", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run(
-        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml", *common,
-         "--metrics-file", str(tmp_path / "two")],
-        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "in 2 process(es)" in two.stderr
-    assert "Gloo" not in two.stdout + two.stderr, two.stdout[:500]  # its connection lines
     np.testing.assert_allclose(
-        [r["loss"] for r in read_metrics(tmp_path / "two")],
+        [r["loss"] for r in read_metrics(out / "metrics.jsonl")[:3]],
         [r["loss"] for r in read_metrics(tmp_path / "one")],
         rtol=1e-6,
     )
@@ -59,25 +81,12 @@ def child_pids(pid: int) -> list[int]:
     return [int(c) for c in children]
 
 
-def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, small_corpus):
-    out = tmp_path / "run"
-    launcher = subprocess.Popen(
-        ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml",
-         *small_corpus, *MESH_222, "--steps", "1000", "--no-progress", "--out", str(out)],
-        cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    stderr = StderrLines(launcher)
-    wait_for(lambda: metric_steps(out / "metrics.jsonl") >= 2 or launcher.poll() is not None)
-    second = [
-        pid
-        for pid in child_pids(launcher.pid)
-        if "--process-id\x001\x00" in Path(f"/proc/{pid}/cmdline").read_text()
-    ]
-    assert len(second) == 1
-    os.kill(second[0], signal.SIGTERM)  # process 1 only: process 0 must stop with it
-    assert launcher.wait(timeout=300) == 0, stderr.text()[-3000:]
-    assert "stopped by a signal to another process" in stderr.text()
+def test_sigterm_to_one_process_stops_all_at_the_same_step(two_process_run):
+    out, code, output = two_process_run
+    assert code == 0, output[-3000:]
+    assert "stopped by a signal to another process" in output
     last = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert last >= 3
     assert max(int(n) for n in checkpoint_names(out) if n.isdigit()) == last
 
 
@@ -142,18 +151,48 @@ def test_a_peer_killed_without_the_launcher_is_named_and_ends_the_run(tmp_path, 
 
 
 def test_missing_peer_fails_within_timeout(small_corpus):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Process 0 of 2 alone, from the flags and from SLURM's variables (run side by side: each
+    waits out its --init-timeout), gives up in time and names what it waited for."""
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_STEP_NODELIST": "127.0.0.1",
+             "JAX_COORDINATOR_PORT": str(free_port())}  # fmt: skip
+    flags = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
+             "--process-id", "0"]  # fmt: skip
     start = time.monotonic()
-    result = run_train(
-        ["--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-         "--process-id", "0", "--init-timeout", "5", *small_corpus],
-        timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
+    procs = {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                "scripts/train.py",
+                "--config",
+                "configs/gpt_tiny.yaml",
+                "--cpu-devices",
+                "4",
+                "--init-timeout",
+                "5",
+                "--no-progress",
+                *small_corpus,
+                *args,
+            ],
+            cwd=ROOT,
+            env={**CLEAN_ENV, **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for name, args, env in (("flags", flags, {}), ("slurm", [], slurm))
+    }
+    try:
+        stderr = {name: proc.communicate(timeout=120)[1] for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
     assert time.monotonic() - start < 60
-    assert "gave up after 5 s waiting for 2 processes to join at 127.0.0.1" in result.stderr
+    for name, proc in procs.items():
+        assert proc.returncode != 0, (name, stderr[name][-3000:])
+    assert "gave up after 5 s waiting for 2 processes to join at 127.0.0.1" in stderr["flags"]
+    assert "process 0 gave up after 5 s waiting for 2 processes" in stderr["slurm"]
 
 
 FAKE_TRAIN = """\
@@ -243,19 +282,3 @@ def test_cluster_spec_sources():
     assert spec.local_device_ids == (0, 1, 2, 3)  # one task per node drives all its GPUs
     per_gpu = distributed.cluster_spec(env={**step, "SLURM_STEP_TASKS_PER_NODE": "4"})
     assert per_gpu.local_device_ids is None  # jax's own choice: one GPU per task
-
-
-def test_missing_peer_under_slurm_names_the_process(small_corpus):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
-             "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-             "SLURM_STEP_NODELIST": "127.0.0.1", "JAX_COORDINATOR_PORT": str(port)}  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "scripts/train.py", "--cpu-devices", "4", "--init-timeout", "5",
-         "--no-progress", *small_corpus],
-        cwd=ROOT, env={**CLEAN_ENV, **slurm}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "process 0 gave up after 5 s waiting for 2 processes" in result.stderr
