@@ -5,9 +5,11 @@ checkpoint and a reshard."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +17,13 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
+from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import collectives
 from jaxmeg.pipeline import compression
 from jaxmeg.training import links
 from jaxmeg.training.pipeline_step import build_schedule, make_loss_and_grads, schedule_for
 from jaxmeg.training.state import init_state, initial_link_state
-from jaxmeg.training.trainer import compile_step
-from tests.helpers import put_batch, random_batch, run_checked, trainable_for
+from tests.helpers import put_batch, random_batch, trainable_for
 from tests.test_train_cli import single_device_losses  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,35 +135,58 @@ def test_a_rank_at_or_above_the_matrix_rank_rebuilds_it_exactly():
     )
 
 
-def loss_grads_links(cfg, tokens):
-    trainable = trainable_for(cfg)
-    state = init_state(trainable, seed=0)
-    extra = (state["links"],) if "links" in state else ()
-    out = run_checked(
-        trainable, make_loss_and_grads(trainable), state["params"],
-        *put_batch(trainable, tokens), *extra,
-    )  # fmt: skip
-    return jax.tree.map(np.asarray, out)
+RUNS: dict = {}
+
+
+def step_run(mesh, rank=0, schedule="1f1b", exact=False, **comp):
+    """((loss, grads[, link state]) as numpy, pipe sends) of the compiled loss-and-grads of
+    `config(mesh, rank, schedule, **comp)` at the initial params on one random batch (the same
+    for every layout), once per worker; `exact` runs the factor path at any rank > 0, where a
+    rank at the matrix's smaller side is exact in exact arithmetic (that rank normally sends the
+    matrix whole). The sends: bytes of the pipe collective-permutes by the send they belong to
+    (`send_x`: the activations; `send_cot`, `send_whole`, `send_factors`: the cotangents); a
+    send is one ppermute per distinct set of sending pairs, so each kind may appear several
+    times."""
+    key = (mesh, rank, schedule, exact, tuple(sorted(comp.items())))
+    if key in RUNS:
+        return RUNS[key]
+    with contextlib.ExitStack() as stack:
+        if exact:
+            stack.enter_context(mock.patch.object(
+                compression, "worth_compressing", lambda rank, rows, cols: rank > 0
+            ))  # fmt: skip
+        trainable = trainable_for(config(mesh, rank, schedule, **comp))
+        state = init_state(trainable, seed=0)
+        extra = (state["links"],) if "links" in state else ()
+        args = (state["params"], *put_batch(trainable, random_batch(config(mesh), seed=3)), *extra)
+        with jax.set_mesh(trainable.mesh):  # as tests.helpers.run_checked, keeping the text
+            compiled = jax.jit(make_loss_and_grads(trainable)).lower(*args).compile()
+            text = compiled.as_text()
+            hazards = hlo_module.deadlock_hazards(text, trainable.mesh)
+            assert not hazards, "\n".join(hazards)
+            out = jax.tree.map(np.asarray, compiled(*args))
+    sends: dict[str, set[int]] = {}
+    for c in collectives(text, trainable.mesh):
+        if c.kind == "collective-permute" and c.axes == {"pipe"}:
+            kind = re.search(r"/(send_\w+)/", c.op_name).group(1)
+            sends.setdefault(kind, set()).add(c.bytes)
+    RUNS[key] = out, sends
+    return RUNS[key]
 
 
 @pytest.mark.parametrize(
-    "mesh,schedule", [((2, 2, 2), "1f1b"), ((1, 4, 1), "1f1b"), ((1, 4, 1), "zb_h1")]
-)
-@pytest.mark.parametrize(
-    "comp",
-    [dict(pipe_error_feedback="lazy_flush", pipe_grad_phase="all"),
-     dict(pipe_error_feedback="lazy")],
-    ids=["lazy_flush-all", "lazy-epilogue"],
+    "mesh,schedule,comp",
+    [((2, 2, 2), "1f1b", dict(pipe_error_feedback="lazy_flush", pipe_grad_phase="all")),
+     ((1, 4, 1), "1f1b", dict(pipe_error_feedback="lazy")),
+     ((1, 4, 1), "zb_h1", dict(pipe_error_feedback="lazy_flush", pipe_grad_phase="all"))],
+    ids=["d2p2t2-1f1b-lazy_flush-all", "p4-1f1b-lazy-epilogue", "p4-zb_h1-lazy_flush-all"],
 )  # fmt: skip
-def test_compressed_links_at_full_rank_equal_uncompressed(mesh, schedule, comp, monkeypatch):
-    """(zb_h1: the split backward's I sends the compressed cotangent.)"""
-    tokens = random_batch(config(mesh), seed=3)
-    loss, grads = loss_grads_links(config(mesh), tokens)
-    # Run the factor path at rank = the matrix's smaller side, where it is exact in exact
-    # arithmetic (a rank that high normally sends the matrix whole).
-    monkeypatch.setattr(compression, "worth_compressing", lambda rank, rows, cols: rank > 0)
-    compressed = config(mesh, rank=ROWS, schedule=schedule, **comp)
-    got_loss, got_grads, state = loss_grads_links(compressed, tokens)
+def test_compressed_links_at_full_rank_equal_uncompressed(mesh, schedule, comp):
+    """Data and tensor parallelism with every send compressed; the epilogue's sends on a
+    4-stage pipeline with `lazy` feedback; zb_h1, whose split backward's I sends the compressed
+    cotangent, with every send compressed."""
+    (loss, grads), _ = step_run(mesh)
+    (got_loss, got_grads, state), _ = step_run(mesh, ROWS, schedule, exact=True, **comp)
     np.testing.assert_allclose(got_loss, loss, rtol=1e-5)
     for path, ref in jax.tree_util.tree_leaves_with_path(grads):
         got = dict(jax.tree_util.tree_leaves_with_path(got_grads))[path]
@@ -174,11 +199,13 @@ def test_compressed_links_at_full_rank_equal_uncompressed(mesh, schedule, comp, 
         )
 
 
+LOW_RANK = dict(rank=1, pipe_error_feedback="lazy")  # the epilogue's sends (the default)
+
+
 def test_low_rank_links_change_the_gradients_and_keep_state():
     mesh = (1, 4, 1)
-    tokens = random_batch(config(mesh), seed=3)
-    _, grads = loss_grads_links(config(mesh), tokens)
-    _, got, state = loss_grads_links(config(mesh, rank=1, pipe_error_feedback="lazy"), tokens)
+    (_, grads), _ = step_run(mesh)
+    (_, got, state), _ = step_run(mesh, **LOW_RANK)
     first = np.asarray(jax.tree.leaves(grads["blocks"])[0])
     assert not np.allclose(np.asarray(jax.tree.leaves(got["blocks"])[0]), first, rtol=1e-3)
     assert state["q"].shape == (4, 1, 1, COLS, 1) and state["error"].shape == (4, 1, 1, ROWS, COLS)
@@ -186,40 +213,26 @@ def test_low_rank_links_change_the_gradients_and_keep_state():
     assert not state["error"][0].any()  # stage 0 sends nothing
 
 
-def pipe_permute_bytes(cfg) -> dict[str, set[int]]:
-    """Bytes of the pipe collective-permutes by the send they belong to (`send_x`: the
-    activations; `send_cot`, `send_whole`, `send_factors`: the cotangents). A send is one
-    ppermute per distinct set of sending pairs, so each kind may appear several times."""
-    trainable = trainable_for(cfg)
-    text = compile_step(trainable)[0].as_text()
-    found = collectives(text, trainable.mesh)
-    sends: dict[str, set[int]] = {}
-    for c in found:
-        if c.kind == "collective-permute" and c.axes == {"pipe"}:
-            kind = re.search(r"/(send_\w+)/", c.op_name).group(1)
-            sends.setdefault(kind, set()).add(c.bytes)
-    return sends
-
-
 def test_hlo_backward_ppermute_bytes_drop_by_the_element_ratio():
     mesh, rank = (1, 4, 1), 2
     whole = ROWS * COLS * 4
-    plain = pipe_permute_bytes(config(mesh))
+    plain = step_run(mesh)[1]
     assert plain == {"send_x": {whole}, "send_cot": {whole}}  # activations, cotangents
-    compressed = pipe_permute_bytes(config(mesh, rank=rank, pipe_grad_phase="all"))
+    compressed = step_run(mesh, rank, pipe_grad_phase="all")[1]
     factors = rank * (ROWS + COLS) * 4
     # only the forward activations go whole; the cotangents as P [b s, r] and Q [h, r]
     assert compressed == {"send_x": {whole}, "send_factors": {rank * ROWS * 4, rank * COLS * 4}}
     assert whole / factors == ROWS * COLS / (rank * (ROWS + COLS))
-    # epilogue: the backward link keeps a whole send for the steady state, besides the factors
-    epilogue = pipe_permute_bytes(config(mesh, rank=rank, pipe_grad_phase="epilogue"))
+    # epilogue (at rank 1): the backward link keeps a whole send for the steady state, besides
+    # the factors
+    epilogue = step_run(mesh, **LOW_RANK)[1]
     assert epilogue == {
         "send_x": {whole},
         "send_whole": {whole},
-        "send_factors": compressed["send_factors"],
+        "send_factors": {ROWS * 4, COLS * 4},
     }
     # a rank at or above min(b s, h) sends the matrix whole: no factors anywhere
-    assert pipe_permute_bytes(config(mesh, rank=ROWS)) == plain
+    assert step_run(mesh, ROWS)[1] == plain
 
 
 def test_epilogue_column_marks_p_minus_s_minus_1_sends_per_link():

@@ -38,7 +38,9 @@ def test_load_balanced_order_gives_every_rank_the_same_causal_work():
 
 
 def loss_and_grads(block: str = "gpt", layers: int = 2, remat: str = "none",
-                   dtype: str = "float32", **parallel):  # fmt: skip
+                   dtype: str = "float32", hlo: list | None = None, **parallel):  # fmt: skip
+    """Loss and canonical gradients of the step at the initial params on a random batch; the
+    compiled step's text appended to `hlo` where given."""
     cfg = tiny_config(**parallel)
     cfg = replace_model(
         cfg, block=block, kv_heads=2 if block == "llama" else -1, layers=layers,
@@ -50,9 +52,11 @@ def loss_and_grads(block: str = "gpt", layers: int = 2, remat: str = "none",
     tokens = random_batch(trainable.cfg, 0)
     with jax.set_mesh(trainable.mesh):
         state = init_state(trainable, seed=0)
-        loss, grads = jax.jit(make_loss_and_grads(trainable))(
-            state["params"], *put_batch(trainable, tokens)
-        )
+        args = (state["params"], *put_batch(trainable, tokens))
+        compiled = jax.jit(make_loss_and_grads(trainable)).lower(*args).compile()
+        loss, grads = compiled(*args)
+    if hlo is not None:
+        hlo.append((compiled.as_text(), trainable.mesh))
     return float(loss), jax.tree.map(np.asarray, to_canonical_layout(grads, trainable.layout))
 
 
@@ -64,68 +68,63 @@ def assert_close(got, want, tol: float) -> None:
                                    err_msg=jax.tree_util.keystr(path))  # fmt: skip
 
 
-MESHES = {  # (data, pipe, context, tensor) and what else the layout sets
-    "1121": dict(context=2),
-    "1141": dict(context=4),
-    "1122_sp": dict(context=2, tensor=2, sequence_parallel=True),
-    "1222_1f1b": dict(pipe=2, context=2, tensor=2, schedule="1f1b"),
-    "1222_interleaved": dict(pipe=2, context=2, tensor=2, schedule="interleaved_1f1b", chunks=2),
-    "2122": dict(data=2, context=2, tensor=2),
-}
 REFERENCES: dict = {}
 
 
-def reference(block: str, layers: int, **kwargs):
-    key = (block, layers, tuple(sorted(kwargs.items())))
+def reference(block: str, layers: int, dtype: str = "float32"):
+    """One device's loss and gradients, without rematerialization: a rematerialized step
+    computes the same numbers."""
+    key = (block, layers, dtype)
     if key not in REFERENCES:
-        REFERENCES[key] = loss_and_grads(block, layers, **kwargs)
+        REFERENCES[key] = loss_and_grads(block, layers, dtype=dtype)
     return REFERENCES[key]
 
 
-@pytest.mark.parametrize(
-    "mesh,block",
-    [(mesh, "gpt") for mesh in MESHES]
-    + [(mesh, "llama") for mesh in ("1141", "1122_sp", "1222_interleaved")],
-)
-def test_loss_and_gradients_equal_one_device(mesh, block):
-    """GPT (tied) on every mesh; Llama (grouped-query attention, rotary, untied) on the ring
-    with four ranks, with sequence parallelism and in an interleaved pipeline."""
-    layers = 4 if "interleaved" in mesh else 2
-    assert_close(loss_and_grads(block, layers, **MESHES[mesh]), reference(block, layers), TOL)
+CASES = {  # block, (data, pipe, context, tensor) and what else the layout sets
+    # the ring (no pipeline)
+    "llama-1141": ("llama", dict(context=4)),
+    "llama-1122_sp-selective": (
+        "llama", dict(context=2, tensor=2, sequence_parallel=True, remat="selective")
+    ),
+    "llama-1122-full": ("llama", dict(context=2, tensor=2, remat="full")),
+    "llama-1122-bf16": ("llama", dict(context=2, tensor=2, dtype="bfloat16")),
+    "gpt-2122-zero1": ("gpt", dict(data=2, context=2, tensor=2, zero_stage=1)),
+    "gpt-2122-zero3": ("gpt", dict(data=2, context=2, tensor=2, zero_stage=3)),
+    # pipelines, the context group's key/value blocks gathered in each stage
+    "gpt-1222-interleaved": (
+        "gpt", dict(pipe=2, context=2, tensor=2, schedule="interleaved_1f1b", chunks=2)
+    ),
+    "llama-1221-selective": ("llama", dict(pipe=2, context=2, remat="selective")),
+    "llama-1221-full": ("llama", dict(pipe=2, context=2, remat="full")),
+    "llama-1221-bf16": ("llama", dict(pipe=2, context=2, dtype="bfloat16")),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("zero_stage", [1, 3])
-def test_sharded_optimizer_with_context_equals_one_device(zero_stage):
-    """ZeRO over `data` with the context ranks' gradients summed first."""
-    got = loss_and_grads("gpt", 2, data=2, context=2, tensor=2, zero_stage=zero_stage)
-    assert_close(got, reference("gpt", 2), TOL)
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_and_gradients_equal_one_device(name):
+    """GPT (tied) and Llama (grouped-query attention, rotary, untied) on the ring and in
+    pipelines (1F1B and interleaved, with tensor parallelism); on the ring with four ranks and
+    with sequence parallelism; ZeRO-1 and ZeRO-3 over `data` with the context ranks' gradients
+    summed first; every model.remat on the ring and on a pipeline; bf16 compute to bf16's
+    precision."""
+    block, parallel = CASES[name]
+    layers = 4 if "interleaved" in name else 2
+    dtype = parallel.get("dtype", "float32")
+    tol = 2e-2 if dtype == "bfloat16" else TOL
+    hlo = [] if name == "llama-1141" else None
+    assert_close(loss_and_grads(block, layers, hlo=hlo, **parallel),
+                 reference(block, layers, dtype), tol)  # fmt: skip
+    if hlo:
+        assert_ring_sends_blocks_and_never_gathers_the_sequence(*hlo[0])
 
 
-@pytest.mark.parametrize(
-    "remat,dtype,tol",
-    [("selective", "float32", TOL), ("full", "float32", TOL), ("none", "bfloat16", 2e-2)],
-)
-def test_remat_and_bf16_equal_one_device(remat, dtype, tol):
-    """Every model.remat on a pipeline with the gathered blocks and on the ring; bf16 compute
-    to bf16's precision."""
-    ref = reference("llama", 2, remat=remat, dtype=dtype)
-    for parallel in (dict(context=2, tensor=2), dict(pipe=2, context=2)):
-        assert_close(loss_and_grads("llama", 2, remat=remat, dtype=dtype, **parallel), ref, tol)
-
-
-def test_ring_sends_blocks_and_never_gathers_the_sequence():
-    """(1, 1, 4, 1), 2 layers: every collective over `context` is a collective-permute of one
-    key or value block (or its gradient) [b, s / c, kv_heads, head_dim]; per layer at least the
-    forward's c - 1 K and V sends and the backward's c dK and dV sends, at most those plus the
-    backward's own c - 1 K and V sends; no all-gather over `context`."""
-    cfg = replace_model(tiny_config(context=4), kv_heads=2, block="llama")
-    trainable = trainable_for(cfg)
-    batch = jax.ShapeDtypeStruct((8, 16), np.int32, sharding=trainable.batch_sharding())
-    with jax.set_mesh(trainable.mesh):
-        state = jax.eval_shape(lambda: init_state(trainable, seed=0))
-        text = jax.jit(make_loss_and_grads(trainable)).lower(
-            state["params"], batch, batch).compile().as_text()  # fmt: skip
-    found = [c for c in collectives(text, trainable.mesh) if "context" in c.axes]
+def assert_ring_sends_blocks_and_never_gathers_the_sequence(text, mesh):
+    """(1, 1, 4, 1), Llama of 2 layers: every collective over `context` is a
+    collective-permute of one key or value block (or its gradient) [b, s / c, kv_heads,
+    head_dim]; per layer at least the forward's c - 1 K and V sends and the backward's c dK and
+    dV sends, at most those plus the backward's own c - 1 K and V sends; no all-gather over
+    `context`."""
+    found = [c for c in collectives(text, mesh) if "context" in c.axes]
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert {c.kind for c in found} <= {"collective-permute", "all-reduce"}, found
     # [b = 8 / 2 microbatches, s / c = 4, kv heads 2, head dim 16] fp32

@@ -5,17 +5,20 @@ a tensor reshard)."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
 
 from jaxmeg import config as C
+from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import replica_groups
 from jaxmeg.pipeline import compression, powersgd
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
-from jaxmeg.training.trainer import compile_step
-from tests.helpers import put_batch, random_batch, run_checked, trainable_for
+from tests.helpers import put_batch, random_batch, trainable_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,18 +37,47 @@ def config(mesh, **comp) -> C.Config:
     )
 
 
-def run(cfg, tokens, step=0):
-    """(loss, grads, compression state or None), as numpy."""
-    trainable = trainable_for(cfg)
-    state = init_state(trainable, seed=0)
-    extra = (state["links"],) if "links" in state else ()
-    fn = make_loss_and_grads(trainable)
-    out = run_checked(
-        trainable, lambda *a: fn(*a, step=step), state["params"], *put_batch(trainable, tokens),
-        *extra,
-    )  # fmt: skip
-    out = jax.tree.map(np.asarray, out)
-    return (*out, None) if len(out) == 2 else out
+RUNS: dict = {}
+
+
+def run(mesh, step=0, exact=False, **comp):
+    """((loss, grads, compression state or None) as numpy, cross-stage psums) of the compiled
+    loss-and-grads of `config(mesh, **comp)` at `step`, at the initial params on one random
+    batch (the same for every layout), once per worker. `exact` runs the factor path at any
+    rank > 0, where a rank at the matrices' smaller side (hidden 32) is exact in exact
+    arithmetic (that rank normally sends the matrix whole). The psums: per all-reduce of the
+    executor's reductions (`psum` in its op name) that spans pipeline stages, the stages of each
+    of its groups (singleton groups left out)."""
+    key = (mesh, step, exact, tuple(sorted(comp.items())))
+    if key in RUNS:
+        return RUNS[key]
+    with contextlib.ExitStack() as stack:
+        if exact:
+            stack.enter_context(mock.patch.object(
+                compression, "worth_compressing", lambda rank, rows, cols: rank > 0
+            ))  # fmt: skip
+        trainable = trainable_for(config(mesh, **comp))
+        state = init_state(trainable, seed=0)
+        extra = (state["links"],) if "links" in state else ()
+        tokens = put_batch(trainable, random_batch(config(mesh), seed=5))
+        args = (state["params"], *tokens, *extra)
+        fn = make_loss_and_grads(trainable)
+        with jax.set_mesh(trainable.mesh):  # as tests.helpers.run_checked, keeping the text
+            compiled = jax.jit(lambda *a: fn(*a, step=step)).lower(*args).compile()
+            text = compiled.as_text()
+            hazards = hlo_module.deadlock_hazards(text, trainable.mesh)
+            assert not hazards, "\n".join(hazards)
+            out = jax.tree.map(np.asarray, compiled(*args))
+    shape = trainable.mesh.devices.shape  # members are positions in the mesh (`parallel.hlo`)
+    psums = []
+    for line in text.splitlines():
+        if ("all-reduce(" in line or "all-reduce-start(" in line) and "shard_map/psum" in line:
+            groups = [g for g in replica_groups(line) if len(g) > 1]
+            stages = [{int(np.unravel_index(i, shape)[1]) for i in g} for g in groups]
+            if any(len(s) > 1 for s in stages):
+                psums.append(stages)
+    RUNS[key] = ((*out, None) if len(out) == 2 else out), psums
+    return RUNS[key]
 
 
 def assert_grads_close(got, ref, rtol=1e-5):
@@ -62,51 +94,24 @@ def stage_leaf(grads, stage):
     return grads["blocks"]["layers"]["attn"]["w_qkv"][:, stage]
 
 
-def cross_stage_psums(cfg) -> list[list[set[int]]]:
-    """Per all-reduce of the executor's reductions (`psum` in its op name) that spans pipeline
-    stages, the stages of each of its groups (singleton groups left out)."""
-    trainable = trainable_for(cfg)
-    text = compile_step(trainable)[0].as_text()
-    shape = trainable.mesh.devices.shape  # members are positions in the mesh (`parallel.hlo`)
-    found = []
-    for line in text.splitlines():
-        if ("all-reduce(" in line or "all-reduce-start(" in line) and "shard_map/psum" in line:
-            groups = [g for g in replica_groups(line) if len(g) > 1]
-            stages = [{int(np.unravel_index(i, shape)[1]) for i in g} for g in groups]
-            if any(len(s) > 1 for s in stages):
-                found.append(stages)
-    return found
-
-
 @pytest.mark.parametrize("mesh", [(2, 4, 1)])  # (2, 2, 2): the CLI test in test_compression
 def test_fused_embedding_sync_is_exact_and_one_all_reduce_of_first_and_last(mesh):
-    tokens = random_batch(config(mesh), seed=4)
-    loss, grads, _ = run(config(mesh), tokens)
-    got_loss, got_grads, _ = run(config(mesh, fused_embedding_sync=True), tokens)
+    (loss, grads, _), plain = run(mesh)
+    (got_loss, got_grads, _), fused = run(mesh, fused_embedding_sync=True)
     np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
     assert_grads_close(got_grads, grads, rtol=1e-6)
     # exactly one cross-stage all-reduce, whose groups hold first- and last-stage devices only
     ends = {0, mesh[1] - 1}
-    fused = cross_stage_psums(config(mesh, fused_embedding_sync=True))
     assert len(fused) == 1 and all(s == ends for s in fused[0]), fused
     if mesh[1] > 2:  # without it, the middle stages join the reduction
-        (plain,) = cross_stage_psums(config(mesh))
+        (plain,) = plain
         assert all(s == set(range(mesh[1])) for s in plain), plain
 
 
-def exact_powersgd(monkeypatch):
-    """Run the factor path at rank = the matrices' smaller side (hidden 32), where it is exact
-    in exact arithmetic (a rank that high normally sends the matrix whole)."""
-    monkeypatch.setattr(compression, "worth_compressing", lambda rank, rows, cols: rank > 0)
-    return MODEL.hidden
-
-
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (2, 4, 1)])
-def test_powersgd_at_full_rank_equals_the_plain_mean(mesh, monkeypatch):
-    tokens = random_batch(config(mesh), seed=5)
-    loss, grads, _ = run(config(mesh), tokens)
-    rank = exact_powersgd(monkeypatch)
-    got_loss, got_grads, state = run(config(mesh, data_grad_rank=rank), tokens)
+def test_powersgd_at_full_rank_equals_the_plain_mean(mesh):
+    (loss, grads, _), _ = run(mesh)
+    (got_loss, got_grads, state), _ = run(mesh, exact=True, data_grad_rank=MODEL.hidden)
     np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
     assert_grads_close(got_grads, grads)
     qs = state["data"]["q"]
@@ -121,33 +126,31 @@ def test_powersgd_at_full_rank_equals_the_plain_mean(mesh, monkeypatch):
 
 def test_powersgd_compresses_only_stages_below_k_and_not_in_the_warm_up():
     mesh = (2, 2, 1)
-    tokens = random_batch(config(mesh), seed=6)
-    _, grads, _ = run(config(mesh), tokens)
-    _, low, state = run(config(mesh, data_grad_rank=2, data_grad_stages=1), tokens)
+    (_, grads, _), _ = run(mesh)
+    (_, low, state), _ = run(mesh, data_grad_rank=2, data_grad_stages=1)
     assert not np.allclose(stage_leaf(low, 0), stage_leaf(grads, 0), rtol=1e-3)
     np.testing.assert_allclose(stage_leaf(low, 1), stage_leaf(grads, 1), rtol=1e-5, atol=1e-7)
     error = state["data"]["error"]["attn/w_qkv"]
     assert np.abs(error[0]).max() > 0 and not error[1].any()  # stage 1 keeps no error
     # during the warm-up nothing is compressed, on any stage
     comp = dict(data_grad_rank=2, warmup_steps=3)
-    _, warm, state = run(config(mesh, **comp), tokens, step=2)
+    (_, warm, state), _ = run(mesh, step=2, **comp)
     assert_grads_close(warm, grads)
     assert not state["data"]["error"]["attn/w_qkv"].any()
-    _, after, _ = run(config(mesh, **comp), tokens, step=3)
+    (_, after, _), _ = run(mesh, step=3, **comp)
     assert not np.allclose(stage_leaf(after, 1), stage_leaf(grads, 1), rtol=1e-3)
 
 
 def test_powersgd_runs_at_ranks_on_both_sides_of_every_smaller_side():
     """(2,2,2), PowerSGD on stage 0 only: ranks around each matrix's smaller side, whole (32)
     and per tensor shard (attn/w_out's 16). Rank 32 on gpt_tiny hung this mesh: the QR's LAPACK
-    call waited for threads that stage 1's devices held in a collective (`run_checked` now
-    fails any step with a LAPACK call or a pipe collective in its tick loop). At 32 every
-    matrix goes whole: the plain mean."""
+    call waited for threads that stage 1's devices held in a collective (`run`, as
+    `tests.helpers.run_checked`, fails any step with a LAPACK call or a pipe collective in its
+    tick loop). At 32 every matrix goes whole: the plain mean."""
     mesh = (2, 2, 2)
-    tokens = random_batch(config(mesh), seed=7)
-    _, grads, _ = run(config(mesh), tokens)
+    (_, grads, _), _ = run(mesh)
     for rank in (15, 17, 32):
-        _, got, state = run(config(mesh, data_grad_rank=rank, data_grad_stages=1), tokens)
+        (_, got, state), _ = run(mesh, data_grad_rank=rank, data_grad_stages=1)
         assert all(np.isfinite(g).all() for g in jax.tree.leaves(got)), rank
         np.testing.assert_allclose(stage_leaf(got, 1), stage_leaf(grads, 1), rtol=1e-5, atol=1e-7)
         if rank < MODEL.hidden:
