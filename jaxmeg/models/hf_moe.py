@@ -128,6 +128,8 @@ def layer_from_hf(
     module, names = EXPERT_NAMES[architecture]
     gate = get(f"{module}.gate.weight")  # [E, h]
     layer = {"w_router": gate.T, "router_bias": np.zeros(gate.shape[0], np.float32)}
+    if moe.capacity_factor > 0:  # the never-trained slot that carries the kept shares
+        layer["router_kept"] = np.zeros(gate.shape[0], np.float32)
     for ours, theirs in names.items():
         layer[ours] = np.stack(
             [get(f"{module}.experts.{e}.{theirs}.weight").T for e in range(moe.experts)]
