@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import jax
 import numpy as np
@@ -55,8 +57,29 @@ def replace_model(cfg: C.Config, **changes) -> C.Config:
 def run_checked(trainable: Trainable, fn, *args):
     """jit(fn)(*args) under the trainable's mesh, after checking the compiled step for what
     could hang it (`hlo_module.deadlock_hazards`): every equivalence run passes this check."""
+    return run_checked_text(trainable, fn, *args)[0]
+
+
+def run_checked_text(trainable: Trainable, fn, *args):
+    """`run_checked`'s result and the compiled step's HLO text."""
     with jax.set_mesh(trainable.mesh):
         compiled = jax.jit(fn).lower(*args).compile()
-        hazards = hlo_module.deadlock_hazards(compiled.as_text(), trainable.mesh)
+        text = compiled.as_text()
+        hazards = hlo_module.deadlock_hazards(text, trainable.mesh)
         assert not hazards, "\n".join(hazards)
-        return compiled(*args)
+        return compiled(*args), text
+
+
+@contextlib.contextmanager
+def factors_at_any_rank(on: bool = True):
+    """With `on`, compressed links take the factor path at any rank > 0, where a rank at the
+    matrix's smaller side is exact in exact arithmetic (that rank normally sends the matrix
+    whole)."""
+    from jaxmeg.pipeline import compression
+
+    with contextlib.ExitStack() as stack:
+        if on:
+            stack.enter_context(mock.patch.object(
+                compression, "worth_compressing", lambda rank, rows, cols: rank > 0
+            ))  # fmt: skip
+        yield

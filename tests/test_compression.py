@@ -5,11 +5,9 @@ checkpoint and a reshard."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import warnings
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +15,18 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import collectives
 from jaxmeg.pipeline import compression
 from jaxmeg.training import links
 from jaxmeg.training.pipeline_step import build_schedule, make_loss_and_grads, schedule_for
 from jaxmeg.training.state import init_state, initial_link_state
-from tests.helpers import put_batch, random_batch, trainable_for
+from tests.helpers import (
+    factors_at_any_rank,
+    put_batch,
+    random_batch,
+    run_checked_text,
+    trainable_for,
+)
 from tests.test_train_cli import single_device_losses  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -150,21 +153,13 @@ def step_run(mesh, rank=0, schedule="1f1b", exact=False, **comp):
     key = (mesh, rank, schedule, exact, tuple(sorted(comp.items())))
     if key in RUNS:
         return RUNS[key]
-    with contextlib.ExitStack() as stack:
-        if exact:
-            stack.enter_context(mock.patch.object(
-                compression, "worth_compressing", lambda rank, rows, cols: rank > 0
-            ))  # fmt: skip
+    with factors_at_any_rank(exact):
         trainable = trainable_for(config(mesh, rank, schedule, **comp))
         state = init_state(trainable, seed=0)
         extra = (state["links"],) if "links" in state else ()
         args = (state["params"], *put_batch(trainable, random_batch(config(mesh), seed=3)), *extra)
-        with jax.set_mesh(trainable.mesh):  # as tests.helpers.run_checked, keeping the text
-            compiled = jax.jit(make_loss_and_grads(trainable)).lower(*args).compile()
-            text = compiled.as_text()
-            hazards = hlo_module.deadlock_hazards(text, trainable.mesh)
-            assert not hazards, "\n".join(hazards)
-            out = jax.tree.map(np.asarray, compiled(*args))
+        out, text = run_checked_text(trainable, make_loss_and_grads(trainable), *args)
+    out = jax.tree.map(np.asarray, out)
     sends: dict[str, set[int]] = {}
     for c in collectives(text, trainable.mesh):
         if c.kind == "collective-permute" and c.axes == {"pipe"}:

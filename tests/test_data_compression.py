@@ -5,20 +5,22 @@ a tensor reshard)."""
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import jax
 import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.parallel import hlo_module
 from jaxmeg.parallel.hlo import replica_groups
-from jaxmeg.pipeline import compression, powersgd
+from jaxmeg.pipeline import powersgd
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
-from tests.helpers import put_batch, random_batch, trainable_for
+from tests.helpers import (
+    factors_at_any_rank,
+    put_batch,
+    random_batch,
+    run_checked_text,
+    trainable_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,23 +53,16 @@ def run(mesh, step=0, exact=False, **comp):
     key = (mesh, step, exact, tuple(sorted(comp.items())))
     if key in RUNS:
         return RUNS[key]
-    with contextlib.ExitStack() as stack:
-        if exact:
-            stack.enter_context(mock.patch.object(
-                compression, "worth_compressing", lambda rank, rows, cols: rank > 0
-            ))  # fmt: skip
+    with factors_at_any_rank(exact):
         trainable = trainable_for(config(mesh, **comp))
         state = init_state(trainable, seed=0)
         extra = (state["links"],) if "links" in state else ()
         tokens = put_batch(trainable, random_batch(config(mesh), seed=5))
-        args = (state["params"], *tokens, *extra)
         fn = make_loss_and_grads(trainable)
-        with jax.set_mesh(trainable.mesh):  # as tests.helpers.run_checked, keeping the text
-            compiled = jax.jit(lambda *a: fn(*a, step=step)).lower(*args).compile()
-            text = compiled.as_text()
-            hazards = hlo_module.deadlock_hazards(text, trainable.mesh)
-            assert not hazards, "\n".join(hazards)
-            out = jax.tree.map(np.asarray, compiled(*args))
+        out, text = run_checked_text(
+            trainable, lambda *a: fn(*a, step=step), state["params"], *tokens, *extra
+        )
+    out = jax.tree.map(np.asarray, out)
     shape = trainable.mesh.devices.shape  # members are positions in the mesh (`parallel.hlo`)
     psums = []
     for line in text.splitlines():
