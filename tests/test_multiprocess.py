@@ -1,5 +1,6 @@
-"""Multi-process operations: 2 processes x 4 devices == 1 x 8, a stop agreed across processes,
-a missing peer, the local launcher's signal handling, and where the process group comes from."""
+"""Multi-process operations: 2 processes x 4 devices == 1 x 8 (and == one device, placed on two
+NIC groups of a cluster file), a stop agreed across processes, a missing peer, the local
+launcher's signal handling, and where the process group comes from."""
 
 from __future__ import annotations
 
@@ -16,19 +17,36 @@ import pytest
 
 from jaxmeg.parallel import distributed
 from tests.test_operations import MESH_222, StderrLines, checkpoint_names, metric_steps, wait_for
-from tests.test_train_cli import CLEAN_ENV, ROOT, read_metrics, run_train
+from tests.test_train_cli import (
+    CLEAN_ENV,
+    ROOT,
+    read_metrics,
+    run_train,
+    single_device_losses,  # noqa: F401  (a fixture)
+)
 
 pytestmark = pytest.mark.timeout(900)
+
+
+TWO_NIC_GROUPS = [
+    "--cluster", "configs/clusters/local_2x4.yaml", "--set", "parallel.outer_axis=data",
+    "--set", "parallel.placement=auto",
+]  # fmt: skip
+"""Process 0 the `ib` group, process 1 the `roce` one. With outer_axis=data Megatron's order
+would put each data group across the two processes; the NIC-aware placement puts the pipe
+axis across them instead."""
 
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory, small_corpus) -> tuple[Path, int, str]:
     """(run directory, launcher exit code, launcher stdout + stderr) of scripts/launch_local.sh 2
-    on MESH_222 for up to 1000 steps, whose process 1 alone got SIGTERM after step 3."""
+    on MESH_222 and TWO_NIC_GROUPS for up to 1000 steps, whose process 1 alone got SIGTERM after
+    step 3. One run serves the multi-process, signal and cluster tests below."""
     out = tmp_path_factory.mktemp("two-processes") / "run"
     launcher = subprocess.Popen(
         ["bash", "scripts/launch_local.sh", "2", "--config", "configs/gpt_tiny.yaml",
-         *small_corpus, *MESH_222, "--steps", "1000", "--no-progress", "--out", str(out)],
+         *small_corpus, *MESH_222, *TWO_NIC_GROUPS, "--steps", "1000", "--no-progress",
+         "--out", str(out)],
         cwd=ROOT, env={**CLEAN_ENV, "PYTHON": sys.executable}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -53,7 +71,7 @@ def test_two_processes_match_one_process(tmp_path, small_corpus, two_process_run
     assert code == 0, output[-3000:]
     assert "in 2 process(es)" in output
     assert "Gloo" not in output, output[:500]  # its connection lines
-    common = [*small_corpus, *MESH_222, "--steps", "3", "--no-progress"]
+    common = [*small_corpus, *MESH_222, *TWO_NIC_GROUPS, "--steps", "3", "--no-progress"]
     one = run_train(["--cpu-devices", "8", *common, "--metrics-file", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-2000:]
     np.testing.assert_allclose(
@@ -61,6 +79,24 @@ def test_two_processes_match_one_process(tmp_path, small_corpus, two_process_run
         [r["loss"] for r in read_metrics(tmp_path / "one")],
         rtol=1e-6,
     )
+
+
+def test_two_nic_groups_on_two_processes_match_one_device(
+    two_process_run,
+    single_device_losses,  # noqa: F811
+):
+    """Each process names its group's NCCL settings, the pipe axis crosses the groups, and the
+    steps before the stop equal one device's."""
+    out, code, output = two_process_run
+    assert code == 0, output[-3000:]
+    assert "ib (infiniband): processes 0 (local0); NCCL_NET=IB" in output
+    assert (
+        "roce (roce): processes 1 (local1); NCCL_NET=IB NCCL_IB_DISABLE=0 NCCL_IB_GID_INDEX=3"
+        in output
+    )
+    assert "  stage 0: ib (local0)\n  stage 1: roce (local1)\n" in output
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl")[:3]]
+    np.testing.assert_allclose(losses, single_device_losses[:3], rtol=1e-4)
 
 
 def test_gloo_pieces_are_dropped_and_other_lines_kept():
