@@ -32,6 +32,7 @@ input kept, one layer recomputed at a time).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxmeg.perf import experts
 from jaxmeg.perf.collectives import (
@@ -97,10 +98,17 @@ def flops_per_iteration(shape: Shape, batch: int, recompute: bool = True) -> flo
 def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
     """Which layers each stage holds (`jaxmeg.pipeline.layout`); raises LayoutError naming the
     numbers when l does not split over p v (or `stage_layers` does not fit)."""
-    return StageLayout.create(
-        shape.layers, layout.pipe, layout.chunks, layout.stage_layers,
-        placement=schedules.placement_of(layout.schedule),
+    return _stage_layout(
+        shape.layers, layout.pipe, layout.chunks, tuple(layout.stage_layers),
+        schedules.placement_of(layout.schedule),
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layout(layers: int, pipe: int, chunks: int, stage_layers: tuple[int, ...],
+                  placement: str) -> StageLayout:  # fmt: skip
+    """The planner asks for the same few layouts hundreds of thousands of times (frozen)."""
+    return StageLayout.create(layers, pipe, chunks, stage_layers, placement=placement)
 
 
 def busiest_stage_layers(shape: Shape, layout: Layout) -> int:

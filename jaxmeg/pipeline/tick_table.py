@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 
 import numpy as np
 
-from jaxmeg.pipeline.schedules import SPECS, Schedule, build, stage_and_chunk
+from jaxmeg.pipeline.schedules import SPECS, Schedule, build, stage_and_chunk, virtual_stage
 
 FIELDS = (
     "f_mb", "f_chunk", "f_slot",
@@ -124,24 +125,31 @@ class TickTable:
 
 
 class _Slots:
-    """Lowest-free-index slot allocator that remembers what each slot holds."""
+    """Lowest-free-index slot allocator that remembers what each slot holds: the slots freed
+    below the highest one ever used wait in a heap, so each call is O(log K) (the planner
+    builds tables of hundreds of stages and microbatches)."""
 
     def __init__(self) -> None:
-        self.held: dict[int, tuple[int, int]] = {}
+        self.slot_of: dict[tuple[int, int], int] = {}
+        self.freed: list[int] = []
+        self.used = 0  # slots 0 .. used - 1 have held something
         self.peak = 0
 
     def put(self, item: tuple[int, int]) -> int:
-        slot = next(i for i in range(len(self.held) + 1) if i not in self.held)
-        self.held[slot] = item
-        self.peak = max(self.peak, len(self.held))
+        if self.freed:
+            slot = heapq.heappop(self.freed)
+        else:
+            slot, self.used = self.used, self.used + 1
+        self.slot_of[item] = slot
+        self.peak = max(self.peak, len(self.slot_of))
         return slot
 
     def find(self, item: tuple[int, int]) -> int:
-        return next(slot for slot, held in self.held.items() if held == item)
+        return self.slot_of[item]
 
     def pop(self, item: tuple[int, int]) -> int:
-        slot = self.find(item)
-        del self.held[slot]
+        slot = self.slot_of.pop(item)
+        heapq.heappush(self.freed, slot)
         return slot
 
 
@@ -152,6 +160,7 @@ class _Packer:
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         self.p, self.v = schedule.num_stages, schedule.num_chunks
+        self.placement = schedule.placement
         self.orders = [schedule.order(s) for s in range(self.p)]
         self.position = [0] * self.p
         self.ran_at: dict[tuple[str, int, int], int] = {}
@@ -163,10 +172,10 @@ class _Packer:
         self.rows: list[dict[str, list[int]]] = []
 
     def virtual(self, stage: int, chunk: int) -> int:
-        return self.schedule.virtual_stage(stage, chunk)
+        return virtual_stage(stage, chunk, self.p, self.placement)
 
     def stage_and_chunk(self, u: int) -> tuple[int, int]:
-        return stage_and_chunk(u, self.p, self.schedule.placement)
+        return stage_and_chunk(u, self.p, self.placement)
 
     def arrival_column(self, what: str, sender: int, receiver: int, chunk: int) -> str:
         """The receive column of an activation or cotangent (`what`) that `sender` sends to
@@ -174,7 +183,7 @@ class _Packer:
         chunk 1 gets activations from s + 1 and cotangents from s - 1), or the usual one."""
         if sender == receiver:
             return f"recv_{what}_local_slot"
-        if self.schedule.placement == "v" and chunk == 1:
+        if self.placement == "v" and chunk == 1:
             return f"recv_{what}_back_slot"
         return f"recv_{what}_slot"
 
