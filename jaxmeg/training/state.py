@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.config import Config, ModelConfig, padded_vocab_size
+from jaxmeg.config import Config, ModelConfig, MoeConfig, padded_vocab_size
 from jaxmeg.models import GPT
 from jaxmeg.models.gpt import attention_implementation
 from jaxmeg.parallel import named, param_rules, param_specs, zero
@@ -49,11 +49,11 @@ class Trainable:
         vocab = padded_vocab_size(cfg.model, mesh.shape["tensor"])
         return cls(cfg=cfg, mesh=mesh, tx=make_optimizer(cfg.optimizer), vocab=vocab)
 
-    @functools.cached_property
+    @property
     def abstract_boxed_params(self):
         """The model's params as its init makes them (shapes, boxed with their logical axes),
-        in canonical layout: traced once per trainable (an init traces the whole model)."""
-        return jax.eval_shape(lambda key: _init_boxed_params(self, key), jax.random.key(0))
+        in canonical layout: traced once per model (`_abstract_boxed_params`)."""
+        return _abstract_boxed_params(self.model_cfg, self.vocab, self.cfg.moe)
 
     @functools.cached_property
     def run_layout_params(self):
@@ -153,6 +153,16 @@ def canonical_specs(trainable: Trainable):
 def _init_boxed_params(trainable: Trainable, key: jax.Array):
     tokens = jnp.zeros((1, trainable.cfg.model.seq_len), jnp.int32)
     return trainable.model().init(key, tokens)["params"]
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_boxed_params(model_cfg: ModelConfig, vocab: int, moe: MoeConfig):
+    """`Trainable.abstract_boxed_params` of every trainable with this model (an init traces the
+    whole model, and a run, a restore or a test builds several trainables of one model on
+    other meshes); the boxes and shapes are immutable."""
+    tokens = jnp.zeros((1, model_cfg.seq_len), jnp.int32)
+    init = lambda key: GPT(model_cfg, vocab, moe=moe).init(key, tokens)["params"]  # noqa: E731
+    return jax.eval_shape(init, jax.random.key(0))
 
 
 NO_VOCAB_DIM = -1
