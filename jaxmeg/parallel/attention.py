@@ -41,12 +41,12 @@ def per_tensor_rank(implementation: str) -> Callable:
         # size 1): the partitioner runs wherever one axis is left. The same axes wherever the
         # step is traced, so residuals kept across ticks have one shape (a map stacks its
         # residuals over its manual axes).
+        axes = automatic_axes_here(INSIDE_AXES)
+        if not axes:  # inside a map over every axis (`gradients.map_axes`): one rank's heads
+            return kernel(q, k, v)
         heads = heads_spec(jax.sharding.get_abstract_mesh().axis_names)
         mapped = jax.shard_map(
-            kernel,
-            in_specs=(heads, heads, heads),
-            out_specs=heads,
-            axis_names=automatic_axes_here(INSIDE_AXES),
+            kernel, in_specs=(heads, heads, heads), out_specs=heads, axis_names=axes
         )
         return mapped(q, k, v)
 

@@ -38,6 +38,8 @@ EXPERT_IN, EXPERT_OUT = P(EXPERT, None, TENSOR), P(EXPERT, TENSOR, None)
 
 def _nested_map(fn: Callable, in_specs: tuple, out_specs) -> Callable:
     axes = automatic_axes_here(("context", EXPERT, TENSOR))
+    if not axes:  # inside a map over every axis (`gradients.map_axes`): already per device
+        return fn
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=axes)
 
 

@@ -88,9 +88,12 @@ def make_constrain(rules: Rules, manual_axes: frozenset = frozenset()) -> Callab
 
     Inside a shard_map, axes that are manual there (`manual_axes`) cannot be named and are left
     out; the bare spec binds to the mesh in context (`jax.set_mesh` or the shard_map's own).
+    Where nothing is left (a map over every axis) there is nothing to constrain.
     """
 
     def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
+        if jax.sharding.get_abstract_mesh().are_all_axes_manual:
+            return x
         return jax.lax.with_sharding_constraint(
             x, logical_to_spec(logical_axes, rules, manual_axes)
         )

@@ -198,7 +198,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
     cfg = trainable.cfg
     constrain = make_constrain(
         activation_rules(cfg.parallel),
-        manual_axes=frozenset(gradients.manual_axes(trainable.mesh.shape)),
+        manual_axes=frozenset(gradients.map_axes(trainable.mesh.shape)),
     )
     model = GPT(trainable.model_cfg, trainable.vocab, constrain, model_order(trainable))
     vocab_size = cfg.model.vocab_size

@@ -163,7 +163,7 @@ def build(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh
         mesh=mesh,
         in_specs=(*plan.param_specs, rows, rows, *link_specs),
         out_specs=(P(), plan.grad_specs, *link_specs[:1]),
-        axis_names=frozenset(plan.manual),
+        axis_names=frozenset(gradients.map_axes(mesh.shape)),
         check_vma=plan.check_vma,
     )
 
