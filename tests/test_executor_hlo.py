@@ -24,15 +24,17 @@ from tests.helpers import trainable_for
 
 pytestmark = pytest.mark.timeout(300)
 
+# One layer per chunk on four stages (compile time grows with the layers a chunk unrolls); the
+# split backward's batching over a chunk's layers is read at two per chunk.
 MODEL = C.ModelConfig(
-    vocab_size=500, hidden=32, layers=8, heads=4, seq_len=8, compute_dtype="float32"
+    vocab_size=500, hidden=32, layers=4, heads=4, seq_len=8, compute_dtype="float32"
 )
 
 
-def config(mesh, schedule="1f1b", chunks=1, remat="none", microbatches_per_stage=2):
+def config(mesh, schedule="1f1b", chunks=1, remat="none", microbatches_per_stage=2, layers=None):
     data, pipe, tensor = mesh
     return C.Config(
-        model=dataclasses.replace(MODEL, remat=remat),
+        model=dataclasses.replace(MODEL, remat=remat, layers=layers or MODEL.layers),
         parallel=C.ParallelConfig(
             data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks
         ),
@@ -41,8 +43,8 @@ def config(mesh, schedule="1f1b", chunks=1, remat="none", microbatches_per_stage
 
 
 @functools.cache
-def compiled_module(mesh, schedule="1f1b", chunks=1, remat="none"):
-    trainable = trainable_for(config(mesh, schedule, chunks, remat))
+def compiled_module(mesh, schedule="1f1b", chunks=1, remat="none", layers=None):
+    trainable = trainable_for(config(mesh, schedule, chunks, remat, layers=layers))
     text = compile_step(trainable)[0].as_text()
     return trainable, text, hlo_module.computations(text), hlo_module.tick_loop_body(text)
 
@@ -107,9 +109,10 @@ def test_split_backward_slots_share_the_backward_matmuls_and_w_sends_nothing():
     """zb_h1, stored residuals: I holds the B slot's matmuls (twice the F slot's) less the
     weight gradients, which W holds (one dot per weight, batched over the layers); W's loop holds no
     collective, so it waits for nothing and holds up no other stage."""
-    trainable, text, comps, body = compiled_module((1, 4, 1), "zb_h1")
+    layers = 2 * MODEL.layers
+    trainable, text, comps, body = compiled_module((1, 4, 1), "zb_h1", layers=layers)
     dots = slot_matmuls(comps, body)
-    weight_matmuls = 4 * (MODEL.layers // 4)  # QKV, attention out, fc1, fc2 per layer
+    weight_matmuls = 4 * (layers // 4)  # QKV, attention out, fc1, fc2 per layer
     assert dots["i_middle"] == dots["i_first"] == 2 * dots["f_middle"] - weight_matmuls, dots
     assert dots["w_chunk"] == 4, dots  # one per weight, batched over the chunk's layers
     w_loop = hlo_module.slot_loops(comps[body])["w_chunk"]
