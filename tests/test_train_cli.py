@@ -64,8 +64,10 @@ def train(args: list[str], tmp_path: Path, name: str, env=None) -> list[dict]:
 
 
 def test_main_job_loss_falls(tmp_path, small_corpus):
-    records = train(["--steps", "40", *small_corpus], tmp_path, "main", OPTIMIZED_ENV)
-    assert [r["step"] for r in records] == list(range(1, 41))
+    """gpt_tiny as the README trains it, for its 30 warm-up steps and 5 of the decay after: the
+    mean loss of the last 5 steps is more than 1 below that of the first 5."""
+    records = train(["--steps", "35", *small_corpus], tmp_path, "main", OPTIMIZED_ENV)
+    assert [r["step"] for r in records] == list(range(1, 36))
     for key in ("loss", "tokens_per_sec", "tflops_per_device", "mfu", "lr", "grad_norm"):
         assert key in records[0], key
     losses = [r["loss"] for r in records]
