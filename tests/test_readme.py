@@ -1,9 +1,10 @@
 """The README's commands in the order a user runs them, as written, in a fresh directory (its own
 HOME, so the default corpus is built as on a new machine): each later command finds what the
 earlier ones left (runs/gpt_tiny, hf/gpt2, runs/gpt2, data/c, ...). Long runs train 2 steps; the
-GPT-3-sized config trains a 2-layer version of itself. What cannot run here, and the layout
-examples that other tests train through train.py, are skipped by name, each with the test that
-covers it."""
+GPT-3-sized config and the MoE example train 2-layer versions of themselves. What cannot run
+here, the layout examples that other tests train through train.py, two runs whose program
+another test trains, and a second evaluate.py and generate.py on a gpt_tiny run are skipped by
+name, each with what covers it: every kind of command runs once."""
 
 from __future__ import annotations
 
@@ -27,21 +28,36 @@ SKIPPED = {
     "configs/gpt_1.3b.yaml": "a GPU-sized model; tests/test_cli_errors.py validates its layout",
     "scripts/plan.py": "tests/test_cli_errors.py::test_every_plan_and_plot_example_runs",
 }
-TRAINED_ELSEWHERE = {  # layout examples: no later command reads their runs
+TRAINED_ELSEWHERE = {  # no later command reads their runs
     "parallel.sequence_parallel=true": "tests/test_tensor_parallel.py",
     "parallel.schedule=interleaved_1f1b": "tests/test_train_cli.py (the same mesh and schedule)",
     "parallel.schedule=breadth_first": "tests/test_train_cli.py (breadth-first with ZeRO-3)",
     "compression.pipe_grad_rank": "tests/test_compression.py (train.py with compressed links)",
-    "parallel.stage_layers=[5,3]": "tests/test_train_cli.py (uneven stages and resume)",
-    "parallel.schedule=zbv": "tests/test_train_cli.py (zbv and its checkpoints)",
+    "parallel.stage_layers=[5,3]": "tests/test_train_cli.py (uneven stages, then resumed)",
+    "parallel.schedule=zbv": "tests/test_train_cli.py (zbv, resuming and resumed)",
     "parallel.context=4": "tests/test_context_parallel.py (train.py at context 4)",
+    "data.dataset=data/gpt2_text_document": "tests/test_megatron_dataset.py::"
+    "test_train_cli_on_a_megatron_pair (train.py on a Megatron-LM .bin/.idx pair)",
+    "--out runs/a ": "the first command (runs/gpt_tiny) trains the same gpt_tiny step; "
+    "checkpoint.every and resuming: tests/test_operations.py",
 }
-"""Each validates on its devices in test_cli_errors (every train and bench example) and trains
-through train.py, against one device, in the named test; the MoE example runs here (its only
-train.py run)."""
-SMALLER = {  # a config too large for a CPU step, made small with its layout kept
+"""The layout examples validate on their devices in test_cli_errors (every train and bench
+example) and train through train.py, against one device, in the named test; the MoE example
+runs here (its only train.py run). The other two train a program that another command here or
+the named test runs through train.py already."""
+ONCE_HERE = {  # a command of the same kind on the same kind of run runs here
+    "scripts/evaluate.py --out runs/gpt_tiny": "evaluate.py --out runs/c (a gpt_tiny run with "
+    "eval_fraction set; its --dataset and --batches given)",
+    "scripts/generate.py --out runs/c ": "generate.py --out runs/gpt_tiny (a gpt_tiny run, the "
+    "same prompt); sampling on a tensor mesh: generate.py --out runs/gpt2",
+}
+SMALLER = {  # a run too large for a CPU step (by config or command), made small, its layout kept
     "configs/gpt_125m.yaml": ["model.layers=2", "model.hidden=64", "model.heads=4",
                               "model.seq_len=128", "train.global_batch=8"],
+    # 2 layers, one per pipeline stage: the expert-parallel layout is the example's
+    "configs/moe_tiny.yaml": ["model.layers=2"],
+    # the imported GPT-2's fine-tuning batch of 64 in bfloat16, which a CPU emulates: 16 rows
+    "--out runs/gpt2 --set data.dataset=data/c": ["train.global_batch=16"],
 }  # fmt: skip
 
 
@@ -59,7 +75,7 @@ def readme_commands() -> list[str]:
 def as_run(command: str) -> list[str] | None:
     """The command as this test runs it (optional `[...]` arguments given, train.py for 2 steps
     without a progress bar), or None for a skipped one."""
-    if any(key in command for key in (*SKIPPED, *TRAINED_ELSEWHERE)):
+    if any(key in command for key in (*SKIPPED, *TRAINED_ELSEWHERE, *ONCE_HERE)):
         return None
     words = shlex.split(command.replace("[", "").replace("]", ""))
     assert words[0] == "python" and words[1].startswith("scripts/"), command
@@ -69,25 +85,20 @@ def as_run(command: str) -> list[str] | None:
         words += ["--steps", "2", "--no-progress"]
     if words[1] == "scripts/bench.py":
         words += ["--steps", "2", *(["--rounds", "1"] if "--compare-plain" in words else [])]
-    for config, sets in SMALLER.items():
-        if config in words:
+    for key, sets in SMALLER.items():
+        if key in command:
             words += [arg for s in sets for arg in ("--set", s)]
     return [sys.executable, *words[1:]]
 
 
 def user_files(home: Path) -> None:
-    """What the README's reader brings: a JSONL corpus, and a Megatron-LM dataset as its
-    preprocess_data.py writes it (ids of the GPT-2 BPE's range)."""
-    import numpy as np
-
-    from jaxmeg.data import default_corpus_files, write_megatron_dataset
+    """What the README's reader brings: a JSONL corpus (its Megatron-LM dataset example is
+    trained elsewhere: TRAINED_ELSEWHERE)."""
+    from jaxmeg.data import default_corpus_files
 
     with open(home / "corpus.jsonl", "w") as f:
         for path in default_corpus_files(300_000):
             f.write(json.dumps({"text": path.read_text(errors="replace")}) + "\n")
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 50257, int(n)).tolist() for n in rng.integers(200, 2000, 40)]
-    write_megatron_dataset(home / "data" / "gpt2_text_document", docs, eod=50256)
 
 
 @pytest.mark.timeout(1800)
@@ -118,5 +129,7 @@ def test_the_readme_commands_in_order(tmp_path):
     generated = [out for c, out in outputs.items() if "generate.py" in c and "--prompt " in c]
     assert generated and all("def main(" in out for out in generated)
     assert len(ran) >= 15, (len(ran), skipped)
-    unmatched = [key for key in TRAINED_ELSEWHERE if not any(key in c for c in skipped)]
-    assert not unmatched, f"no README command holds {unmatched}: drop them from TRAINED_ELSEWHERE"
+    unmatched = [
+        key for key in {**TRAINED_ELSEWHERE, **ONCE_HERE} if not any(key in c for c in skipped)
+    ]
+    assert not unmatched, f"no README command holds {unmatched}: drop them from their dict"
