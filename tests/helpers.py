@@ -83,3 +83,25 @@ def factors_at_any_rank(on: bool = True):
                 compression, "worth_compressing", lambda rank, rows, cols: rank > 0
             ))  # fmt: skip
         yield
+
+
+def run_script_main(name: str, *argv: str):
+    """scripts/NAME.py's `main(argv)` in this process, its stdout, stderr and exit status as a
+    subprocess's would be (argparse's `SystemExit` included): for tests of what a script decides
+    and prints, where the process itself is not the point."""
+    import importlib.util
+    import io
+    import subprocess
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = module.main(list(argv))
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess([name, *argv], code or 0, out.getvalue(), err.getvalue())

@@ -36,6 +36,7 @@ from jaxmeg.perf.model import (
 )
 from jaxmeg.perf.planner import context_sizes, plan
 from jaxmeg.perf.traffic import bytes_per_step
+from tests.helpers import run_script_main
 from tests.test_train_cli import CLEAN_ENV, ROOT
 
 H100 = load_hardware("h100_dgx")
@@ -225,10 +226,9 @@ def test_7b_at_32k_on_64_h100s_picks_context_parallelism():
 
 
 def _plan(*flags):
-    return subprocess.run(
-        [sys.executable, "scripts/plan.py", *flags],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env=CLEAN_ENV,
-    )  # fmt: skip
+    """plan.py's main in this process: what it decides and prints. The docs' example runs it as
+    a process (`test_docs_context_example_is_what_plan_py_prints`)."""
+    return run_script_main("plan", *flags)
 
 
 def test_plan_py_prints_the_best_layout_with_and_without_context():
@@ -279,6 +279,9 @@ def test_docs_context_example_is_what_plan_py_prints():
     section = text[text.index("## Context parallelism") :]
     block = re.search(r"```\n\$ (python scripts/plan\.py.*?)```", section, re.S).group(1)
     command, _, printed = block.replace("\\\n", " ").partition("\n")
-    result = _plan(*command.split()[2:])
+    result = subprocess.run(
+        [sys.executable, "scripts/plan.py", *command.split()[2:]],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=CLEAN_ENV,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout == printed

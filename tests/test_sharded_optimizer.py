@@ -60,11 +60,12 @@ def test_split_optimizer_state_cuts_argument_bytes():
     assert reports[3]["temp_bytes"] < reports[1]["temp_bytes"], reports
 
 
-@pytest.mark.parametrize("microbatches", [2, 8])
+@pytest.mark.parametrize("microbatches", [4, 8])
 def test_zero3_breadth_first_gathers_each_chunk_twice_per_step(microbatches):
     """ZeRO-3 + breadth_first (p = 2, v = 4): each stage all-gathers a chunk's weights once for
     its forwards and once for its backwards, 2 v = 8 gathers per step whatever m (interleaved
-    1F1B switches chunk every p microbatches, so its count grows with m); the gathers and the
+    1F1B switches chunk every p microbatches, so its count grows with m; m = 4 is the step the
+    other tests here compile already, m = 8 a second m); the gathers and the
     gradient reduce-scatters over `data` all sit in the tick loop, none outside it (outside:
     only the embedding/head over pipe x data and the grad norm's scalars)."""
     trainable, step = compiled((4, 2, 1), 3, microbatches)
