@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxmeg.parallel import distributed
-from tests.test_operations import MESH_222, StderrLines, checkpoint_names, metric_steps, wait_for
+from tests.test_operations import StderrLines, checkpoint_names, metric_steps, wait_for
 from tests.test_train_cli import (
     CLEAN_ENV,
     ROOT,
@@ -26,6 +26,7 @@ from tests.test_train_cli import (
 )
 
 pytestmark = pytest.mark.timeout(900)
+MESH_222 = ["--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2"]
 
 
 TWO_NIC_GROUPS = [
