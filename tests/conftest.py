@@ -59,6 +59,11 @@ LONGEST_FIRST = (
     "tests/test_cluster_run.py::",
     "test_train_py_at_context_4",
     "tests/test_operations.py::",
+    "test_uneven_zbv_and_zero1",
+    "test_main_job_loss_falls",
+    "test_data_two_keeps_cudnn",
+    "test_pipe_sends_beside_tensor_parallel",
+    "tests/test_notebook.py::",
 )
 """Tests of 30 s to 5 min (measured with --durations), run first, longest first: a worker that
 drew one of them late would finish alone while the other waits."""

@@ -50,23 +50,19 @@ def report_for(cfg: C.Config):
     return trainable, cost_report(trainable, target)
 
 
-@pytest.fixture(scope="module")
 def one_gpu():
     return report_for(gpu_config())
 
 
-@pytest.fixture(scope="module")
 def data_two():
     """5 layers: more than a chunk unrolls for XLA attention (`pipeline_step.unrolls_layers`)."""
     return report_for(gpu_config(data=2, remat="selective", layers=5))
 
 
-@pytest.fixture(scope="module")
 def tensor_two():
     return report_for(gpu_config(tensor=2))
 
 
-@pytest.fixture(scope="module")
 def eight_gpus():
     """(2,2,2) 1f1b with selective recompute: the slots hold tensor all-reduces, and cuDNN's
     kept output and statistics cross ticks in the pipeline's residual rings. Two layers: one
@@ -81,8 +77,29 @@ def attention_flops(cfg: C.Config) -> float:
     return 3 * 4 * cfg.train.global_batch * m.seq_len**2 * m.hidden * m.layers
 
 
-def test_gemm_flops_on_one_h100_are_the_models_matmul_flops(one_gpu):
-    trainable, report = one_gpu
+# Each layout's program is compiled once, in one test that asserts every claim read from it
+# (an H100 compile costs 15-45 s here, and a module fixture shared by several tests is built
+# again on each pytest worker that runs one of them).
+
+
+def assert_cudnn_once_per_layer_and_microbatch(trainable, report) -> None:
+    """The layout compiles with cuDNN attention (jax's partitioner of it never runs: the kernel
+    runs per tensor rank), one forward and one backward call per layer and microbatch; with
+    selective recompute too (data_two, eight_gpus): the forward's output and statistics are
+    kept, on (2,2,2) across ticks in the pipeline's residual rings."""
+    cfg = trainable.cfg
+    calls = cfg.model.layers * cfg.train.microbatches
+    kernels = report["attention_kernels"]
+    assert (kernels["forward_per_replica"], kernels["backward_per_replica"]) == (calls, calls)
+
+
+def assert_planner_memory_within_15_percent(report) -> None:
+    memory = report["memory"]
+    assert abs(memory["planner"] - memory["device"]) <= 0.15 * memory["device"], memory
+
+
+def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
+    trainable, report = one_gpu()
     assert report["target"].startswith("1 x NVIDIA H100")
     assert trainable.model_cfg.attention == "cudnn"  # auto on a GPU target, not the host's xla
     attention = attention_flops(trainable.cfg)
@@ -91,32 +108,22 @@ def test_gemm_flops_on_one_h100_are_the_models_matmul_flops(one_gpu):
     assert report["gemm_flops"] == pytest.approx(matmuls, rel=0.01)
     assert 0 < report["roofline_mfu"] < 1
     assert report["memory"]["fits"]
+    assert_cudnn_once_per_layer_and_microbatch(trainable, report)
+    assert_planner_memory_within_15_percent(report)
 
 
-@pytest.mark.parametrize("fixture", ["one_gpu", "data_two", "tensor_two", "eight_gpus"])
-def test_cudnn_runs_once_per_layer_and_microbatch_on_every_layout(fixture, request):
-    """Each layout compiles with cuDNN attention (jax's partitioner of it never runs: the kernel
-    runs per tensor rank), one forward and one backward call per layer and microbatch; with
-    selective recompute too (data_two, eight_gpus): the forward's output and statistics are
-    kept, on (2,2,2) across ticks in the pipeline's residual rings."""
-    trainable, report = request.getfixturevalue(fixture)
-    cfg = trainable.cfg
-    calls = cfg.model.layers * cfg.train.microbatches
-    kernels = report["attention_kernels"]
-    assert (kernels["forward_per_replica"], kernels["backward_per_replica"]) == (calls, calls)
-
-
-def test_data_parallel_reduction_is_read_with_its_overlap(data_two):
-    _, report = data_two
+def test_data_two_keeps_cudnn_once_per_layer_and_reads_its_reduction():
+    trainable, report = data_two()
+    assert_cudnn_once_per_layer_and_microbatch(trainable, report)
     assert report["collective_bytes"]["data"] > 0
     assert report["collective_overlap"]["data"] is not None
+    assert_planner_memory_within_15_percent(report)
 
 
-@pytest.mark.parametrize("fixture", ["one_gpu", "data_two", "tensor_two"])
-def test_planner_memory_within_15_percent_of_the_compiled_step(fixture, request):
-    _, report = request.getfixturevalue(fixture)
-    memory = report["memory"]
-    assert abs(memory["planner"] - memory["device"]) <= 0.15 * memory["device"], memory
+def test_tensor_two_runs_cudnn_per_tensor_rank():
+    trainable, report = tensor_two()
+    assert_cudnn_once_per_layer_and_microbatch(trainable, report)
+    assert_planner_memory_within_15_percent(report)
 
 
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
@@ -130,13 +137,15 @@ def test_every_pipe_send_overlaps_a_gemm_on_four_h100(schedule, chunks):
     assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
 
 
-def test_pipe_sends_beside_tensor_parallel_slots_overlap_a_gemm_on_eight_h100(eight_gpus):
+def test_pipe_sends_beside_tensor_parallel_slots_overlap_a_gemm_on_eight_h100():
     """(2,2,2) 1f1b: the slots hold tensor all-reduces, which share the collective stream with
     a collective-permute, so no pipe send could stay in flight across one (0% before). As a
-    send and a recv (`gpu_target.POINT_TO_POINT_OPTIONS`) each does; the compile says so."""
+    send and a recv (`gpu_target.POINT_TO_POINT_OPTIONS`) each does; the compile says so. The
+    same program runs cuDNN once per layer and microbatch, its output kept across ticks."""
     from jaxmeg.training import pipeline_step
 
-    trainable, report = eight_gpus
+    trainable, report = eight_gpus()
+    assert_cudnn_once_per_layer_and_microbatch(trainable, report)
     assert pipeline_step.sends_point_to_point(trainable)
     assert report["collective_bytes"]["pipe"] > 0
     assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
