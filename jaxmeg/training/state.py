@@ -151,8 +151,13 @@ def canonical_specs(trainable: Trainable):
 
 
 def _init_boxed_params(trainable: Trainable, key: jax.Array):
-    tokens = jnp.zeros((1, trainable.cfg.model.seq_len), jnp.int32)
-    return trainable.model().init(key, tokens)["params"]
+    return _model_init(trainable.model_cfg, trainable.vocab, trainable.cfg.moe, key)
+
+
+def _model_init(model_cfg: ModelConfig, vocab: int, moe: MoeConfig, key: jax.Array):
+    """The model's params as its init makes them, boxed with their logical axes."""
+    tokens = jnp.zeros((1, model_cfg.seq_len), jnp.int32)
+    return GPT(model_cfg, vocab, moe=moe).init(key, tokens)["params"]
 
 
 @functools.lru_cache(maxsize=32)
@@ -160,9 +165,7 @@ def _abstract_boxed_params(model_cfg: ModelConfig, vocab: int, moe: MoeConfig):
     """`Trainable.abstract_boxed_params` of every trainable with this model (an init traces the
     whole model, and a run, a restore or a test builds several trainables of one model on
     other meshes); the boxes and shapes are immutable."""
-    tokens = jnp.zeros((1, model_cfg.seq_len), jnp.int32)
-    init = lambda key: GPT(model_cfg, vocab, moe=moe).init(key, tokens)["params"]  # noqa: E731
-    return jax.eval_shape(init, jax.random.key(0))
+    return jax.eval_shape(functools.partial(_model_init, model_cfg, vocab, moe), jax.random.key(0))
 
 
 NO_VOCAB_DIM = -1
