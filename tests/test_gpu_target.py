@@ -187,3 +187,13 @@ def test_unknown_or_specless_targets_are_named():
         gpu_target.load_target("cpu", 1)
     with pytest.raises(gpu_target.TargetError, match="whole number of h100_dgx nodes"):
         gpu_target.load_target("h100", 12).devices  # noqa: B018
+
+
+def test_an_option_this_xla_lacks_is_dropped_and_said(capsys):
+    """Another jax release may drop a GPU option (0.11.2's XLA has no pipelined all-gather,
+    reduce-scatter or all-reduce options): on a GPU the step then compiles without it and says
+    so on stderr, rather than failing every compile. XLA's CPU client refuses an unknown option
+    with the same error a GPU's does, so the probe is checked here."""
+    assert gpu_target._known_on_gpu("xla_gpu_enable_latency_hiding_scheduler", True)
+    assert not gpu_target._known_on_gpu("xla_gpu_enable_no_such_thing", True)
+    assert "has no option xla_gpu_enable_no_such_thing" in capsys.readouterr().err

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from jaxmeg.perf.hardware import PROFILE_DIR, Hardware, load_hardware
@@ -190,8 +191,31 @@ def compiler_options(platform: str, point_to_point: bool = False) -> dict:
     import jax
 
     target = jax.default_backend() != "gpu"
-    return {
+    options = {
         **GPU_COMPILER_OPTIONS,
         **(POINT_TO_POINT_OPTIONS if point_to_point else {}),
         **(TARGET_ONLY_OPTIONS if target else {}),
     }
+    if target:  # the target compiler is the pinned plugin's, which knows every option above
+        return options
+    return {name: value for name, value in options.items() if _known_on_gpu(name, value)}
+
+
+@functools.cache
+def _known_on_gpu(name: str, value) -> bool:
+    """Whether this GPU's XLA accepts the option: another jax release may have dropped one
+    (0.11.2 has no `xla_gpu_enable_pipelined_all_reduce`), which would stop every compile.
+    One trivial compile per option, once per process; a dropped option is said, not fatal."""
+    import jax
+
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(1.0).compile()
+    except jax.errors.JaxRuntimeError as error:
+        if "No such compile option" not in str(error):
+            raise
+        print(
+            f"warning: this jax {jax.__version__}'s XLA has no option {name}; compiling without it",
+            file=sys.stderr,
+        )
+        return False
+    return True
