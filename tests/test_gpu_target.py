@@ -32,10 +32,12 @@ MODEL = dict(vocab_size=8192, hidden=1024, layers=2, heads=8, seq_len=1024)
 5 s to a GPU compile here."""
 
 
-def gpu_config(data=1, pipe=1, tensor=1, remat="none", microbatches=2, **model) -> C.Config:
+def gpu_config(
+    data=1, pipe=1, tensor=1, remat="none", microbatches=2, parallel=None, **model
+) -> C.Config:
     return C.Config(
         model=C.ModelConfig(compute_dtype="bfloat16", remat=remat, **{**MODEL, **model}),
-        parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor),
+        parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor, **(parallel or {})),
         train=C.TrainConfig(global_batch=4 * data * microbatches, microbatch_size=4),
     )
 
@@ -45,7 +47,7 @@ def report_for(cfg: C.Config):
     from jaxmeg.training.trainer import prepare
 
     par = cfg.parallel
-    target = gpu_target.load_target("h100", par.data * par.pipe * par.tensor)
+    target = gpu_target.load_target("h100", par.data * par.pipe * par.tensor * par.context)
     trainable = prepare(cfg, None, devices=target.devices)
     return trainable, cost_report(trainable, target)
 
@@ -124,6 +126,35 @@ def test_tensor_two_runs_cudnn_per_tensor_rank():
     trainable, report = tensor_two()
     assert_cudnn_once_per_layer_and_microbatch(trainable, report)
     assert_planner_memory_within_15_percent(report)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        gpu_config(2, 2, 2, "selective", parallel={"sequence_parallel": True}),
+        gpu_config(tensor=8),
+    ],
+    ids=["d2p2t2-sequence_parallel-selective", "t8-none"],
+)
+def test_eight_h100_layouts_run_cudnn_once_per_layer_and_microbatch(cfg):
+    """Sequence parallelism (the attention's input gathered over tensor, heads split) and
+    tensor 8 (one head per rank): cuDNN per rank, jax's partitioner of it never runs."""
+    trainable, report = report_for(cfg)
+    assert trainable.model_cfg.attention == "cudnn"
+    assert_cudnn_once_per_layer_and_microbatch(trainable, report)
+    assert report["collective_bytes"]["tensor"] > 0
+    assert report["memory"]["fits"]
+
+
+def test_context_two_on_eight_h100_compiles_with_the_rings_own_kernel():
+    """(data 1, pipe 2, context 2, tensor 2): the context ring's blocks keep the jnp kernel
+    (cuDNN returns no log-sum-exp to merge blocks with), so the program holds no cuDNN call;
+    keys and values travel over `context`."""
+    _, report = report_for(gpu_config(pipe=2, tensor=2, parallel={"context": 2}))
+    assert report["attention_kernels"]["forward_per_replica"] == 0
+    by_kind = report["collective_bytes_by_kind"]
+    assert sum(b for kind, b in by_kind.items() if kind.endswith("@context")) > 0, by_kind
+    assert report["memory"]["fits"]
 
 
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
