@@ -31,6 +31,9 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
+        # jax read the variable when imported: without this, an installed CUDA plugin would
+        # try to start on a machine without a GPU and log its failure as a traceback
+        jax.config.update("jax_platforms", jax.config.jax_platforms or os.environ["JAX_PLATFORMS"])
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as err:  # backend already initialised
         if len(jax.devices()) != count:
