@@ -13,12 +13,14 @@ each (sender, receiver) block holds all T k choices, so a GPU sends (e - 1) T k 
 and its grouped GEMMs take the e T k rows it receives, of which T k on average are real (the
 compiled program counts e times the routed FLOPs). `"routed"` prices what a ragged all-to-all
 and a grouped GEMM over the real rows only would cost, (e - 1) / e T k rows each way (Megatron-
-Core's dispatcher); jaxmeg does not run it yet. The backward reruns the forward's exchange and
-expert GEMMs (the map keeps no residuals): 2 all-to-alls forward, 4 backward. With e = 1 the
-experts run on the GPU with no exchange. With a capacity factor cf (`moe.capacity_factor`) the
-exchange moves fixed buffers of E C rows per sequence, C = ceil(cf s k / E), whatever
-`expert_exchange` says: (e - 1) / e of them per all-to-all, and the experts run on E C rows per
-sequence, about cf times the routed work.
+Core's dispatcher); jaxmeg does not run it yet. Dropless, the exchange keeps its residuals (the
+received rows and the experts' hidden activations) and its backward runs the two transposed
+all-to-alls: 2 forward, 2 backward. With e = 1 the experts run on the GPU with no exchange. With
+a capacity factor cf (`moe.capacity_factor`) the exchange moves fixed buffers of E C rows per
+sequence, C = ceil(cf s k / E), whatever `expert_exchange` says: (e - 1) / e of them per
+all-to-all, and the experts run on E C rows per sequence, about cf times the routed work; that
+exchange keeps no residuals, so its backward reruns the forward's exchange and expert GEMMs
+(2 all-to-alls forward, 4 backward).
 """
 
 from __future__ import annotations
@@ -97,11 +99,18 @@ def all_to_all_bytes(shape: Shape, layout: Layout, compute_bytes: int = 2) -> fl
     return share * tokens(shape, layout) * shape.experts.top_k * shape.hidden * compute_bytes
 
 
-def all_to_alls(layout: Layout) -> tuple[int, int]:
+def reruns_exchange(shape: Shape, layout: Layout) -> bool:
+    """Whether the backward reruns the exchange's forward: with e > 1 and a capacity factor."""
+    return layout.expert > 1 and bool(shape.experts.capacity_factor)
+
+
+def all_to_alls(shape: Shape, layout: Layout) -> tuple[int, int]:
     """(forward, backward) all-to-alls per MoE layer and microbatch: none with e = 1; else the
-    dispatch and combine, and in the backward their transposes and the forward's again. Full
-    recompute runs the forward once more (`LayerSeconds.recompute`)."""
-    return (0, 0) if layout.expert == 1 else (2, 4)
+    dispatch and combine, and in the backward their transposes (and the forward's again where
+    `reruns_exchange`). Full recompute runs the forward once more (`LayerSeconds.recompute`)."""
+    if layout.expert == 1:
+        return (0, 0)
+    return (2, 4) if reruns_exchange(shape, layout) else (2, 2)
 
 
 def moe_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, float]:
@@ -109,8 +118,8 @@ def moe_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, floa
     all-reduce aside (counted with the layer, as the dense MLP's): the router, the E / e local
     experts' GEMMs (their width / t; rows shared evenly), the shared experts, the exchange's
     buffer passes and its all-to-alls over `links.expert_link`, none hidden behind compute. The
-    backward: twice the forward's GEMMs, and with e > 1 the forward's exchange and expert GEMMs
-    once more."""
+    backward: twice the forward's GEMMs, and where `reruns_exchange` the forward's exchange and
+    expert GEMMs once more."""
     x, h, t, e = shape.experts, shape.hidden, layout.tensor, layout.expert
     rows, local = expert_rows(shape, layout), x.count / e
     per_expert, f = rows / local, x.width / t
@@ -127,10 +136,10 @@ def moe_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, floa
     if e > 1:
         buffers = BUFFER_PASSES * 2 * rows * h / (hw.hbm_tb_per_s * 1e12)
     exchange = send_seconds(all_to_all_bytes(shape, layout), expert_link(layout, hw))
-    fwd, bwd = all_to_alls(layout)
+    fwd, bwd = all_to_alls(shape, layout)
     compute = router + experts + shared
     forward = compute + buffers + fwd * exchange
-    rerun = experts + buffers if e > 1 else 0.0
+    rerun = experts + buffers if reruns_exchange(shape, layout) else 0.0
     return forward, 2 * compute + rerun + bwd * exchange
 
 
@@ -138,12 +147,17 @@ def kept_bytes_per_layer(shape: Shape, layout: Layout) -> float:
     """What an MoE block keeps for its backward per microbatch, in place of the dense MLP's
     (Korthikanti's (3 + 16 / t) s b h of a 4h MLP): its input (2 T h) and fp32 router logits
     (4 T E); with e = 1 also the sorted rows and the experts' hidden activations, 2 T k (h + M
-    f / t), and the per-choice outputs in fp32 (4 T k h). With e > 1 the exchange keeps nothing
-    (its backward reruns it)."""
+    f / t), and the per-choice outputs in fp32 (4 T k h). With e > 1, dropless, the exchange's:
+    the rows the experts received and their hidden activations, over the padded e T k rows
+    (`expert_rows`), and the per-choice outputs; with a capacity factor nothing (its backward
+    reruns it)."""
     x, h, n = shape.experts, shape.hidden, tokens(shape, layout)
     kept = 2 * n * h + 4 * n * x.count
     if layout.expert == 1:
         kept += 2 * n * x.top_k * (h + x.matrices * x.width / layout.tensor) + 4 * n * x.top_k * h
+    elif not reruns_exchange(shape, layout):
+        rows = expert_rows(shape, layout)
+        kept += 2 * rows * (h + x.matrices * x.width / layout.tensor) + 4 * n * x.top_k * h
     return kept
 
 

@@ -47,7 +47,7 @@ def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict
     expert_message = expert_bytes = 0.0
     if shape.experts:
         expert_message = experts.all_to_all_bytes(shape, layout, compute_bytes)
-        forward, backward = experts.all_to_alls(layout)
+        forward, backward = experts.all_to_alls(shape, layout)
         forward *= 2 if layout.recompute == "full" else 1
         expert_bytes = layers * layout.microbatches * (forward + backward) * expert_message
     ring = ring_bytes_per_layer(shape, layout, compute_bytes)
