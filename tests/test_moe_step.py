@@ -120,6 +120,8 @@ CASES = {
     "e2p2t2-top2-full": (
         (1, 2, 2), TOP2, dataclasses.replace(LLAMA, remat="full"), "1f1b", 1, {"expert": 2}
     ),
+    # four expert ranks in each of two stages: each holds its share of every microbatch
+    "e4p2-top2": ((1, 2, 1), TOP2, LLAMA, "1f1b", 1, {"expert": 4}),
     "e4t2-sequence_parallel": (
         (1, 1, 2), SIGMOID_TOP1, LLAMA, "1f1b", 1, {"expert": 4, "sequence_parallel": True}
     ),
@@ -258,6 +260,38 @@ def test_expert_parallel_dispatch_is_all_to_all_over_expert_in_the_compiled_step
     assert traffic["expert"] == pytest.approx(4 * LLAMA.layers * buffer * 3 / 4)
     gathers = [c for c in found if c.kind == "all-gather"]
     assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
+
+
+def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
+    """(expert 4, pipe 2): the executor takes microbatch mb as every m-th row (`carry.Stage`),
+    so each expert rank holds its share of every microbatch and no slot moves rows. Taken as a
+    block of rows instead (as before), its rows sit on half of a stage's expert ranks and GSPMD
+    moves them inside the F slots of the first and last stages by a collective-permute whose
+    pairs stay inside each stage but which meets all 8 devices: the step hung (the CPU
+    rendezvous aborted after 40 s). `deadlock_hazards` names such a permute before any run."""
+    from jaxmeg.parallel import hlo_module
+    from jaxmeg.pipeline.executor import carry
+
+    trainable = trainable_for(config((1, 2, 1), TOP2, LLAMA, expert=4))
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+
+    def hazards():
+        with jax.set_mesh(trainable.mesh):
+            step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
+        return hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
+
+    assert hazards() == []
+
+    def block_of_rows(self, mb):
+        take = lambda a: a.reshape(self.plan.m, -1, a.shape[-1])[mb]  # noqa: E731
+        rows = lambda a: take(a.reshape(-1, a.shape[-1]))  # noqa: E731
+        return rows(self.tokens), rows(self.targets)
+
+    monkeypatch.setattr(carry.Stage, "batch", block_of_rows)
+    found = hazards()
+    assert found and all(line.startswith("collective-permute over ['expert']") for line in found)
 
 
 def test_capacity_exchange_moves_its_buffers_and_the_experts_run_the_routed_flops(monkeypatch):

@@ -58,6 +58,10 @@ class Collective:
     """The HLO computation that holds it (a while body for loop-carried collectives)."""
     op_name: str
     """The JAX op name from the metadata, e.g. `jit(step)/.../transpose(jvp(GPT))/blocks/...`."""
+    op_axes: frozenset = frozenset()
+    """The mesh axes that the op's devices span taken together: a collective-permute meets
+    every device its pairs name (one rendezvous on CPU, one clique on GPU), even where each
+    pair stays inside one stage; a grouped collective meets each group on its own (`axes`)."""
 
 
 def _result_bytes(shape_text: str) -> int:
@@ -161,13 +165,20 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         if not m:
             continue
         op_name = _OP_NAME_RE.search(line)
+        groups = replica_groups(line)
+        axes = _group_axes(groups, mesh)
+        if m.group("kind") == "collective-permute" and groups:
+            op_axes = _group_axes([sorted({d for pair in groups for d in pair})], mesh)
+        else:
+            op_axes = axes
         found.append(
             Collective(
                 kind=m.group("kind"),
-                axes=_group_axes(replica_groups(line), mesh),
+                axes=axes,
                 bytes=_result_bytes(m.group("shape")),
                 computation=computation,
                 op_name=op_name.group(1) if op_name else "",
+                op_axes=op_axes,
             )
         )
     return found

@@ -133,7 +133,8 @@ _BLOCKING_CALL_RE = re.compile(r'custom_call_target="(lapack_\w+)"')
 
 
 def pipe_collectives_in_stage_branches(hlo_text: str, mesh) -> list[Collective]:
-    """Collectives inside the tick loop's slots and branches whose groups span `pipe`, other
+    """Collectives inside the tick loop's slots and branches whose groups span `pipe` (for a
+    collective-permute, the devices of all its pairs together: `Collective.op_axes`), other
     than the sends (collective-permutes under a `send_*` scope, whose branch index depends on
     the tick only). The slots run where a stage's table row says: a collective over `pipe`
     there waits for stages that never reach it, and the step hangs. Empty when safe."""
@@ -144,7 +145,7 @@ def pipe_collectives_in_stage_branches(hlo_text: str, mesh) -> list[Collective]:
         c
         for c in collectives(hlo_text, mesh)
         if c.computation in nested
-        and "pipe" in c.axes
+        and "pipe" in c.op_axes
         and not (c.kind == "collective-permute" and _SEND_SCOPE_RE.search(c.op_name))
     ]
 

@@ -57,10 +57,15 @@ class Stage:
                 zero.shared_dims,
             )
         self.shared = slots.varying_everywhere(shared, plan.manual)
-        self.tokens = tokens.reshape(plan.m, -1, tokens.shape[-1])  # [m, b, s]
-        self.targets = targets.reshape(plan.m, -1, targets.shape[-1])
+        # [b, m, s]: microbatch mb is every m-th row from mb on, so with rows split over an
+        # automatic axis (expert) each device holds its share of every microbatch and taking
+        # one moves nothing. Split [m, b] instead, a microbatch's rows sit on some of those
+        # devices, and GSPMD moves them by a collective inside the slot that runs on one stage
+        # only: with expert 4 a collective-permute over every device, which hangs the step.
+        self.tokens = tokens.reshape(-1, plan.m, tokens.shape[-1])
+        self.targets = targets.reshape(-1, plan.m, targets.shape[-1])
         self.index = jax.lax.axis_index("pipe")
-        self.x_abstract = jax.eval_shape(plan.fns.embed, self.shared, self.tokens[0])
+        self.x_abstract = jax.eval_shape(plan.fns.embed, self.shared, self.tokens[:, 0])
         self._trace_residuals()
 
     # -- reading the tables -------------------------------------------------------------------
@@ -78,7 +83,7 @@ class Stage:
 
     def batch(self, mb):
         """Microbatch mb's (tokens, targets) [b, s]."""
-        return self.tokens[mb], self.targets[mb]
+        return self.tokens[:, mb], self.targets[:, mb]
 
     def real_layers(self, chunk):
         return self.plan.chunk_layers[jnp.maximum(chunk, 0), self.index]
