@@ -10,10 +10,15 @@ pullback: `jax.vjp` inside the map, its residuals returned stacked over the map'
 each varies over (their types unchanged, so the backward's map takes them apart and runs the
 pullback as is). Left to jax, a nested map's residuals inside the pipeline's checkpointed layers
 are stacked over the whole mesh, pipe included, and the step fails to lower ("manual axis
-expert after free axis pipe"). With a capacity factor that failure comes back on some meshes
-(data 1 x pipe 2, measured), so there the forward keeps nothing and the backward reruns it:
-two more all-to-alls and the experts' forward GEMMs per layer and microbatch. The map holds no
-`dot_general` that a layer's checkpoint policy would keep: the router's matmul stays outside.
+expert after free axis pipe"). With the whole model in one computation (p v = 1) the backward
+then runs only the transposed exchange. In a pipeline's slots the layer's checkpoint policy
+(matmul outputs) does not keep these residuals, so the B slot reruns the forward: keeping them
+by name as well hung (expert 4, pipe 2) on CPU in 2 of 3 runs (XLA:CPU ran F's send and B's
+all-to-all in different orders on different devices). With a capacity factor the lowering
+failure comes back on some meshes (data 1 x pipe 2), so there the forward keeps nothing and the
+backward always reruns it: two more all-to-alls and the experts' forward GEMMs per layer and
+microbatch. The map holds no `dot_general` that a layer's checkpoint policy would keep: the
+router's matmul stays outside.
 
 Dropless at fixed shapes: each (sender, receiver) block of the all-to-all holds all T k of the
 sender's choices, of which the first `count` are real, so the bytes on the wire are E_ranks
