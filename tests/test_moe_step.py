@@ -268,7 +268,8 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
     block of rows instead (as before), its rows sit on half of a stage's expert ranks and GSPMD
     moves them inside the F slots of the first and last stages by a collective-permute whose
     pairs stay inside each stage but which meets all 8 devices: the step hung (the CPU
-    rendezvous aborted after 40 s). `deadlock_hazards` names such a permute before any run."""
+    rendezvous aborted after 40 s). `deadlock_hazards` names such a permute before any run
+    (the e4p2 case of `test_moe_step_equals_one_device` runs the step as it is, checked)."""
     from jaxmeg.parallel import hlo_module
     from jaxmeg.pipeline.executor import carry
 
@@ -281,8 +282,6 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
         with jax.set_mesh(trainable.mesh):
             step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
         return hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
-
-    assert hazards() == []
 
     def block_of_rows(self, mb):
         take = lambda a: a.reshape(self.plan.m, -1, a.shape[-1])[mb]  # noqa: E731
