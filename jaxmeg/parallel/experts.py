@@ -94,7 +94,7 @@ def _varies(x, axes) -> tuple[str, ...]:
     return tuple(a for a in axes if a in jax.typeof(x).manual_axis_type.varying)
 
 
-def _forward_keeping(moe, sequences, gates: int) -> Callable:
+def _forward_keeping(moe, sequences) -> Callable:
     """The device's forward and its pullback: ((y, aux, shares), pullback)."""
 
     def local(x, logits, bias, *experts):
@@ -133,10 +133,10 @@ def _decode(code, axes) -> list[tuple[str, ...]]:
 def _keeping_fwd(moe, sequences, x, logits, bias, *experts):
     """The forward, keeping each device's pullback: its residuals leave the map stacked over
     the axes each varies over, their types unchanged (the backward's map takes them apart
-    again), so the backward runs no forward again."""
+    again); the backward reruns no forward where they are kept (the module docstring)."""
     axes = _nested_axes()
     gates = len(experts) - 2
-    local = _forward_keeping(moe, sequences, gates)
+    local = _forward_keeping(moe, sequences)
     args = (x, logits, bias, *experts)
     d_bias = jax.lax.full_like(bias, 0)  # the bias only moves the top-k choice (see bwd)
     if not axes:
