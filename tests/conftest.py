@@ -14,9 +14,6 @@ os.environ["XLA_FLAGS"] = " ".join(
         "--xla_llvm_disable_expensive_passes=true",
         # The older per-fusion LLVM emitters: the suite's steps compile about a quarter faster.
         "--xla_cpu_use_fusion_emitters=false",
-        # what every simulated-device run sets (`jaxmeg.parallel.mesh.CPU_XLA_FLAGS`): collectives
-        # in one order on every device
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
     ]
 )
 os.environ["JAX_PLATFORMS"] = "cpu"

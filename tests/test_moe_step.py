@@ -7,11 +7,9 @@ token to one expert; the bias update and the load metric of the train step; the 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import json
-import re
 from pathlib import Path
 
 import jax
@@ -270,12 +268,9 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
     block of rows instead (as before), its rows sit on half of a stage's expert ranks and GSPMD
     moves them inside the F slots of the first and last stages by a collective-permute whose
     pairs stay inside each stage but which meets all 8 devices: the step hung (the CPU
-    rendezvous aborted after 40 s). `deadlock_hazards` names such a permute before any run.
-    As it is, the step has none, and its B slots rerun no exchange: the layers' policy keeps
-    the exchange's residuals (`moe.KEPT_BY_DISPATCH`), so each B slot variant holds the two
-    transposed all-to-alls of its one layer, each F slot the forward's three (ids, rows out,
-    rows back)."""
-    from jaxmeg.parallel import hlo, hlo_module
+    rendezvous aborted after 40 s). `deadlock_hazards` names such a permute before any run
+    (the e4p2 case of `test_moe_step_equals_one_device` runs the step as it is, checked)."""
+    from jaxmeg.parallel import hlo_module
     from jaxmeg.pipeline.executor import carry
 
     trainable = trainable_for(config((1, 2, 1), TOP2, LLAMA, expert=4))
@@ -283,23 +278,10 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
         params = init_state(trainable, seed=0)["params"]
         tokens = put_batch(trainable, random_batch(trainable.cfg))
 
-    def compiled_text():
+    def hazards():
         with jax.set_mesh(trainable.mesh):
             step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
-        return step.as_text()
-
-    def hazards():
-        return hlo_module.deadlock_hazards(compiled_text(), trainable.mesh)
-
-    text = compiled_text()
-    assert hlo_module.deadlock_hazards(text, trainable.mesh) == []
-    per_slot = collections.Counter(
-        re.search(r"closed_call/(\w+?)/", c.op_name).group(1)
-        for c in hlo.collectives(text, trainable.mesh)
-        if c.kind == "all-to-all"
-    )
-    assert {slot: n for slot, n in per_slot.items() if slot.startswith("b_")}
-    assert all(n == (2 if slot.startswith("b_") else 3) for slot, n in per_slot.items()), per_slot
+        return hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
 
     def block_of_rows(self, mb):
         take = lambda a: a.reshape(self.plan.m, -1, a.shape[-1])[mb]  # noqa: E731

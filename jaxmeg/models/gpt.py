@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig, MoeConfig
-from jaxmeg.models.moe import KEPT_BY_DISPATCH, MOE_STATS, Dispatch, MoeMlp
+from jaxmeg.models.moe import MOE_STATS, Dispatch, MoeMlp
 from jaxmeg.models.parts import (  # noqa: F401 (MATMUL_INPUTS, TAPS, RESIDUAL_AXES: re-exported)
     MATMUL_INPUTS,
     RESIDUAL_AXES,
@@ -247,14 +247,6 @@ def save_flash_attention(prim, *_, **__) -> bool:
     return prim.name == "dot_product_attention_fwd_wrapper"
 
 
-def save_dispatch_residuals(prim, *_, **params) -> bool:
-    """Checkpoint policy: saves what an expert-parallel dispatch keeps for its backward
-    (`moe.KEPT_BY_DISPATCH`): without it the backward reruns the exchange."""
-    return prim.name == "name" and params.get("name") == KEPT_BY_DISPATCH
-
-
-_both = jax.checkpoint_policies.save_from_both_policies
-
 REMAT_POLICY = {
     # Recompute no matmul, and nothing the backward can rebuild cheaply: keep the layer's input
     # and the matmul outputs its backward reads (QKV and fc1 before their biases, the attention
@@ -265,12 +257,11 @@ REMAT_POLICY = {
     # the residual adds. A GPT layer keeps s b h (2 + 8 / t) + a s^2 b / t elements, instead of
     # every intermediate (45 s b h on gpt_tiny), and its backward's matmuls are exactly the
     # forward's input and weight gradients.
-    "none": _both(save_matmul_outputs, save_dispatch_residuals),
+    "none": save_matmul_outputs,
     # Keep matmuls against weights, recompute attention scores/softmax (Megatron's selective);
     # cuDNN's attention keeps its output and statistics (it has no scores to recompute).
-    "selective": _both(
-        _both(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_flash_attention),
-        save_dispatch_residuals,
+    "selective": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_flash_attention
     ),
     # Keep nothing inside the layer but its input.
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -67,12 +67,6 @@ MOE_STATS = "moe_stats"
 (each expert's share of the k T routing choices [E], summing to 1; with a capacity factor
 [2, E], and each expert's share of the choices it kept) in, when the caller makes it mutable."""
 
-KEPT_BY_DISPATCH = "moe_dispatch_kept"
-"""The checkpoint name of what a `Dispatch` keeps for its backward (an expert-parallel
-exchange's residuals, `jaxmeg.parallel.experts`): the layers' checkpoint policies keep it as
-they keep matmul outputs (`jaxmeg.models.gpt.REMAT_POLICY`), so a pipeline's B slot does not
-rerun the exchange."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Routing:

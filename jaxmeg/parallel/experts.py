@@ -10,11 +10,11 @@ pullback: `jax.vjp` inside the map, its residuals returned stacked over the map'
 each varies over (their types unchanged, so the backward's map takes them apart and runs the
 pullback as is). Left to jax, a nested map's residuals inside the pipeline's checkpointed layers
 are stacked over the whole mesh, pipe included, and the step fails to lower ("manual axis
-expert after free axis pipe"). The leaves carry a checkpoint name (`moe.KEPT_BY_DISPATCH`)
-that the layers' policies keep, so a pipeline's B slot reruns nothing either. On XLA:CPU that
-needs its concurrency-optimized scheduler off (`mesh.CPU_XLA_FLAGS`): with it, devices of one
-stage reached F's pipe send and B's all-to-all in different orders, and (expert 4, pipe 2)
-hung in 2 of 3 runs. With a capacity factor the lowering
+expert after free axis pipe"). With the whole model in one computation (p v = 1) the backward
+then runs only the transposed exchange. In a pipeline's slots the layer's checkpoint policy
+(matmul outputs) does not keep these residuals, so the B slot reruns the forward: keeping them
+by name as well hung (expert 4, pipe 2) on CPU in 2 of 3 runs (XLA:CPU ran F's send and B's
+all-to-all in different orders on different devices). With a capacity factor the lowering
 failure comes back on some meshes (data 1 x pipe 2), so there the forward keeps nothing and the
 backward always reruns it: two more all-to-alls and the experts' forward GEMMs per layer and
 microbatch. The map holds no `dot_general` that a layer's checkpoint policy would keep: the
@@ -31,10 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.models.moe import KEPT_BY_DISPATCH, moe_ffn
+from jaxmeg.models.moe import moe_ffn
 from jaxmeg.parallel.mesh import automatic_axes_here
 
 EXPERT, TENSOR = "expert", "tensor"
@@ -158,7 +157,7 @@ def _keeping_fwd(moe, sequences, x, logits, bias, *experts):
         axis_names=set(axes),
     )  # fmt: skip
     out, leaves = mapped(*args)
-    pullback = jax.tree.unflatten(tree[0], [checkpoint_name(r, KEPT_BY_DISPATCH) for r in leaves])
+    pullback = jax.tree.unflatten(tree[0], leaves)
     # the gates' count too as an empty tree, for the backward's specs
     return out, (d_bias, pullback, _encode(kinds, axes), (None,) * gates)
 

@@ -23,19 +23,11 @@ from jax.sharding import AxisType, Mesh
 from jaxmeg.config import MESH_AXES, ParallelConfig, resolve_mesh_shape
 from jaxmeg.parallel.placement import megatron_grid
 
-CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
-"""XLA:CPU flags of every run on simulated devices. Its concurrency-optimized scheduler lets
-independent collectives run in whatever order each device reaches them; a device waiting in
-one holds its thread, so devices of one stage that reached a pipe send and an expert
-all-to-all in opposite orders hung (expert 4, pipe 2, the exchange's residuals kept)."""
-
 
 def simulate_cpu_devices(count: int) -> None:
-    """Makes the CPU backend expose `count` devices (with `CPU_XLA_FLAGS`). Must run before
-    jax initialises a backend."""
+    """Makes the CPU backend expose `count` devices. Must run before jax initialises a backend."""
     flag = f"--xla_force_host_platform_device_count={count}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    flags += [f for f in CPU_XLA_FLAGS if f not in flags]
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:

@@ -13,14 +13,15 @@ each (sender, receiver) block holds all T k choices, so a GPU sends (e - 1) T k 
 and its grouped GEMMs take the e T k rows it receives, of which T k on average are real (the
 compiled program counts e times the routed FLOPs). `"routed"` prices what a ragged all-to-all
 and a grouped GEMM over the real rows only would cost, (e - 1) / e T k rows each way (Megatron-
-Core's dispatcher); jaxmeg does not run it yet. Dropless, the exchange keeps its residuals (the
-received rows and the experts' hidden activations) and its backward runs the two transposed
-all-to-alls: 2 forward, 2 backward. With e = 1 the experts run on the GPU with no exchange. With
-a capacity factor cf (`moe.capacity_factor`) the exchange moves fixed buffers of E C rows per
-sequence, C = ceil(cf s k / E), whatever `expert_exchange` says: (e - 1) / e of them per
-all-to-all, and the experts run on E C rows per sequence, about cf times the routed work; that
-exchange keeps no residuals, so its backward reruns the forward's exchange and expert GEMMs
-(2 all-to-alls forward, 4 backward).
+Core's dispatcher); jaxmeg does not run it yet. Dropless, with the whole model in one
+computation (p v = 1), the exchange keeps its residuals (the received rows and the experts'
+hidden activations) and its backward runs the two transposed all-to-alls: 2 forward, 2
+backward. In a pipeline's slots (p v > 1) the layer's checkpoint policy does not keep them, so
+the B slot reruns the forward's exchange and expert GEMMs (2 forward, 4 backward), and so does
+every exchange with a capacity factor cf (`moe.capacity_factor`), which moves fixed buffers of
+E C rows per sequence, C = ceil(cf s k / E), whatever `expert_exchange` says: (e - 1) / e of
+them per all-to-all, the experts running on E C rows per sequence, about cf times the routed
+work. With e = 1 the experts run on the GPU with no exchange.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def all_to_all_bytes(shape: Shape, layout: Layout, compute_bytes: int = 2) -> fl
 
 
 def reruns_exchange(shape: Shape, layout: Layout) -> bool:
-    """Whether the backward reruns the exchange's forward: with e > 1 and a capacity factor."""
-    return layout.expert > 1 and bool(shape.experts.capacity_factor)
+    """Whether the backward reruns the exchange's forward: with e > 1, in a pipeline's slots
+    (p v > 1) or with a capacity factor."""
+    pipelined = layout.pipe * layout.chunks > 1
+    return layout.expert > 1 and (pipelined or bool(shape.experts.capacity_factor))
 
 
 def all_to_alls(shape: Shape, layout: Layout) -> tuple[int, int]:
