@@ -191,17 +191,11 @@ def _rerunning_fwd(moe, sequences, x, logits, bias, *experts):
 def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
     """The backward as a map of its own that reruns the device's forward under `jax.vjp`."""
     x, logits, bias, *experts = args
-    local = _on_device(moe, sequences)
+    forward = _forward_keeping(moe, sequences)
 
     def local_vjp(x_, logits_, bias_, *more):
         *experts_, g_y_, g_aux_ = more
-
-        def differentiable(a, scores, *weights):
-            y, aux, _ = local(a, scores, bias_, *weights)
-            return y, aux
-
-        pullback = jax.vjp(differentiable, x_, logits_, *experts_)[1]
-        return pullback((g_y_, g_aux_))
+        return forward(x_, logits_, bias_, *experts_)[1]((g_y_, g_aux_))
 
     specs = _in_specs(len(experts) - 2)
     grads = _nested_map(local_vjp, (*specs, ROWS, P()), (specs[0], specs[1], *specs[3:]))(

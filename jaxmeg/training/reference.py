@@ -39,8 +39,9 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
 
     def loss_and_grads(params, tokens, targets):
         params = to_canonical_layout(params, layout)
-        tokens_MxBxS = tokens.reshape(microbatches, -1, tokens.shape[-1])
-        targets_MxBxS = targets.reshape(microbatches, -1, targets.shape[-1])
+        # microbatch i is every m-th row from i on, as the executor cuts them
+        tokens_MxBxS = tokens.reshape(-1, microbatches, tokens.shape[-1]).swapaxes(0, 1)
+        targets_MxBxS = targets.reshape(-1, microbatches, targets.shape[-1]).swapaxes(0, 1)
 
         def accumulate(carry, microbatch):
             loss_sum, grad_sum = carry
