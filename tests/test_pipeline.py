@@ -206,10 +206,15 @@ MORE_CASES = {
     ),
     "zero3-llama-untied-d2p2t2": ((2, 2, 2), "1f1b", 1, 1, LLAMA, TOL, {"zero_stage": 3}),
     "breadth-first-m-below-p": ((1, 4, 1), "breadth_first", 2, 0.5, MODEL, TOL, {}),
-    # every-tick sends and late cotangents (a GPU's default): split sends over tensor 2
+    # every-tick sends and late cotangents (a GPU's default): split sends over tensor 2; with
+    # chunks of 2+ layers a chunk's last B reduces its layers but the first over data, that
+    # one beside a later B slot (v 2) or alone in the next tick (1f1b), or in the whole
+    # model's last B (pipe 1)
     "overlap-sends-d2p2t2-v2": (
-        (2, 2, 2), "interleaved_1f1b", 2, 1, MODEL, TOL, {"overlap_sends": True},
+        (2, 2, 2), "interleaved_1f1b", 2, 1, MODEL, TOL, {"overlap_sends": True, "layers": 8},
     ),
+    "overlap-sends-d2p2-1f1b": ((2, 2, 1), "1f1b", 1, 2, MODEL, TOL, {"overlap_sends": True}),
+    "overlap-sends-pipe1-d2t2": ((2, 1, 2), "1f1b", 1, 2, MODEL, TOL, {"overlap_sends": True}),
     "uneven-gpipe-full-p4": (
         (1, 4, 1), "gpipe", 1, 4, dataclasses.replace(MODEL, remat="full"), TOL,
         {"stage_layers": (3, 1, 2, 2)},

@@ -33,7 +33,15 @@ LAYOUTS = {
     "pipe_rank": ({"data": 2, "pipe": 2}, {"pipe_grad_rank": 2}),
     "overlap_sends": ({"data": 2, "pipe": 2, "schedule": "zbv", "chunks": 2,
                        "overlap_sends": True}, {}),
+    "overlap_sends_1f1b": ({"data": 2, "pipe": 2, "overlap_sends": True}, {}),
+    "overlap_sends_pipe1": ({"data": 2, "overlap_sends": True}, {}),
 }  # fmt: skip
+REDUCING_LAST_B = {
+    "overlap_sends_1f1b": {"b_middle_reducing", "b_first_reducing"},
+    "overlap_sends_pipe1": {"b_whole_reducing"},
+}
+"""Where a chunk's last B reduces its layers (chunks of 2 layers, 4 on one stage): that
+kind's loop is in the tick, and no other layout's."""
 
 
 def _tick_scopes(jaxpr, inside_tick=False, found=None):
@@ -83,6 +91,8 @@ def test_every_slot_kind_is_a_row_and_weighted(layout):
     assert scopes <= set(SLOT_KINDS), scopes - set(SLOT_KINDS)
     columns = set(loss_and_grads.program.branch_columns)
     assert scopes <= columns, scopes - columns
+    reducing = {scope for scope in scopes if scope.endswith("_reducing")}
+    assert reducing == REDUCING_LAST_B.get(layout, set()), reducing
 
 
 def test_a_branch_column_no_kind_names_is_refused():

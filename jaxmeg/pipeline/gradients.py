@@ -45,8 +45,37 @@ def accumulate(acc, delta):
 
 
 def accumulate_at(acc, index, delta):
-    """acc[index] += delta along the leading (chunk) dim, in place in the loop carry."""
+    """acc[index] += delta along the leading (chunk) dim, in place in the loop carry; `delta`
+    may also be a list of per-layer trees (`stack_layers`)."""
+    delta = stack_layers(delta)
     return jax.tree.map(lambda a, d: a.at[index].add(d.astype(a.dtype)), acc, delta)
+
+
+def stack_layers(delta):
+    """A list of per-layer trees as one tree of [Lc, ...] leaves (any other tree as it is)."""
+    if not isinstance(delta, list):
+        return delta
+    return jax.tree.map(lambda *layers: jnp.stack(layers), *delta)
+
+
+def accumulate_reducing_layers(acc, index, layers: list):
+    """A chunk's last backward: acc[index, l] += layers[l] and the mean over the replicas of
+    each layer l >= 1, last layer first, each started as soon as that layer's gradient is
+    final (its backward has ended) so that it runs beside the backwards of the layers before
+    it. Each mean waits for the one after it (an optimization barrier): XLA would otherwise
+    combine them into one collective, which waits for every layer. Layer 0, whose backward
+    ends the slot, is left unreduced: the `pending` mean takes it in the next tick."""
+    done, reduced = None, {}
+    for i in reversed(range(len(layers))):
+        layer = jax.tree.map(lambda a, d, i=i: a[index, i] + d.astype(a.dtype), acc, layers[i])
+        if i == 0:
+            reduced[i] = layer
+            break
+        if done is not None:
+            layer, _ = jax.lax.optimization_barrier((layer, done))
+        reduced[i] = done = reduce_over_data(layer)
+    stacked = stack_layers([reduced[i] for i in range(len(layers))])
+    return jax.tree.map(lambda a, r: a.at[index].set(r), acc, stacked)
 
 
 MANUAL_AXES = ("data", "pipe")

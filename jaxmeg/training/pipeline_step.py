@@ -74,7 +74,8 @@ def unrolls_layers(trainable: Trainable) -> bool:
 def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     """chunk(layer_params [Lc, ...], x, real_layers, extra [Lc, ...] | None) -> (x, aux
     [Lc, ...] | None): `layer(params_i, x, extra_i) -> (x, aux_i)` for each of the chunk's
-    layers, one after another (`StageLayout.unrolled`) or as a scan over its layer slots; with
+    layers, one after another (`unrolls_layers`; layer_params may then also be a list of Lc
+    per-layer trees, `StageFunctions.per_layer`) or as a scan over its layer slots; with
     uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond` (aux zeros).
     REMAT_POLICY[remat] around each layer."""
 
@@ -82,7 +83,8 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
         # the layer's slice is taken inside the checkpoint, so what the pullback keeps of the
         # weights is the stacked params themselves, not a per-microbatch copy of a slice
         pick = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
-        return layer(pick(layer_params), x, pick(extra))
+        own = layer_params[i] if isinstance(layer_params, list) else pick(layer_params)
+        return layer(own, x, pick(extra))
 
     policy = REMAT_POLICY[remat]
     each = jax.checkpoint(layer, policy=policy, prevent_cse=False)
@@ -109,7 +111,10 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
                 return jax.lax.cond(i < real_layers, each, skip, params_i, x, extra_i)
             return each(params_i, x, extra_i)
 
-        count = jax.tree.leaves(layer_params)[0].shape[0]
+        if isinstance(layer_params, list):
+            count = len(layer_params)
+        else:
+            count = jax.tree.leaves(layer_params)[0].shape[0]
         if unrolled:
             # Unrolled, each layer's residuals are arrays of their own that the executor
             # writes straight into its rings; a scan would first stack them in its outputs.
@@ -221,6 +226,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
         head_loss=head_loss,
         chunk_recompute=recompute,
         split=split,
+        per_layer=unrolls_layers(trainable),
     )
 
 

@@ -106,13 +106,14 @@ def take_prefetched(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
 # -- the in-loop reduction over data ------------------------------------------------------------
 
 
-def take_final(c: dict, row: dict) -> dict:
+def take_final(plan: Plan, c: dict, row: dict) -> dict:
     """After the B slot: the gradients of the chunk whose last backward ran now move to
-    `pending`, where the next tick reduces them while its slots run."""
+    `pending` (its first layer's only, where the B slot reduced the others:
+    `Plan.reduce_layers`), where the next tick reduces them while its slots run."""
     chunk = row["final_chunk"]
 
     def take(s):
-        return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], s[1]), s[1]
+        return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0), : plan.pending_layers], s[1]), s[1]
 
     pending, g_stage = slots.run_if(
         chunk >= 0, take, (c["pending"], c["g_stage"]), REDUCE_TAKE.scope
@@ -162,13 +163,14 @@ def start_reduction(plan: Plan, st: Stage, c: dict, row: dict, step) -> dict:
     return {**c, "pending": reduced, "links": {**c["links"], "data": data_state}}
 
 
-def finish_reduction(c: dict, row: dict) -> dict:
+def finish_reduction(plan: Plan, c: dict, row: dict) -> dict:
     """The mean written back into the stage gradients, after this tick's B slot."""
     chunk = row[REDUCE_CHUNK.scope]
 
     def write(s):
         at = jnp.maximum(chunk, 0)
-        return jax.tree.map(lambda a, r: a.at[at].set(r), s[0], s[1]), s[1]
+        pending = plan.pending_layers
+        return jax.tree.map(lambda a, r: a.at[at, :pending].set(r), s[0], s[1]), s[1]
 
     g_stage, pending = slots.run_if(
         chunk >= 0, write, (c["g_stage"], c["pending"]), REDUCE_WRITE.scope

@@ -35,6 +35,7 @@ from jaxmeg.pipeline.executor.columns import (
     F_MIDDLE,
     I_CHUNK,
     I_FIRST,
+    REDUCING_OF,
     W_CHUNK,
 )
 from jaxmeg.pipeline.executor.plan import Plan
@@ -74,7 +75,7 @@ def _run_slot(kinds: dict, plan: Plan, st: Stage, at: At, state: dict, batch) ->
 def _run_chunk(plan: Plan, st: Stage, at: At, x):
     """The chunk's forward, and what it keeps for the backward (nothing when it recomputes)."""
     if not plan.store:
-        return plan.fns.chunk(at.cp, x, at.real), []
+        return plan.fns.chunk(plan.taken(at.cp), x, at.real), []
     if plan.table.unit:
         taps = st.zero_taps(at.cp, x)
         y, traced, stored, inputs = residuals.forward_split(
@@ -82,7 +83,9 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
         )
         st.kept.check(traced)
         return y, (stored, inputs)
-    y, traced, stored = residuals.forward(lambda p_, x_: plan.fns.chunk(p_, x_, at.real), at.cp, x)
+    y, traced, stored = residuals.forward(
+        lambda p_, x_: plan.fns.chunk(p_, x_, at.real), plan.taken(at.cp), x
+    )
     st.kept.check(traced)
     return y, stored
 
@@ -162,9 +165,10 @@ def _chunk_backward(plan: Plan, st: Stage, at: At, a: dict):
     """(d_params, d_x) of the chunk, from the kept residuals or by rerunning it."""
     x = a["inputs"][at.slot]
     cot = a["cots"][jnp.maximum(at.row["b_cot_slot"], 0)]
+    cp = plan.taken(at.cp)
     if plan.store:
-        return residuals.backward(st.kept, at.cp, x, [buf[at.slot] for buf in a["stored"]], cot)
-    _, pullback = jax.vjp(lambda p_, x_: plan.fns.chunk_recompute(p_, x_, at.real), at.cp, x)
+        return residuals.backward(st.kept, cp, x, [buf[at.slot] for buf in a["stored"]], cot)
+    _, pullback = jax.vjp(lambda p_, x_: plan.fns.chunk_recompute(p_, x_, at.real), cp, x)
     return pullback(cot)
 
 
@@ -173,34 +177,42 @@ def _embed_backward(plan: Plan, st: Stage, d_x, tokens):
     return pullback(d_x.astype(st.x_abstract.dtype))[0]
 
 
-def b_middle(plan, st, at, a, tokens, targets):
+def _accumulate(at: At, g_stage, d_params, last: bool):
+    """The chunk's gradients added in; in its last B (`Plan.reduce_layers`) each layer's but the
+    first also reduced over `data` as it becomes final."""
+    if last:
+        return gradients.accumulate_reducing_layers(g_stage, at.index, d_params)
+    return gradients.accumulate_at(g_stage, at.index, d_params)
+
+
+def b_middle(plan, st, at, a, tokens, targets, last=False):
     d_params, d_x = _chunk_backward(plan, st, at, a)
-    g_stage = gradients.accumulate_at(a["g_stage"], at.index, d_params)
+    g_stage = _accumulate(at, a["g_stage"], d_params, last)
     return {**a, "g_stage": g_stage, "d_x": d_x.astype(a["d_x"].dtype)}
 
 
-def b_first(plan, st, at, a, tokens, targets):
+def b_first(plan, st, at, a, tokens, targets, last=False):
     d_params, d_x = _chunk_backward(plan, st, at, a)
     d_shared = _embed_backward(plan, st, d_x, tokens)
     return {
         **a,
-        "g_stage": gradients.accumulate_at(a["g_stage"], at.index, d_params),
+        "g_stage": _accumulate(at, a["g_stage"], d_params, last),
         "g_shared": gradients.accumulate(a["g_shared"], d_shared),
     }
 
 
-def b_whole(plan, st, at, a, tokens, targets):
+def b_whole(plan, st, at, a, tokens, targets, last=False):
     fns = plan.fns
 
     def chunk_head_loss(p_, sh, x_):
         return fns.head_loss(sh, fns.chunk(p_, x_, at.real), targets)
 
-    loss, pullback = jax.vjp(chunk_head_loss, at.cp, st.shared, a["inputs"][at.slot])
+    loss, pullback = jax.vjp(chunk_head_loss, plan.taken(at.cp), st.shared, a["inputs"][at.slot])
     d_params, d_shared, d_x = pullback(jnp.ones_like(loss) / plan.m)
     d_shared = gradients.accumulate(d_shared, _embed_backward(plan, st, d_x, tokens))
     return {
         **a,
-        "g_stage": gradients.accumulate_at(a["g_stage"], at.index, d_params),
+        "g_stage": _accumulate(at, a["g_stage"], d_params, last),
         "g_shared": gradients.accumulate(a["g_shared"], d_shared),
         "loss": a["loss"] + (loss / plan.m).astype(jnp.float32),
     }
@@ -245,10 +257,11 @@ def i_first(plan, st, at, a, tokens, targets):
     return {**a, **written, "g_shared": gradients.accumulate(a["g_shared"], d_shared)}
 
 
-def backward_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict:
     """The B slot: the backward of its kind reads its stage input, residuals and output
     cotangent, accumulates the gradients it produces and writes the input cotangent to send
-    (`d_x`)."""
+    (`d_x`). `cells` (bool [ticks, p], static): where this copy of the slot runs; kinds that
+    run in none of them are left out of it."""
     chunk, mb = row["b_chunk"], jnp.maximum(row["b_mb"], 0)
     cp, real = st.slot_params(c, "b", chunk), st.real_layers(chunk)
     slot = jnp.maximum(row["b_slot"], 0)
@@ -260,6 +273,11 @@ def backward_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
         kinds = {I_CHUNK: i_middle, I_FIRST: i_first}
     else:
         kinds = {B_CHUNK: b_middle, B_FIRST: b_first}
+    if plan.reduce_layers:
+        kinds.update({REDUCING_OF[k]: partial(fn, last=True) for k, fn in kinds.items()})
+    if cells is not None:
+        runs = plan.columns.columns["b_kind"][cells]
+        kinds = {kind: fn for kind, fn in kinds.items() if (runs == kind.code).any()}
     state = {k: c[k] for k in B_STATE if k in c}
     return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
 

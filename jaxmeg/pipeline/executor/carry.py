@@ -171,7 +171,7 @@ class Stage:
             )[1]
         elif plan.store:
             self.kept = residuals.trace_split(
-                lambda cp, x_: plan.fns.chunk(cp, x_, real), self.whole_chunk, x
+                lambda cp, x_: plan.fns.chunk(cp, x_, real), plan.taken(self.whole_chunk), x
             )
         if plan.table.unit:  # what I keeps for W: the matmul inputs and their output cotangents
             taps = self.zero_taps(self.whole_chunk, x)
@@ -230,7 +230,7 @@ def initial(plan: Plan, st: Stage, links) -> dict:
             )
         )
     if plan.reduce_in_loop and not plan.sharded:  # a chunk's gradients until reduced
-        carry["pending"] = jax.tree.map(lambda a: a[0], carry["g_stage"])
+        carry["pending"] = jax.tree.map(lambda a: a[0, : plan.pending_layers], carry["g_stage"])
     carry["g_shared"] = gradients.zeros_f32(st.shared)
     if plan.stateful:
         carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device

@@ -44,6 +44,11 @@ B_FIRST = SlotKind("b_first", "B of the first virtual stage: chunk + embedding",
 B_WHOLE = SlotKind("b_whole", "B with p v = 1: chunk + head + loss, embedding", "b_kind", 3)
 I_CHUNK = SlotKind("i_middle", "I (split backward) of a chunk", "b_kind", 4)
 I_FIRST = SlotKind("i_first", "I of the first virtual stage, and the embedding", "b_kind", 5)
+B_CHUNK_REDUCING = SlotKind("b_middle_reducing", "a chunk's last B, its means in it", "b_kind", 6)
+B_FIRST_REDUCING = SlotKind("b_first_reducing", "B_FIRST, the chunk's last, + means", "b_kind", 7)
+B_WHOLE_REDUCING = SlotKind("b_whole_reducing", "B_WHOLE, the last one, + means", "b_kind", 8)
+REDUCING_OF = {B_CHUNK: B_CHUNK_REDUCING, B_FIRST: B_FIRST_REDUCING, B_WHOLE: B_WHOLE_REDUCING}
+"""A chunk's last B where its layers' means run in the slot (`Plan.reduce_layers`)."""
 W_CHUNK = SlotKind("w_chunk", "W: the weight gradients of a split backward")
 SEND_X = SlotKind("send_x", "the activation to stage s + 1")
 SEND_COT = SlotKind("send_cot", "the cotangent to stage s - 1")
@@ -74,7 +79,7 @@ REDUCE_WRITE = SlotKind("reduce_write", "the mean written back into the stage gr
 REDUCE_BESIDE_B = SlotKind("reduce_beside_b", "a chunk's data mean in one loop with the B slot")
 B_ALONE = SlotKind("b_alone", "the B slot where no mean runs beside it")
 F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED)
-B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST)
+B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST, *REDUCING_OF.values())
 SLOT_KINDS: dict[str, SlotKind] = {
     kind.scope: kind
     for kind in (
@@ -86,8 +91,19 @@ SLOT_KINDS: dict[str, SlotKind] = {
 """The one table: every scope the executor's tick runs something under."""
 
 
-def kind_columns(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
-    """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static)."""
+def kind_columns(table: TickTable, num_chunks: int,
+                 reduce_layers: bool = False) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static); with
+    `reduce_layers` a chunk's last B is of the kind that reduces its layers (`REDUCING_OF`)."""
+    f_kind, b_kind = _kinds(table, num_chunks)
+    if reduce_layers:
+        last = final_backward_chunks(table) >= 0
+        for kind, reducing in REDUCING_OF.items():
+            b_kind = np.where(last & (b_kind == kind.code), reducing.code, b_kind)
+    return f_kind, b_kind.astype(np.int32)
+
+
+def _kinds(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     p, v = table.num_stages, num_chunks
     if p * v == 1:
         f_kind = np.where(table.f_mb >= 0, F_EMBED.code, IDLE)
@@ -263,6 +279,7 @@ def slot_columns(
     compress: np.ndarray | None = None,
     powersgd_stages: int | None = None,
     reduce_beside_b: bool = False,
+    reduce_layers: bool = False,
 ) -> SlotColumns:
     """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, in-loop data
     reductions where `reduce_in_loop` (PowerSGD's on stages < `powersgd_stages`), compressed
@@ -275,10 +292,11 @@ def slot_columns(
     and a chunk's data mean runs in the tick after its last backward, beside that tick's
     slots, and is written back at its end. With `sharded_reduction` (a sharded optimizer) the
     reduce-scatter runs in the tick of the last backward, after its B slot, into the split
-    accumulator that only the optimizer reads."""
+    accumulator that only the optimizer reads. With `reduce_layers` a chunk's last B slot
+    reduces its layers but the first itself, and the mean after it only that one."""
     p, v = table.num_stages, num_chunks
     columns = {name: getattr(table, name) for name in FIELDS}
-    columns["f_kind"], columns["b_kind"] = kind_columns(table, v)
+    columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reduce_layers)
     columns[REDUCE_CHUNK.scope] = final_backward_chunks(table)
     if gathering:
         columns[GATHER["f"].scope], columns[GATHER["b"].scope] = gather_columns(table)

@@ -44,6 +44,10 @@ class StageFunctions:
         chunk's residuals for the B slot (`model.remat` none / selective); with a function the
         F slot keeps only the stage input and the B slot reruns it (`model.remat` full)
     split: how to split the chunk's backward into I and W, for tables that do (else None)
+    per_layer: `chunk` and `chunk_recompute` take the chunk's params as a list of Lc per-layer
+        trees (a chunk that runs its layers one after another): each layer's gradient is then
+        an array of its own, final when that layer's backward ends, which a reduction over
+        `data` can start from while the layers before it run theirs
     """
 
     embed: Callable
@@ -51,6 +55,7 @@ class StageFunctions:
     head_loss: Callable
     chunk_recompute: Callable | None = None
     split: SplitFunctions | None = None
+    per_layer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,10 @@ class Plan:
     reduce_in_loop: data x context > 1: a chunk's gradients reduce inside the loop
     reduce_beside_b: the mean runs in one loop with the tick's B slot where one runs (a GPU
         overlaps the two; `overlap_sends`, without a sharded optimizer or PowerSGD)
+    reduce_layers: with `reduce_beside_b`, per-layer chunks (`StageFunctions.per_layer`) of
+        two or more layers and no split backward, a chunk's last B slot reduces each layer
+        but the first as soon as its backward ends, beside the layers' before it
+        (`gradients.accumulate_reducing_layers`); `pending` holds only the first layer's
     split_sends: scatter/gather over `tensor` on the pipe links
     v_shape: a V placement (zbv), sending both ways
     late_cotangents: a B slot's cotangent leaves at the start of the next tick and arrives
@@ -68,6 +72,7 @@ class Plan:
     gathering_slots: tuple[str, ...]
     reduce_in_loop: bool
     reduce_beside_b: bool
+    reduce_layers: bool
     split_sends: bool
     v_shape: bool
     late_cotangents: bool
@@ -86,6 +91,19 @@ class Plan:
     def sharded(self) -> bool:
         """A sharded optimizer (ZeRO-1 or 3): chunks reduce-scatter instead of averaging."""
         return bool(self.zero.stage)
+
+    def taken(self, cp):
+        """A chunk's params [Lc, ...] as its functions take them: a list of per-layer slices
+        where `StageFunctions.per_layer` says, else as they are."""
+        if not self.fns.per_layer:
+            return cp
+        count = jax.tree.leaves(cp)[0].shape[0]
+        return [jax.tree.map(lambda a, i=i: a[i], cp) for i in range(count)]
+
+    @property
+    def pending_layers(self) -> int | None:
+        """How many of a chunk's leading layers `pending` holds (None: all)."""
+        return 1 if self.reduce_layers else None
 
     @property
     def stateful(self) -> bool:
@@ -175,11 +193,15 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     manual = gradients.manual_axes(mesh.shape)
     fused = options.fused_embedding_sync and p > 1
     reduce_beside_b = options.overlap_sends and reduce_in_loop and not zero.stage and dc is None
+    reduce_layers = (
+        reduce_beside_b and fns.per_layer and not table.unit and layout.layers_per_chunk > 1
+    )
     columns = slot_columns(
         table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
         sharded_reduction=bool(zero.stage),
         compress=None if pc is None else pc.compress,
         powersgd_stages=None if dc is None else dc.stages, reduce_beside_b=reduce_beside_b,
+        reduce_layers=reduce_layers,
     )  # fmt: skip
     late_cotangents = options.overlap_sends and pc is None
     if late_cotangents:
@@ -206,6 +228,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         gathering_slots=(("b",) if whole_model else ("b", "f")) if gathering else (),
         reduce_in_loop=reduce_in_loop,
         reduce_beside_b=reduce_beside_b,
+        reduce_layers=reduce_layers,
         split_sends=options.scatter_gather and mesh.shape.get("tensor", 1) > 1,
         v_shape=table.placement == "v",
         late_cotangents=late_cotangents,

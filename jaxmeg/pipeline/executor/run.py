@@ -82,7 +82,7 @@ def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
     if plan.reduce_in_loop and plan.sharded:
         return beside.scatter_final(plan, c, row)
     if plan.reduce_in_loop:
-        return beside.take_final(beside.finish_reduction(c, row), row)
+        return beside.take_final(plan, beside.finish_reduction(plan, c, row), row)
     return c
 
 
@@ -98,19 +98,21 @@ def _sent(plan: Plan, value, row, usual, back) -> dict:
 
 def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
     """The B slot; with `reduce_beside_b` a mean due in this tick runs in one loop with it
-    (nothing in the slot reads `pending`), so that a GPU overlaps the two."""
-    if not plan.reduce_beside_b:
+    (nothing in the slot reads `pending`), so that a GPU overlaps the two. Each of the two
+    copies of the slot holds only the kinds that run where it does."""
+    beside = plan.columns.columns[REDUCE_BESIDE_B.scope] > 0 if plan.reduce_beside_b else None
+    if beside is None or not beside.any():
         return bodies.backward_slot(plan, st, c, row)
     keys = (*bodies.B_STATE, "pending")
     state = {k: c[k] for k in keys if k in c}
     due = row[REDUCE_BESIDE_B.scope] > 0
 
     def both(s):
-        s = bodies.backward_slot(plan, st, s, row)
+        s = bodies.backward_slot(plan, st, s, row, beside)
         return {**s, "pending": gradients.reduce_over_data(s["pending"])}
 
     state = slots.run_if(due, both, state, REDUCE_BESIDE_B.scope)
-    alone = lambda s: bodies.backward_slot(plan, st, s, row)  # noqa: E731
+    alone = lambda s: bodies.backward_slot(plan, st, s, row, ~beside)  # noqa: E731
     return {**c, **slots.run_if(~due, alone, state, B_ALONE.scope)}
 
 
