@@ -195,6 +195,21 @@ def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_o
     assert overlap["data"] == 0.5, overlap
 
 
+def test_data_means_in_the_last_b_slots_leave_every_pipe_send_overlapped_on_four_h100():
+    """(2,2,1) 1f1b, two layers per stage: each stage's last B slot reduces its second layer
+    over `data` beside the first's backward (half of the data bytes overlap a GEMM; 0% before).
+    Those all-reduces in the B loop kept F's collective-permute from staying in flight across
+    it (79% of pipe bytes overlapped); sent as a send and a recv, as beside tensor all-reduces
+    (`pipeline_step.sends_point_to_point`), every pipe byte overlaps a GEMM."""
+    from jaxmeg.training import pipeline_step
+    from jaxmeg.training.pipeline_step import make_loss_and_grads
+
+    trainable, report = report_for(gpu_config(data=2, pipe=2, microbatches=4, layers=4))
+    assert pipeline_step.sends_point_to_point(trainable, make_loss_and_grads(trainable).program)
+    overlap = report["collective_overlap"]
+    assert (overlap["pipe"], overlap["data"]) == (1.0, 0.5), overlap
+
+
 def test_a_data_mean_due_beside_a_backward_overlaps_it_on_four_h100():
     """(2,2,1) interleaved, v = 2: chunk 1's mean is due while chunk 0's backwards still run,
     and goes in one loop with that tick's B slot (`reduce_beside_b`), which a GPU overlaps;

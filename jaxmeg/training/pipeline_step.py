@@ -39,17 +39,19 @@ def overlaps_sends(trainable: Trainable) -> bool:
     return trainable.platform == "gpu" if chosen is None else bool(chosen)
 
 
-def sends_point_to_point(trainable: Trainable) -> bool:
+def sends_point_to_point(trainable: Trainable, program=None) -> bool:
     """Whether the GPU compile splits the pipe sends into send and recv
     (`gpu_target.POINT_TO_POINT_OPTIONS`): sends outside the slots (`overlaps_sends`) whose
-    slots hold tensor all-reduces (tensor > 1), which keep a collective-permute from
-    overlapping them, on pairs without a cycle (one chunk per stage, or the V's chains) and no
-    context ring. Elsewhere a collective-permute overlaps already, and a send would only add
-    copies: its buffer must outlive the loop's next write of the carry (3.8 GB per step on
-    (1,4,1) gpt_1.3b for H100)."""
+    slots hold collectives, tensor all-reduces (tensor > 1) or a chunk's data means in its last
+    B slot (`program.reduces_in_slots`, the executor's `Program`), which keep a
+    collective-permute from overlapping them, on pairs without a cycle (one chunk per stage, or
+    the V's chains) and no context ring. Elsewhere a collective-permute overlaps already, and a
+    send would only add copies: its buffer must outlive the loop's next write of the carry (3.8
+    GB per step on (1,4,1) gpt_1.3b for H100)."""
     layout, shape = trainable.layout, trainable.mesh.shape
     acyclic = layout.num_chunks == 1 or layout.placement == "v"
-    slots_hold_collectives = shape["tensor"] > 1
+    reduces = program is not None and program.reduces_in_slots
+    slots_hold_collectives = shape["tensor"] > 1 or reduces
     return (
         overlaps_sends(trainable)
         and layout.num_stages > 1

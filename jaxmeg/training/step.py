@@ -29,6 +29,8 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
     """Returns jitted `step(state, tokens, targets) -> (state, metrics)`; the state is donated.
     `loss_and_grads` defaults to the executor's (`pipeline_step.make_loss_and_grads`)."""
     loss_and_grads = loss_and_grads or make_loss_and_grads(trainable)
+    program = getattr(loss_and_grads, "program", None)
+    point_to_point = sends_point_to_point(trainable, program)
     schedule = learning_rate_schedule(trainable.cfg.optimizer)
     shardings = state_shardings(trainable)
     moe = trainable.cfg.moe
@@ -76,6 +78,5 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         in_shardings=(shardings, batch, batch),
         out_shardings=(shardings, None),
         donate_argnums=(0,),
-        compiler_options=compiler_options(trainable.platform, sends_point_to_point(trainable))
-        or None,
+        compiler_options=compiler_options(trainable.platform, point_to_point) or None,
     )

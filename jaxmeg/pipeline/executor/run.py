@@ -45,12 +45,15 @@ class Program:
     table: the tick table it runs.
     branch_columns: name scope -> [ticks, p], how the cost report weights the compiled slots.
     trace_info: what one forward stores ("slot_bytes"), filled when `run` is traced.
+    reduces_in_slots: a chunk's last B slot reduces its layers over `data` (`Plan.reduce_layers`):
+        the slots hold collectives of their own.
     """
 
     run: Callable
     table: TickTable
     branch_columns: dict[str, Any]
     trace_info: dict[str, Any]
+    reduces_in_slots: bool = False
 
 
 def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
@@ -174,4 +177,4 @@ def build(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh
             return (*mapped(stage_params, shared, tokens, targets), None)
         return mapped(stage_params, shared, tokens, targets, links, step)
 
-    return Program(run, table, plan.columns.branch_columns, trace_info)
+    return Program(run, table, plan.columns.branch_columns, trace_info, plan.reduce_layers)
