@@ -9,8 +9,10 @@ tick loop's carry; a step then makes
                      copies' sum) and the mean over replicas at once;
   loss:              the same (only the last stage has it).
 With `data` > 1 each chunk's layer gradients are reduced inside the tick loop, in the tick
-after the chunk's last backward on its stage, beside that tick's slots; after the loop only the
-shared gradients and the loss are reduced. With a sharded optimizer every reduction is a
+after the chunk's last backward on its stage, beside that tick's slots (where the executor says
+so, its last B slot reduces each layer but the first itself, as the layer's backward ends:
+`accumulate_reducing_layers`); after the loop only the shared gradients and the loss are
+reduced. With a sharded optimizer every reduction is a
 reduce-scatter (`reduce_scatter`) into split accumulators. With PowerSGD
 (`compression.data_grad_rank`) a chunk's reduction on the stages that compress is
 `powersgd.reduce` (`reduce_chunk_compressed`); with the fused embedding sync
