@@ -195,16 +195,20 @@ def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_o
     assert overlap["data"] == 0.5, overlap
 
 
-def test_data_means_in_the_last_b_slots_leave_every_pipe_send_overlapped_on_four_h100():
-    """(2,2,1) 1f1b, two layers per stage: each stage's last B slot reduces its second layer
-    over `data` beside the first's backward (half of the data bytes overlap a GEMM; 0% before).
-    Those all-reduces in the B loop kept F's collective-permute from staying in flight across
-    it (79% of pipe bytes overlapped); sent as a send and a recv, as beside tensor all-reduces
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_data_means_in_the_last_slots_leave_every_pipe_send_overlapped_on_four_h100(schedule):
+    """(2,2,1), two layers per stage: each stage's last B slot (last W with zb_h1) reduces its
+    second layer over `data` beside the first's backward (its dW): half of the data bytes
+    overlap a GEMM (0% before). Those all-reduces in the slot's loop kept F's
+    collective-permute from staying in flight across it (1f1b: 79% of pipe bytes overlapped);
+    sent as a send and a recv, as beside tensor all-reduces
     (`pipeline_step.sends_point_to_point`), every pipe byte overlaps a GEMM."""
     from jaxmeg.training import pipeline_step
     from jaxmeg.training.pipeline_step import make_loss_and_grads
 
-    trainable, report = report_for(gpu_config(data=2, pipe=2, microbatches=4, layers=4))
+    cfg = gpu_config(data=2, pipe=2, microbatches=4, layers=4)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, schedule=schedule))
+    trainable, report = report_for(cfg)
     assert pipeline_step.sends_point_to_point(trainable, make_loss_and_grads(trainable).program)
     overlap = report["collective_overlap"]
     assert (overlap["pipe"], overlap["data"]) == (1.0, 0.5), overlap

@@ -35,13 +35,16 @@ LAYOUTS = {
                        "overlap_sends": True}, {}),
     "overlap_sends_1f1b": ({"data": 2, "pipe": 2, "overlap_sends": True}, {}),
     "overlap_sends_pipe1": ({"data": 2, "overlap_sends": True}, {}),
+    "overlap_sends_zb_h1": ({"data": 2, "pipe": 2, "schedule": "zb_h1", "overlap_sends": True},
+                            {}),
 }  # fmt: skip
 REDUCING_LAST_B = {
     "overlap_sends_1f1b": {"b_middle_reducing", "b_first_reducing"},
     "overlap_sends_pipe1": {"b_whole_reducing"},
+    "overlap_sends_zb_h1": {"w_chunk_reducing"},
 }
-"""Where a chunk's last B reduces its layers (chunks of 2 layers, 4 on one stage): that
-kind's loop is in the tick, and no other layout's."""
+"""Where a chunk's last B (last W with a split backward) reduces its layers (chunks of 2
+layers, 4 on one stage): that kind's loop is in the tick, and no other layout's."""
 
 
 def _tick_scopes(jaxpr, inside_tick=False, found=None):

@@ -211,6 +211,8 @@ EQUIVALENCE = [
                  "model": dataclasses.replace(tp.MODEL, remat="full")}, id="zbv-zero3-full"),
     # a GPU's sends (every tick, cotangents a tick late) both ways of a V, split over tensor
     pytest.param((2, 2, 2), "zbv", 2, 1, {"overlap_sends": True}, id="zbv-overlap-sends"),
+    # and two layers per stage: each stage's last W reduces its second layer over data
+    pytest.param((2, 2, 1), "zb_h1", 1, 2, {"overlap_sends": True}, id="zb_h1-overlap-sends"),
 ]  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from jaxmeg.pipeline.executor.columns import (
     I_FIRST,
     REDUCING_OF,
     W_CHUNK,
+    W_CHUNK_REDUCING,
 )
 from jaxmeg.pipeline.executor.plan import Plan
 
@@ -273,7 +274,7 @@ def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict
         kinds = {I_CHUNK: i_middle, I_FIRST: i_first}
     else:
         kinds = {B_CHUNK: b_middle, B_FIRST: b_first}
-    if plan.reduce_layers:
+    if plan.reduce_layers and not plan.table.unit:  # with a split backward W reduces
         kinds.update({REDUCING_OF[k]: partial(fn, last=True) for k, fn in kinds.items()})
     if cells is not None:
         runs = plan.columns.columns["b_kind"][cells]
@@ -287,16 +288,40 @@ def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict
 
 def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
     """The W slot: the weight gradients of a split backward, dW = X^T dY from what its I kept
-    in `wstore`; it sends nothing."""
+    in `wstore`; it sends nothing. A chunk's last W (`Plan.reduce_layers`) computes them layer
+    by layer, last first, and starts each layer's mean but the first's beside the next one's
+    dW (the norms' and biases' gradients are final since the chunk's last I)."""
     sf = plan.split
+    at = st.chunk_at(row["w_chunk"])
 
-    def weights(a):
+    def weights(a, reducing=False):
         w_slot = jnp.maximum(row["w_slot"], 0)
         kept = jax.tree.map(lambda buf: buf[w_slot], a["wstore"])
+        if reducing:
+            return {**a, "g_stage": _reduce_weight_layers(sf, a["g_stage"], at, kept)}
         d_weights = sf.weight_grads(kept["inputs"], kept["dys"])
         g_weights, g_rest = sf.split_weights(a["g_stage"], kept["dys"])
-        g_weights = gradients.accumulate_at(g_weights, st.chunk_at(row["w_chunk"]), d_weights)
+        g_weights = gradients.accumulate_at(g_weights, at, d_weights)
         return {**a, "g_stage": sf.merge_weights(g_weights, g_rest)}
 
     state = {k: c[k] for k in ("g_stage", "wstore")}
-    return {**c, **slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)}
+    if not plan.reduce_layers:
+        return {**c, **slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)}
+    last = row[W_CHUNK_REDUCING.scope] > 0
+    state = slots.run_if((row["w_mb"] >= 0) & ~last, weights, state, W_CHUNK.scope)
+    reducing = partial(weights, reducing=True)
+    return {**c, **slots.run_if(last, reducing, state, W_CHUNK_REDUCING.scope)}
+
+
+def _reduce_weight_layers(sf, g_stage, at, kept):
+    """A chunk's last W: each layer's dW (from its own slices of X and dY, so that it does not
+    wait for the other layers'), added with zeros for the norms and biases, into
+    `gradients.accumulate_reducing_layers`."""
+    count = jax.tree.leaves(kept["dys"])[0].shape[0]
+    layers = []
+    for i in range(count):
+        one = jax.tree.map(lambda a, i=i: a[i : i + 1], kept)
+        d_weights = jax.tree.map(lambda a: a[0], sf.weight_grads(one["inputs"], one["dys"]))
+        _, rest = sf.split_weights(jax.tree.map(lambda a, i=i: a[at, i], g_stage), one["dys"])
+        layers.append(sf.merge_weights(d_weights, jax.tree.map(jnp.zeros_like, rest)))
+    return gradients.accumulate_reducing_layers(g_stage, at, layers)

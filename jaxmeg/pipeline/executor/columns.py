@@ -50,6 +50,7 @@ B_WHOLE_REDUCING = SlotKind("b_whole_reducing", "B_WHOLE, the last one, + means"
 REDUCING_OF = {B_CHUNK: B_CHUNK_REDUCING, B_FIRST: B_FIRST_REDUCING, B_WHOLE: B_WHOLE_REDUCING}
 """A chunk's last B where its layers' means run in the slot (`Plan.reduce_layers`)."""
 W_CHUNK = SlotKind("w_chunk", "W: the weight gradients of a split backward")
+W_CHUNK_REDUCING = SlotKind("w_chunk_reducing", "a chunk's last W, its layers' means in it")
 SEND_X = SlotKind("send_x", "the activation to stage s + 1")
 SEND_COT = SlotKind("send_cot", "the cotangent to stage s - 1")
 SEND_X_BACK = SlotKind("send_x_back", "a V's activation the other way")
@@ -83,7 +84,7 @@ B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST, *REDUCING_OF.values())
 SLOT_KINDS: dict[str, SlotKind] = {
     kind.scope: kind
     for kind in (
-        *F_KINDS, *B_KINDS, W_CHUNK, *SENDS, *RECEIVE.values(), *GATHER.values(),
+        *F_KINDS, *B_KINDS, W_CHUNK, W_CHUNK_REDUCING, *SENDS, *RECEIVE.values(), *GATHER.values(),
         *FETCH.values(), COMPRESS_LINK, REDUCE_CHUNK, REDUCE_POWERSGD, REDUCE_TAKE, REDUCE_WRITE,
         REDUCE_BESIDE_B, B_ALONE,
     )
@@ -292,8 +293,9 @@ def slot_columns(
     and a chunk's data mean runs in the tick after its last backward, beside that tick's
     slots, and is written back at its end. With `sharded_reduction` (a sharded optimizer) the
     reduce-scatter runs in the tick of the last backward, after its B slot, into the split
-    accumulator that only the optimizer reads. With `reduce_layers` a chunk's last B slot
-    reduces its layers but the first itself, and the mean after it only that one."""
+    accumulator that only the optimizer reads. With `reduce_layers` a chunk's last B slot (last
+    W with a split backward) reduces its layers but the first itself, and the mean after it
+    only that one."""
     p, v = table.num_stages, num_chunks
     columns = {name: getattr(table, name) for name in FIELDS}
     columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reduce_layers)
@@ -303,6 +305,10 @@ def slot_columns(
     patterns = _send_columns(table, v, compress, columns)
     branches = {kind.scope: columns[kind.column] == kind.code for kind in (*F_KINDS, *B_KINDS)}
     branches[W_CHUNK.scope] = table.w_mb >= 0
+    if reduce_layers and table.unit:  # the chunk's last W reduces its layers
+        columns[W_CHUNK_REDUCING.scope] = final_backward_chunks(table) >= 0
+        branches[W_CHUNK_REDUCING.scope] = columns[W_CHUNK_REDUCING.scope]
+        branches[W_CHUNK.scope] = branches[W_CHUNK.scope] & ~branches[W_CHUNK_REDUCING.scope]
     named = (*SENDS, *RECEIVE.values(), *GATHER.values())
     branches.update({k.scope: columns[k.scope] for k in named if k.scope in columns})
     if compress is not None:
