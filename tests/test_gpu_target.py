@@ -195,23 +195,25 @@ def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_o
     assert overlap["data"] == 0.5, overlap
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_data_means_in_the_last_slots_leave_every_pipe_send_overlapped_on_four_h100(schedule):
+@pytest.mark.parametrize("schedule,zero", [("1f1b", 0), ("zb_h1", 0), ("1f1b", 1)])
+def test_data_reductions_in_the_last_slots_leave_pipe_sends_overlapped_on_four_h100(schedule, zero):
     """(2,2,1), two layers per stage: each stage's last B slot (last W with zb_h1) reduces its
     second layer over `data` beside the first's backward (its dW): half of the data bytes
-    overlap a GEMM (0% before). Those all-reduces in the slot's loop kept F's
-    collective-permute from staying in flight across it (1f1b: 79% of pipe bytes overlapped);
-    sent as a send and a recv, as beside tensor all-reduces
-    (`pipeline_step.sends_point_to_point`), every pipe byte overlaps a GEMM."""
+    overlap a GEMM (0% before); with ZeRO-1 the reduce-scatters likewise, but for the leaves
+    the optimizer splits along the layers (the fc1 bias here), scattered whole after the slot.
+    Those collectives in the slot's loop kept F's collective-permute from staying in flight
+    across it (1f1b: 79% of pipe bytes overlapped); sent as a send and a recv, as beside tensor
+    all-reduces (`pipeline_step.sends_point_to_point`), every pipe byte overlaps a GEMM."""
     from jaxmeg.training import pipeline_step
     from jaxmeg.training.pipeline_step import make_loss_and_grads
 
     cfg = gpu_config(data=2, pipe=2, microbatches=4, layers=4)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, schedule=schedule))
-    trainable, report = report_for(cfg)
+    parallel = dataclasses.replace(cfg.parallel, schedule=schedule, zero_stage=zero)
+    trainable, report = report_for(dataclasses.replace(cfg, parallel=parallel))
     assert pipeline_step.sends_point_to_point(trainable, make_loss_and_grads(trainable).program)
     overlap = report["collective_overlap"]
-    assert (overlap["pipe"], overlap["data"]) == (1.0, 0.5), overlap
+    assert overlap["pipe"] == 1.0, overlap
+    assert overlap["data"] == pytest.approx(0.5, abs=0.001), overlap
 
 
 def test_a_data_mean_due_beside_a_backward_overlaps_it_on_four_h100():

@@ -215,6 +215,13 @@ MORE_CASES = {
     ),
     "overlap-sends-d2p2-1f1b": ((2, 2, 1), "1f1b", 1, 2, MODEL, TOL, {"overlap_sends": True}),
     "overlap-sends-pipe1-d2t2": ((2, 1, 2), "1f1b", 1, 2, MODEL, TOL, {"overlap_sends": True}),
+    # a sharded optimizer's reduce-scatter layer by layer in the last B slot
+    "overlap-sends-zero1-d2p2": (
+        (2, 2, 1), "1f1b", 1, 2, MODEL, TOL, {"overlap_sends": True, "zero_stage": 1},
+    ),
+    "overlap-sends-zero3-d2p2t2": (
+        (2, 2, 2), "1f1b", 1, 2, MODEL, TOL, {"overlap_sends": True, "zero_stage": 3},
+    ),
     "uneven-gpipe-full-p4": (
         (1, 4, 1), "gpipe", 1, 4, dataclasses.replace(MODEL, remat="full"), TOL,
         {"stage_layers": (3, 1, 2, 2)},

@@ -60,24 +60,29 @@ def stack_layers(delta):
     return jax.tree.map(lambda *layers: jnp.stack(layers), *delta)
 
 
-def accumulate_reducing_layers(acc, index, layers: list):
-    """A chunk's last backward: acc[index, l] += layers[l] and the mean over the replicas of
-    each layer l >= 1, last layer first, each started as soon as that layer's gradient is
-    final (its backward has ended) so that it runs beside the backwards of the layers before
-    it. Each mean waits for the one after it (an optimization barrier): XLA would otherwise
-    combine them into one collective, which waits for every layer. Layer 0, whose backward
-    ends the slot, is left unreduced: the `pending` mean takes it in the next tick."""
-    done, reduced = None, {}
+def accumulate_reducing_layers(acc, index, layers: list, reduce=None):
+    """A chunk's last backward: acc[index, l] + layers[l] for each layer, and `reduce` (the
+    mean over the replicas, `reduce_over_data`, by default) of each layer l >= 1, last layer
+    first, each started as soon as that layer's gradient is final (its backward has ended) so
+    that it runs beside the backwards of the layers before it. Each reduction waits for the one
+    after it (an optimization barrier): XLA would otherwise combine them into one collective,
+    which waits for every layer. Layer 0, whose backward ends the slot, is left unreduced
+    (`pending` or the sharded optimizer's scatter takes it after the slot). Returns acc with
+    every layer's sum at [index] (unreduced), and the reduced layers 1 .. Lc - 1 stacked
+    ([Lc - 1, ...])."""
+    reduce = reduce or reduce_over_data
+    done, sums, reduced = None, [None] * len(layers), []
     for i in reversed(range(len(layers))):
         layer = jax.tree.map(lambda a, d, i=i: a[index, i] + d.astype(a.dtype), acc, layers[i])
+        sums[i] = layer
         if i == 0:
-            reduced[i] = layer
             break
         if done is not None:
             layer, _ = jax.lax.optimization_barrier((layer, done))
-        reduced[i] = done = reduce_over_data(layer)
-    stacked = stack_layers([reduced[i] for i in range(len(layers))])
-    return jax.tree.map(lambda a, r: a.at[index].set(r), acc, stacked)
+        done = reduce(layer)
+        reduced.insert(0, done)
+    acc = jax.tree.map(lambda a, s: a.at[index].set(s), acc, stack_layers(sums))
+    return acc, stack_layers(reduced)
 
 
 MANUAL_AXES = ("data", "pipe")

@@ -123,14 +123,18 @@ def take_final(plan: Plan, c: dict, row: dict) -> dict:
 
 def scatter_final(plan: Plan, c: dict, row: dict) -> dict:
     """A sharded optimizer: after the B slot, the chunk whose last backward ran is
-    reduce-scattered into the split accumulator, which only the optimizer reads."""
+    reduce-scattered into the split accumulator, which only the optimizer reads (its first
+    layer only, where the slot scattered the others: `Plan.reduce_layers`)."""
     chunk = row[REDUCE_CHUNK.scope]
     at = jnp.maximum(chunk, 0)
 
     def scatter(s):
-        part = jax.tree.map(lambda a: a[at], s[1])
-        part = gradients.reduce_scatter(part, plan.zero.chunk_dims, ("data",))
-        return jax.tree.map(lambda a, r: a.at[at].set(r), s[0], part), s[1]
+        # with `reduce_layers` the first layer, and whole the leaves split along the layers
+        dims, first = plan.zero.chunk_dims, plan.pending_layers
+        layers = jax.tree.map(lambda dim: slice(None if dim == 0 else first), dims)
+        part = jax.tree.map(lambda a, n: a[at, n], s[1], layers)
+        part = gradients.reduce_scatter(part, dims, ("data",))
+        return jax.tree.map(lambda a, r, n: a.at[at, n].set(r), s[0], part, layers), s[1]
 
     g_reduced, g_stage = slots.run_if(
         chunk >= 0, scatter, (c["g_reduced"], c["g_stage"]), REDUCE_CHUNK.scope

@@ -43,8 +43,8 @@ from jaxmeg.pipeline.executor.plan import Plan
 
 F_STATE = ("inputs", "stored", "matmul_inputs", "cots", "y", "g_shared", "loss")
 """What the F slot's loops pass through (what its bodies write, or read)."""
-B_STATE = ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored", "matmul_inputs",
-           "wstore")  # fmt: skip
+B_STATE = ("g_stage", "g_reduced", "g_shared", "loss", "d_x", "inputs", "cots", "stored",
+           "matmul_inputs", "wstore")  # fmt: skip
 """What the B slot's loops pass through: the rings it reads go through the loop too (a
 read-only operand of a loop would be copied)."""
 
@@ -178,18 +178,35 @@ def _embed_backward(plan: Plan, st: Stage, d_x, tokens):
     return pullback(d_x.astype(st.x_abstract.dtype))[0]
 
 
-def _accumulate(at: At, g_stage, d_params, last: bool):
-    """The chunk's gradients added in; in its last B (`Plan.reduce_layers`) each layer's but the
-    first also reduced over `data` as it becomes final."""
-    if last:
-        return gradients.accumulate_reducing_layers(g_stage, at.index, d_params)
-    return gradients.accumulate_at(g_stage, at.index, d_params)
+def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dict:
+    """The chunk's gradients added in (`g_stage`); in its last B or W (`Plan.reduce_layers`)
+    each layer's but the first also reduced over `data` as it becomes final: the mean written
+    back, or with a sharded optimizer the reduce-scatter written into `g_reduced`, but for the
+    leaves it splits along the chunk's layers (`beside.scatter_final` takes those whole)."""
+    if not last:
+        return {"g_stage": gradients.accumulate_at(a["g_stage"], index, d_params)}
+    if not plan.sharded:
+        g_stage, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params)
+        return {"g_stage": jax.tree.map(lambda g, r: g.at[index, 1:].set(r), g_stage, reduced)}
+    dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
+
+    def scatter(layer):
+        def one(x, dim):
+            return x if dim == 0 else gradients.reduce_scatter(x, dim - 1, ("data",))
+
+        return jax.tree.map(one, layer, dims)
+
+    g_stage, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params, scatter)
+    g_reduced = jax.tree.map(
+        lambda g, r, dim: g if dim == 0 else g.at[index, 1:].set(r), a["g_reduced"], reduced, dims
+    )
+    return {"g_stage": g_stage, "g_reduced": g_reduced}
 
 
 def b_middle(plan, st, at, a, tokens, targets, last=False):
     d_params, d_x = _chunk_backward(plan, st, at, a)
-    g_stage = _accumulate(at, a["g_stage"], d_params, last)
-    return {**a, "g_stage": g_stage, "d_x": d_x.astype(a["d_x"].dtype)}
+    d_x = d_x.astype(a["d_x"].dtype)
+    return {**a, **_accumulate(plan, a, at.index, d_params, last), "d_x": d_x}
 
 
 def b_first(plan, st, at, a, tokens, targets, last=False):
@@ -197,7 +214,7 @@ def b_first(plan, st, at, a, tokens, targets, last=False):
     d_shared = _embed_backward(plan, st, d_x, tokens)
     return {
         **a,
-        "g_stage": _accumulate(at, a["g_stage"], d_params, last),
+        **_accumulate(plan, a, at.index, d_params, last),
         "g_shared": gradients.accumulate(a["g_shared"], d_shared),
     }
 
@@ -213,7 +230,7 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     d_shared = gradients.accumulate(d_shared, _embed_backward(plan, st, d_x, tokens))
     return {
         **a,
-        "g_stage": _accumulate(at, a["g_stage"], d_params, last),
+        **_accumulate(plan, a, at.index, d_params, last),
         "g_shared": gradients.accumulate(a["g_shared"], d_shared),
         "loss": a["loss"] + (loss / plan.m).astype(jnp.float32),
     }
@@ -298,13 +315,14 @@ def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
         w_slot = jnp.maximum(row["w_slot"], 0)
         kept = jax.tree.map(lambda buf: buf[w_slot], a["wstore"])
         if reducing:
-            return {**a, "g_stage": _reduce_weight_layers(sf, a["g_stage"], at, kept)}
+            layers = _weight_layers(sf, a["g_stage"], at, kept)
+            return {**a, **_accumulate(plan, a, at, layers, last=True)}
         d_weights = sf.weight_grads(kept["inputs"], kept["dys"])
         g_weights, g_rest = sf.split_weights(a["g_stage"], kept["dys"])
         g_weights = gradients.accumulate_at(g_weights, at, d_weights)
         return {**a, "g_stage": sf.merge_weights(g_weights, g_rest)}
 
-    state = {k: c[k] for k in ("g_stage", "wstore")}
+    state = {k: c[k] for k in ("g_stage", "g_reduced", "wstore") if k in c}
     if not plan.reduce_layers:
         return {**c, **slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)}
     last = row[W_CHUNK_REDUCING.scope] > 0
@@ -313,10 +331,9 @@ def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
     return {**c, **slots.run_if(last, reducing, state, W_CHUNK_REDUCING.scope)}
 
 
-def _reduce_weight_layers(sf, g_stage, at, kept):
+def _weight_layers(sf, g_stage, at, kept) -> list:
     """A chunk's last W: each layer's dW (from its own slices of X and dY, so that it does not
-    wait for the other layers'), added with zeros for the norms and biases, into
-    `gradients.accumulate_reducing_layers`."""
+    wait for the other layers'), with zeros for the norms and biases, as per-layer trees."""
     count = jax.tree.leaves(kept["dys"])[0].shape[0]
     layers = []
     for i in range(count):
@@ -324,4 +341,4 @@ def _reduce_weight_layers(sf, g_stage, at, kept):
         d_weights = jax.tree.map(lambda a: a[0], sf.weight_grads(one["inputs"], one["dys"]))
         _, rest = sf.split_weights(jax.tree.map(lambda a, i=i: a[at, i], g_stage), one["dys"])
         layers.append(sf.merge_weights(d_weights, jax.tree.map(jnp.zeros_like, rest)))
-    return gradients.accumulate_reducing_layers(g_stage, at, layers)
+    return layers

@@ -46,11 +46,13 @@ class Plan:
     reduce_in_loop: data x context > 1: a chunk's gradients reduce inside the loop
     reduce_beside_b: the mean runs in one loop with the tick's B slot where one runs (a GPU
         overlaps the two; `overlap_sends`, without a sharded optimizer or PowerSGD)
-    reduce_layers: with `reduce_beside_b` and chunks of two or more layers, a chunk's last B
-        slot reduces each layer but the first as soon as its backward ends, beside the layers'
-        before it (`gradients.accumulate_reducing_layers`; per-layer chunks,
-        `StageFunctions.per_layer`), or with a split backward its last W slot each layer but
-        the first beside the next one's dW; `pending` holds only the first layer's
+    reduce_layers: with `overlap_sends`, a reduction inside the loop (not PowerSGD's) and
+        chunks of two or more layers, a chunk's last B slot reduces each layer but the first as
+        soon as its backward ends, beside the layers' before it
+        (`gradients.accumulate_reducing_layers`; per-layer chunks, `StageFunctions.per_layer`),
+        or with a split backward its last W slot each layer but the first beside the next one's
+        dW; a mean, or a sharded optimizer's reduce-scatter into `g_reduced`. `pending` (the
+        scatter after the slot) then takes only the first layer
     split_sends: scatter/gather over `tensor` on the pipe links
     v_shape: a V placement (zbv), sending both ways
     late_cotangents: a B slot's cotangent leaves at the start of the next tick and arrives
@@ -194,9 +196,10 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     manual = gradients.manual_axes(mesh.shape)
     fused = options.fused_embedding_sync and p > 1
     reduce_beside_b = options.overlap_sends and reduce_in_loop and not zero.stage and dc is None
-    reduce_layers = (
-        reduce_beside_b and (fns.per_layer or table.unit) and layout.layers_per_chunk > 1
-    )
+    reduce_layers = bool(
+        options.overlap_sends and reduce_in_loop and dc is None
+        and (fns.per_layer or table.unit) and layout.layers_per_chunk > 1
+    )  # fmt: skip
     columns = slot_columns(
         table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
         sharded_reduction=bool(zero.stage),
