@@ -43,10 +43,15 @@ from jaxmeg.pipeline.executor.plan import Plan
 
 F_STATE = ("inputs", "stored", "matmul_inputs", "cots", "y", "g_shared", "loss")
 """What the F slot's loops pass through (what its bodies write, or read)."""
-B_STATE = ("g_stage", "g_reduced", "g_shared", "loss", "d_x", "inputs", "cots", "stored",
-           "matmul_inputs", "wstore")  # fmt: skip
+B_STATE = ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored", "matmul_inputs",
+           "wstore")  # fmt: skip
 """What the B slot's loops pass through: the rings it reads go through the loop too (a
 read-only operand of a loop would be copied)."""
+
+
+def _scattering(plan: Plan) -> tuple[str, ...]:
+    """The split accumulator, where a chunk's last B or W reduce-scatters into it."""
+    return ("g_reduced",) if plan.reduce_layers and plan.sharded else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +301,7 @@ def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict
     if cells is not None:
         runs = plan.columns.columns["b_kind"][cells]
         kinds = {kind: fn for kind, fn in kinds.items() if (runs == kind.code).any()}
-    state = {k: c[k] for k in B_STATE if k in c}
+    state = {k: c[k] for k in (*B_STATE, *_scattering(plan)) if k in c}
     return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
 
 
@@ -322,7 +327,7 @@ def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
         g_weights = gradients.accumulate_at(g_weights, at, d_weights)
         return {**a, "g_stage": sf.merge_weights(g_weights, g_rest)}
 
-    state = {k: c[k] for k in ("g_stage", "g_reduced", "wstore") if k in c}
+    state = {k: c[k] for k in ("g_stage", "wstore", *_scattering(plan))}
     if not plan.reduce_layers:
         return {**c, **slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)}
     last = row[W_CHUNK_REDUCING.scope] > 0
