@@ -67,9 +67,8 @@ def accumulate_reducing_layers(acc, index, layers: list, reduce=None):
     that it runs beside the backwards of the layers before it. Each reduction waits for the one
     after it (an optimization barrier): XLA would otherwise combine them into one collective,
     which waits for every layer. Layer 0, whose backward ends the slot, is left unreduced
-    (`pending` or the sharded optimizer's scatter takes it after the slot). Returns acc with
-    every layer's sum at [index] (unreduced), and the reduced layers 1 .. Lc - 1 stacked
-    ([Lc - 1, ...])."""
+    (`pending` or the sharded optimizer's scatter takes it after the slot). Returns each
+    layer's sum (unreduced) and layers 1 .. Lc - 1 reduced, as lists of per-layer trees."""
     reduce = reduce or reduce_over_data
     done, sums, reduced = None, [None] * len(layers), []
     for i in reversed(range(len(layers))):
@@ -81,8 +80,7 @@ def accumulate_reducing_layers(acc, index, layers: list, reduce=None):
             layer, _ = jax.lax.optimization_barrier((layer, done))
         done = reduce(layer)
         reduced.insert(0, done)
-    acc = jax.tree.map(lambda a, s: a.at[index].set(s), acc, stack_layers(sums))
-    return acc, stack_layers(reduced)
+    return sums, reduced
 
 
 MANUAL_AXES = ("data", "pipe")

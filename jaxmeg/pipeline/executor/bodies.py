@@ -191,8 +191,9 @@ def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dic
     if not last:
         return {"g_stage": gradients.accumulate_at(a["g_stage"], index, d_params)}
     if not plan.sharded:
-        g_stage, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params)
-        return {"g_stage": jax.tree.map(lambda g, r: g.at[index, 1:].set(r), g_stage, reduced)}
+        sums, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params)
+        chunk = gradients.stack_layers([sums[0], *reduced])
+        return {"g_stage": jax.tree.map(lambda g, r: g.at[index].set(r), a["g_stage"], chunk)}
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
     def scatter(layer):
@@ -201,10 +202,14 @@ def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dic
 
         return jax.tree.map(one, layer, dims)
 
-    g_stage, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params, scatter)
-    g_reduced = jax.tree.map(
-        lambda g, r, dim: g if dim == 0 else g.at[index, 1:].set(r), a["g_reduced"], reduced, dims
+    sums, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params, scatter)
+    g_stage = jax.tree.map(
+        lambda g, s: g.at[index].set(s), a["g_stage"], gradients.stack_layers(sums)
     )
+    g_reduced = jax.tree.map(
+        lambda g, r, dim: g if dim == 0 else g.at[index, 1:].set(r),
+        a["g_reduced"], gradients.stack_layers(reduced), dims,
+    )  # fmt: skip
     return {"g_stage": g_stage, "g_reduced": g_reduced}
 
 
