@@ -90,6 +90,12 @@ CASES = {  # block, (data, pipe, context, tensor) and what else the layout sets
     "llama-1122-bf16": ("llama", dict(context=2, tensor=2, dtype="bfloat16")),
     "gpt-2122-zero1": ("gpt", dict(data=2, context=2, tensor=2, zero_stage=1)),
     "gpt-2122-zero3": ("gpt", dict(data=2, context=2, tensor=2, zero_stage=3)),
+    # a GPU's schedule: the last microbatch's B reduces its second layer in the slot (the mean
+    # over data x context; with ZeRO-1 the context ranks' sum, then the reduce-scatter)
+    "gpt-1121-overlap-sends": ("gpt", dict(context=2, overlap_sends=True)),
+    "gpt-2122-zero1-overlap-sends": (
+        "gpt", dict(data=2, context=2, tensor=2, zero_stage=1, overlap_sends=True)
+    ),
     # pipelines, the context group's key/value blocks gathered in each stage
     "gpt-1222-interleaved": (
         "gpt", dict(pipe=2, context=2, tensor=2, schedule="interleaved_1f1b", chunks=2)
