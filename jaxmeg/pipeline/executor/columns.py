@@ -92,15 +92,16 @@ SLOT_KINDS: dict[str, SlotKind] = {
 """The one table: every scope the executor's tick runs something under."""
 
 
-def kind_columns(table: TickTable, num_chunks: int,
-                 reduce_layers: bool = False) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static); with
-    `reduce_layers` a chunk's last B is of the kind that reduces its layers (`REDUCING_OF`)."""
+def kind_columns(
+    table: TickTable, num_chunks: int, reducing_at: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static); where
+    `reducing_at` (bool [num_ticks, p]: a chunk's last backward) a B is of the kind that
+    reduces its layers (`REDUCING_OF`)."""
     f_kind, b_kind = _kinds(table, num_chunks)
-    if reduce_layers:
-        last = final_backward_chunks(table) >= 0
+    if reducing_at is not None:
         for kind, reducing in REDUCING_OF.items():
-            b_kind = np.where(last & (b_kind == kind.code), reducing.code, b_kind)
+            b_kind = np.where(reducing_at & (b_kind == kind.code), reducing.code, b_kind)
     return f_kind, b_kind.astype(np.int32)
 
 
@@ -298,15 +299,17 @@ def slot_columns(
     only that one."""
     p, v = table.num_stages, num_chunks
     columns = {name: getattr(table, name) for name in FIELDS}
-    columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reduce_layers)
-    columns[REDUCE_CHUNK.scope] = final_backward_chunks(table)
+    final = final_backward_chunks(table)
+    reducing_at = final >= 0 if reduce_layers else None
+    columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reducing_at)
+    columns[REDUCE_CHUNK.scope] = final
     if gathering:
         columns[GATHER["f"].scope], columns[GATHER["b"].scope] = gather_columns(table)
     patterns = _send_columns(table, v, compress, columns)
     branches = {kind.scope: columns[kind.column] == kind.code for kind in (*F_KINDS, *B_KINDS)}
     branches[W_CHUNK.scope] = table.w_mb >= 0
     if reduce_layers and table.unit:  # the chunk's last W reduces its layers
-        columns[W_CHUNK_REDUCING.scope] = final_backward_chunks(table) >= 0
+        columns[W_CHUNK_REDUCING.scope] = reducing_at
         branches[W_CHUNK_REDUCING.scope] = columns[W_CHUNK_REDUCING.scope]
         branches[W_CHUNK.scope] = branches[W_CHUNK.scope] & ~branches[W_CHUNK_REDUCING.scope]
     named = (*SENDS, *RECEIVE.values(), *GATHER.values())

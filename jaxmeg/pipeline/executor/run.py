@@ -103,19 +103,21 @@ def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
     """The B slot; with `reduce_beside_b` a mean due in this tick runs in one loop with it
     (nothing in the slot reads `pending`), so that a GPU overlaps the two. Each of the two
     copies of the slot holds only the kinds that run where it does."""
-    beside = plan.columns.columns[REDUCE_BESIDE_B.scope] > 0 if plan.reduce_beside_b else None
-    if beside is None or not beside.any():
+    if not plan.reduce_beside_b:
+        return bodies.backward_slot(plan, st, c, row)
+    cells = plan.columns.columns[REDUCE_BESIDE_B.scope] > 0  # where a mean runs beside B
+    if not cells.any():
         return bodies.backward_slot(plan, st, c, row)
     keys = (*bodies.B_STATE, "pending")
     state = {k: c[k] for k in keys if k in c}
     due = row[REDUCE_BESIDE_B.scope] > 0
 
     def both(s):
-        s = bodies.backward_slot(plan, st, s, row, beside)
+        s = bodies.backward_slot(plan, st, s, row, cells)
         return {**s, "pending": gradients.reduce_over_data(s["pending"])}
 
     state = slots.run_if(due, both, state, REDUCE_BESIDE_B.scope)
-    alone = lambda s: bodies.backward_slot(plan, st, s, row, ~beside)  # noqa: E731
+    alone = lambda s: bodies.backward_slot(plan, st, s, row, ~cells)  # noqa: E731
     return {**c, **slots.run_if(~due, alone, state, B_ALONE.scope)}
 
 
