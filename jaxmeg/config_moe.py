@@ -29,7 +29,9 @@ class MoeConfig:
     """Scale the shared experts' output by a per-token sigmoid gate (Qwen2-MoE's
     `shared_expert_gate`)."""
     first_dense: int = 0
-    """Leading layers that keep the dense MLP (DeepSeek-V3: 3). Only 0 runs yet."""
+    """Leading layers that keep the dense MLP (DeepSeek-V3: 3, of model.layers). They run with
+    the embedding, on the first pipeline stage, and its backward recomputes them; the other
+    model.layers - first_dense layers are the ones split over stages."""
     every: int = 1
     """An MoE layer every n-th layer (Switch Transformer: 2). Only 1 runs yet."""
     router: str = "softmax"
@@ -57,6 +59,11 @@ class MoeConfig:
     more). The bias changes which experts are chosen, never the weights they are combined
     with; it is kept in the params (`router_bias`) and the checkpoint, outside the optimizer.
     0 = the bias stays 0 (DeepSeek-V3: 0.001)."""
+
+    @property
+    def dense_layers(self) -> int:
+        """The leading layers with a dense MLP: `first_dense` of an MoE model, else 0."""
+        return self.first_dense if self.experts else 0
 
     def expert_width(self, dense_width: int) -> int:
         """One routed expert's FFN width, given the dense MLP's."""

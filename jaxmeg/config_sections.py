@@ -353,6 +353,17 @@ class Config:
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
     """Mixture-of-experts layers in place of the dense MLP (off: experts 0)."""
 
+    @property
+    def stacked_layers(self) -> int:
+        """The layers the pipeline splits over stages: model.layers but the dense leading ones
+        of an MoE model (`moe.first_dense`), which run with the embedding."""
+        return self.model.layers - self.moe.dense_layers
+
+    @property
+    def stacked_layers_field(self) -> str:
+        """How errors name `stacked_layers`."""
+        return "model.layers - moe.first_dense" if self.moe.dense_layers else "model.layers"
+
 
 SECTION_TYPES = {
     "model": ModelConfig,

@@ -249,6 +249,11 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
         raise ConfigError(
             f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"
         )
+    if not 0 <= moe.first_dense < cfg.model.layers:
+        raise ConfigError(
+            f"moe.first_dense (dense leading layers) must be between 0 and model.layers - 1 "
+            f"({cfg.model.layers - 1}), got {moe.first_dense}"
+        )
     for name in ("ffn_hidden", "shared_ffn_hidden"):
         if getattr(moe, name) != -1 and getattr(moe, name) < 1:
             raise ConfigError(f"moe.{name} must be -1 or >= 1, got {getattr(moe, name)}")
@@ -265,7 +270,6 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
                 f"{name} ({width}) is split over parallel.tensor ({tensor}): make it divisible"
             )
     not_yet = [
-        (moe.first_dense != 0, f"moe.first_dense = {moe.first_dense} (dense leading layers)"),
         (moe.every != 1, f"moe.every = {moe.every} (MoE on some layers only)"),
         (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
         (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
@@ -400,8 +404,9 @@ def validate(cfg: Config, num_devices: int) -> Config:
         )
     _check_schedule(par, pipe, micro)
     try:
-        StageLayout.create(m.layers, pipe, par.chunks, par.stage_layers,
-                           placement=schedules.placement_of(par.schedule))  # fmt: skip
+        StageLayout.create(cfg.stacked_layers, pipe, par.chunks, par.stage_layers,
+                           placement=schedules.placement_of(par.schedule),
+                           field=cfg.stacked_layers_field)  # fmt: skip
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     _validate_compression(cfg.compression, pipe, data, cfg.parallel.zero_stage)

@@ -1,10 +1,11 @@
 """Generation with a key/value cache and held-out evaluation.
 
 Greedy ids with the cache equal those of recomputing the full forward at every step, and on a
-(1, 1, 4) tensor mesh those of one device (GPT and Llama with grouped-query attention); seeded
-sampling repeats and never yields a padding id; the eval loss on a (2, 2, 2) pipelined mesh
-equals one device's; a trained run records eval_loss at train.eval_every steps, and
-scripts/generate.py and scripts/evaluate.py read its run directory.
+(1, 1, 4) tensor mesh those of one device (GPT, Llama with grouped-query attention, and a Llama
+mixture of experts with a dense leading layer); seeded sampling repeats and never yields a
+padding id; the eval loss on a (2, 2, 2) pipelined mesh equals one device's; a trained run
+records eval_loss at train.eval_every steps, and scripts/generate.py and scripts/evaluate.py
+read its run directory.
 """
 
 from __future__ import annotations
@@ -38,16 +39,24 @@ from tests.helpers import put_batch, random_batch, tiny_config, trainable_for
 VOCAB = 100
 PROMPTS = np.array([[1, 2, 3, 4, 5], [7, 8, 9, 10, 11]], np.int32)
 NEW_TOKENS = 20
-BLOCKS = {"gpt": {}, "llama_gqa": {"block": "llama", "kv_heads": 2, "tie_embeddings": False}}
+BLOCKS = {
+    "gpt": {},
+    "llama_gqa": {"block": "llama", "kv_heads": 2, "tie_embeddings": False},
+    # a dense leading layer, then two MoE ones: the cache splits between the two stacks
+    "llama_moe_first_dense": {"block": "llama", "tie_embeddings": False, "layers": 3},
+}
+MOE = {"llama_moe_first_dense": C.MoeConfig(experts=4, top_k=2, ffn_hidden=16, first_dense=1)}
 
 
 def tiny_trainable(block: str, tensor: int = 1) -> Trainable:
     # init_std 0.3 (not 0.02): a random tiny GPT at 0.02 repeats one token, which would hide
     # a wrong position or cache entry.
-    model = C.ModelConfig(vocab_size=VOCAB, hidden=32, layers=2, heads=4, seq_len=32,
-                          compute_dtype="float32", init_std=0.3, **BLOCKS[block])  # fmt: skip
+    fields = {"layers": 2, **BLOCKS[block]}
+    model = C.ModelConfig(vocab_size=VOCAB, hidden=32, heads=4, seq_len=32,
+                          compute_dtype="float32", init_std=0.3, **fields)  # fmt: skip
     cfg = C.Config(model=model, parallel=C.ParallelConfig(tensor=tensor),
-                   train=C.TrainConfig(global_batch=8))  # fmt: skip
+                   train=C.TrainConfig(global_batch=8),
+                   moe=MOE.get(block, C.MoeConfig()))  # fmt: skip
     cfg = C.validate(cfg, tensor)
     return Trainable.create(cfg, make_mesh(cfg.parallel, jax.devices()[:tensor]))
 

@@ -27,7 +27,7 @@ from tests.helpers import put_batch, random_batch, trainable_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
-MODELS = ["gpt2", "llama_gqa", "mixtral", "qwen2_moe"]
+MODELS = ["gpt2", "llama_gqa", "mixtral", "qwen2_moe", "qwen2_moe_dense"]
 LOGITS_TOL = 1e-4
 GRADS_TOL = 1e-5  # as tests/test_tensor_parallel.py at the initial params
 
@@ -238,7 +238,7 @@ def assert_equal_to(loss_and_grads, ref_loss, ref_grads, mesh) -> None:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2_moe_dense"])
 def test_an_imported_mixture_of_experts_trains_on_expert_2_pipe_2_as_on_one_device(name, imported):
     """The experts split over 2 devices and the layers over 2 stages (4 devices): the imported
     step-0 loss and every gradient, routers and expert weights included, equal one device's."""
@@ -262,6 +262,12 @@ def test_what_mixtral_and_qwen2_moe_cannot_hold_is_refused_before_writing(tmp_pa
     qwen, _ = hf.read_checkpoint(FIXTURES / "qwen2_moe")
     with pytest.raises(hf.HFCheckpointError, match="decoder_sparse_step = 2"):
         hf.moe_config({**qwen, "decoder_sparse_step": 2})
+    with pytest.raises(hf.HFCheckpointError, match=r"mlp_only_layers = \[1\]: jaxmeg runs dense"):
+        hf.moe_config({**qwen, "mlp_only_layers": [1]})
+    dense_mixtral = dataclasses.replace(moe, first_dense=1)
+    model = dataclasses.replace(model, layers=3)
+    with pytest.raises(hf.HFCheckpointError, match="first_dense = 1: Mixtral has no dense layers"):
+        hf.write_checkpoint(tmp_path / "dense", model, params, dense_mixtral)
 
 
 GQA = C.ModelConfig(

@@ -42,13 +42,14 @@ TOP2 = C.MoeConfig(experts=4, top_k=2, ffn_hidden=16, aux_loss=0.1, z_loss=0.01)
 SHARED = dataclasses.replace(TOP2, shared_experts=1, shared_gate=True)
 SIGMOID_TOP1 = dataclasses.replace(TOP2, top_k=1, router="sigmoid", normalize=False)
 CAPACITY = dataclasses.replace(TOP2, capacity_factor=1.0)  # 4 slots per expert and sequence
+FIRST_DENSE = dataclasses.replace(TOP2, first_dense=1)  # a dense layer, then the MoE ones
 TOL = 2e-5
 
 
 def config(mesh, moe, model=LLAMA, schedule="1f1b", chunks=1, microbatches=2, **parallel):
     data, pipe, tensor = mesh
     return C.Config(
-        model=dataclasses.replace(model, layers=max(model.layers, pipe * chunks)),
+        model=dataclasses.replace(model, layers=max(model.layers, pipe * chunks + moe.first_dense)),
         moe=moe,
         parallel=C.ParallelConfig(
             data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, **parallel
@@ -135,6 +136,13 @@ CASES = {
     ),
     "d2p2-capacity-half-gpt": (
         (2, 2, 1), dataclasses.replace(TOP2, capacity_factor=0.5), GPT, "1f1b", 1, {}
+    ),
+    # a dense leading layer runs with the embedding, on the first stage, recomputed in its B
+    "d2e2p2-zb_h1-zero3-first_dense": (
+        (2, 2, 1), FIRST_DENSE, LLAMA, "zb_h1", 1, {"expert": 2, "zero_stage": 3}
+    ),
+    "e2t2-first_dense-sequence_parallel-gpt": (
+        (1, 1, 2), FIRST_DENSE, GPT, "1f1b", 1, {"expert": 2, "sequence_parallel": True}
     ),
 }  # fmt: skip
 
@@ -343,7 +351,6 @@ BAD = [
     ({"experts": 4, "capacity_factor": -1.0}, "moe.capacity_factor must be >= 0, got -1.0"),
     ({"experts": 4, "router": "relu"}, "moe.router"),
     ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
-    ({"experts": 4, "first_dense": 1}, "does not run with moe.first_dense = 1"),
     ({"experts": 4, "every": 2}, "does not run with moe.every = 2"),
     ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
 ]
@@ -356,6 +363,24 @@ def test_bad_moe_settings_are_named_before_compiling(fields, message):
         cfg = config((1, 1, 1), C.MoeConfig(**fields), expert=4)
     with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         C.validate(cfg, 4)
+
+
+def test_dense_leading_layers_are_named_where_they_do_not_fit():
+    cfg = config((1, 2, 1), FIRST_DENSE)  # 3 layers: 1 dense, 2 over the stages
+    whole = dataclasses.replace(cfg, moe=dataclasses.replace(FIRST_DENSE, first_dense=3))
+    with pytest.raises(
+        C.ConfigError,
+        match=r"moe.first_dense \(dense leading layers\) must be between 0 and "
+        r"model.layers - 1 \(2\), got 3",
+    ):
+        C.validate(whole, 2)
+    four = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=4))
+    with pytest.raises(
+        C.ConfigError,
+        match=r"model.layers - moe.first_dense \(3\) must be divisible by "
+        r"parallel.pipe \* parallel.chunks = 2 \* 1 = 2",
+    ):
+        C.validate(four, 2)
 
 
 def test_an_expert_axis_that_does_not_fit_is_named():
@@ -399,11 +424,15 @@ def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
     assert checkpoint_meta.shape_mismatches(dropless, capped) == [("moe.capacity_factor", 0.0, 1.0)]
     more = C.validate(config((1, 1, 1), dataclasses.replace(CAPACITY, capacity_factor=1.5)), 1)
     assert checkpoint_meta.shape_mismatches({"config": C.to_dict(capped)}, more) == []
+    # dense leading layers move layers out of the stack the checkpoint saved
+    dense = C.validate(dataclasses.replace(config((1, 1, 1), FIRST_DENSE), model=LLAMA), 1)
+    assert checkpoint_meta.shape_mismatches(dropless, dense) == [("moe.first_dense", 0, 1)]
 
 
 def test_mfu_counts_the_active_experts_not_all_of_them():
     """A GeLU top-1 expert as wide as the dense MLP runs the dense MLP's FLOPs plus the router's
-    (2 h E per token and pass); the expert count does not enter otherwise."""
+    (2 h E per token and pass); the expert count does not enter otherwise, nor do the dense
+    leading layers (`moe.first_dense`), which have no router."""
     from jaxmeg.training.flops import model_flops_per_step
 
     model = dataclasses.replace(GPT, ffn_hidden=128)
@@ -412,6 +441,10 @@ def test_mfu_counts_the_active_experts_not_all_of_them():
         moe = C.MoeConfig(experts=experts, top_k=1)
         router = 3 * 8 * model.seq_len * model.layers * 2 * model.hidden * experts
         assert model_flops_per_step(model, 8, moe=moe) == pytest.approx(dense + router)
+    # a dense leading layer: the router runs in the other layer only
+    lead = C.MoeConfig(experts=4, top_k=1, first_dense=1)
+    router = 3 * 8 * model.seq_len * (model.layers - 1) * 2 * model.hidden * 4
+    assert model_flops_per_step(model, 8, moe=lead) == pytest.approx(dense + router)
 
 
 def test_the_expert_load_plot_reads_metrics_and_names_a_file_without_them(tmp_path, capsys):

@@ -122,3 +122,26 @@ def test_a_moe_config_is_the_shape_and_layout_the_planner_prices():
     lay = config_layout(C.validate(cfg, 32))
     assert lay.expert == cfg.parallel.expert and lay.gpus == 32
     assert lay.global_batch == cfg.train.global_batch
+
+
+def test_dense_leading_layers_count_as_dense_ones_and_stay_out_of_the_stages():
+    """`moe.first_dense` layers: eq. 2's dense layer in the parameters (none of the experts),
+    the dense MLP's FLOPs, and the pipe splits only the MoE layers (32 - 2 = 30 here)."""
+    lead = dataclasses.replace(
+        MIXTRAL, experts=dataclasses.replace(MIXTRAL.experts, dense_layers=2)
+    )
+    dense = dataclasses.replace(MIXTRAL, experts=None)
+    share = 2 / MIXTRAL.layers  # of what the experts add over the dense model
+    for count in (parameter_count, active_parameters):
+        moved = share * (count(MIXTRAL) - count(dense))
+        assert count(lead) == pytest.approx(count(MIXTRAL) - moved, rel=1e-12)
+    extra = flops_per_iteration(MIXTRAL, 1, False) - flops_per_iteration(dense, 1, False)
+    assert flops_per_iteration(lead, 1, False) == pytest.approx(
+        flops_per_iteration(MIXTRAL, 1, False) - share * extra, rel=1e-12
+    )
+    pipes = {p.layout.pipe for p in plan(lead, 64, 256, H100, context=1, expert=8)}
+    assert pipes and all(30 % p == 0 for p in pipes) and 4 not in pipes
+    model = C.ModelConfig(block="llama", hidden=64, layers=4, heads=4, vocab_size=256)
+    moe = C.MoeConfig(experts=4, first_dense=1)
+    assert shape_of(model, moe).experts.dense_layers == 1
+    assert shape_of(model, moe).stacked_layers == 3

@@ -404,7 +404,10 @@ class GPT(nn.Module):
     """Embedding -> L blocks -> head. Returns logits over the padded vocabulary.
 
     Parameters: {'embed': {token, position}, 'blocks': {'layers': stacked [L, ...]},
-    'head': {final_norm, unembed?}}; `moe` makes every layer's MLP a mixture of experts.
+    'head': {final_norm, unembed?}}; `moe` makes every layer's MLP a mixture of experts, but
+    for its `first_dense` leading layers, which keep the dense MLP and are a stack of their own,
+    {'dense_blocks': {'layers': [first_dense, ...]}}, run with the embedding (`embed_tokens`):
+    'blocks' then holds the L - first_dense MoE layers, the ones a pipeline splits over stages.
     """
 
     cfg: ModelConfig
@@ -415,11 +418,16 @@ class GPT(nn.Module):
 
     def setup(self) -> None:
         self.embed = Embed(self.cfg, self.vocab, self.constrain, self.order)
-        self.blocks = BlockStack(self.cfg, self.cfg.layers, self.constrain, self.order, self.moe)
+        dense = self.moe.dense_layers
+        if dense:
+            self.dense_blocks = BlockStack(self.cfg, dense, self.constrain, self.order)
+        self.blocks = BlockStack(
+            self.cfg, self.cfg.layers - dense, self.constrain, self.order, self.moe
+        )
         self.head = Head(self.cfg, self.vocab, self.constrain)
 
     def __call__(self, tokens_BxS: Array) -> Array:
-        return self.head(self.blocks(self.embed(tokens_BxS)), self.embed)
+        return self.head(self.blocks(self.embed_tokens(tokens_BxS)), self.embed)
 
     def decode(
         self, tokens_BxS: Array, cache_Lx2xBxTxKxH: Array, start: Array | int
@@ -428,11 +436,18 @@ class GPT(nn.Module):
         S tokens sit at positions start..start + S - 1 and attend to the cache's earlier
         positions. A prompt goes in one call (start 0), then one token per call."""
         x_BxSxD = self.embed(tokens_BxS, start)
-        x_BxSxD, cache_Lx2xBxTxKxH = self.blocks(x_BxSxD, cache_Lx2xBxTxKxH, start)
-        return self.head(x_BxSxD[:, -1:], self.embed)[:, 0], cache_Lx2xBxTxKxH
+        dense = self.moe.dense_layers
+        if dense:
+            x_BxSxD, dense_cache = self.dense_blocks(x_BxSxD, cache_Lx2xBxTxKxH[:dense], start)
+        x_BxSxD, cache = self.blocks(x_BxSxD, cache_Lx2xBxTxKxH[dense:], start)
+        if dense:
+            cache = jnp.concatenate([dense_cache, cache])
+        return self.head(x_BxSxD[:, -1:], self.embed)[:, 0], cache
 
     def embed_tokens(self, tokens_BxS: Array) -> Array:
-        return self.embed(tokens_BxS)
+        """The first layer's input: the embedding, then the dense leading layers if any."""
+        x_BxSxD = self.embed(tokens_BxS)
+        return self.dense_blocks(x_BxSxD) if self.moe.dense_layers else x_BxSxD
 
     def logits(self, x_BxSxD: Array) -> Array:
         return self.head(x_BxSxD, self.embed)

@@ -411,7 +411,9 @@ def from_hf(tensors: Tensors, cfg: ModelConfig, moe: MoeConfig | None = None) ->
         names = {k: v for k, v in tensors.items() if not k.endswith(IGNORED["llama"])}
         get = _getter(names, used)
         layers = [
-            _llama_layer_from_hf(lambda s, i=i: get(f"model.layers.{i}.{s}"), cfg, moe)
+            _llama_layer_from_hf(
+                lambda s, i=i: get(f"model.layers.{i}.{s}"), cfg, _layer_moe(moe, i)
+            )
             for i in range(cfg.layers)
         ]
         embed = {"token": get("model.embed_tokens.weight")}
@@ -427,8 +429,24 @@ def from_hf(tensors: Tensors, cfg: ModelConfig, moe: MoeConfig | None = None) ->
             f"the checkpoint has tensors that a {cfg.block} model of {cfg.layers} layers does "
             f"not use: {unused[:5]}{' ...' if len(unused) > 5 else ''}"
         )
-    params = {"embed": embed, "blocks": {"layers": _stack_layers(layers)}, "head": head}
+    dense = moe.dense_layers
+    params = {"embed": embed, "blocks": {"layers": _stack_layers(layers[dense:])}, "head": head}
+    if dense:
+        params["dense_blocks"] = {"layers": _stack_layers(layers[:dense])}
     return _as_float32(params)
+
+
+def _layer_moe(moe: MoeConfig, i: int) -> MoeConfig:
+    """Layer i's MLP: `moe`'s experts, or the dense MLP in the leading `moe.first_dense`."""
+    return MoeConfig() if i < moe.dense_layers else moe
+
+
+def _layer_params(params: Params, moe: MoeConfig, i: int) -> Params:
+    """Layer i of the canonical params: of the dense leading stack or of the blocks."""
+    dense = moe.dense_layers
+    if i < dense:
+        return _layer(params["dense_blocks"]["layers"], i)
+    return _layer(params["blocks"]["layers"], i - dense)
 
 
 def _as_float32(params: Params) -> Params:
@@ -462,7 +480,8 @@ def to_hf(params: Params, cfg: ModelConfig, moe: MoeConfig | None = None) -> Ten
             "model.norm.weight": head["final_norm"]["scale"],
         }
         for i in range(cfg.layers):
-            for suffix, t in _llama_layer_to_hf(_layer(layers, i), cfg, moe).items():
+            layer = _layer_params(params, moe, i)
+            for suffix, t in _llama_layer_to_hf(layer, cfg, _layer_moe(moe, i)).items():
                 tensors[f"model.layers.{i}.{suffix}"] = t
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = head["unembed"].T

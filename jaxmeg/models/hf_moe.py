@@ -1,6 +1,7 @@
 """Hugging Face mixtures of experts <-> jaxmeg (`jaxmeg.models.hf` for the rest of the model):
 `MixtralForCausalLM` and `Qwen2MoeForCausalLM`, both a llama block with every MLP a
-`jaxmeg.models.moe.MoeMlp`.
+`jaxmeg.models.moe.MoeMlp`, but Qwen2-MoE's leading `mlp_only_layers` (jaxmeg's
+`moe.first_dense`), which keep the dense one.
 
   Mixtral     softmax router, top-k weights renormalised; experts w1 (gate), w3 (up), w2
               (down), each [f, h] or [h, f] as torch stores them; `intermediate_size` is one
@@ -64,15 +65,16 @@ def moe_config(architecture: str, hf: dict) -> MoeConfig:
             experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden=-1,
             normalize=True, aux_loss=float(hf.get("router_aux_loss_coef", 0.0)),
         )  # fmt: skip
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+    dense = list(hf.get("mlp_only_layers") or [])
+    if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
         raise HFCheckpointError(
             f"config.json decoder_sparse_step = {hf.get('decoder_sparse_step')}, mlp_only_layers "
-            f"= {hf.get('mlp_only_layers')}: jaxmeg runs MoE on every layer (moe.every 1, "
-            f"moe.first_dense 0) for now"
+            f"= {dense}: jaxmeg runs dense MLPs only in leading layers (moe.first_dense: "
+            f"mlp_only_layers 0, 1, .., n - 1) and MoE in every layer after them (moe.every 1)"
         )
     shared = hf.get("shared_expert_intermediate_size") or 0
     return MoeConfig(
-        experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+        experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], first_dense=len(dense),
         ffn_hidden=hf["moe_intermediate_size"], shared_experts=1 if shared else 0,
         shared_ffn_hidden=shared or -1, shared_gate=bool(shared),
         normalize=bool(hf.get("norm_topk_prob", False)),
@@ -89,7 +91,14 @@ def architecture_of(model: ModelConfig, moe: MoeConfig) -> str:
         )
     if model.block != "llama":
         raise HFCheckpointError("Mixtral and Qwen2-MoE are llama blocks; this model's block is gpt")
-    if moe.shared_experts == 0 and not model.qkv_bias and moe.normalize:
+    mixtral = moe.shared_experts == 0 and not model.qkv_bias and moe.normalize
+    if mixtral and moe.first_dense:
+        raise HFCheckpointError(
+            f"moe.first_dense = {moe.first_dense}: Mixtral has no dense layers, and this "
+            f"model is no Qwen2-MoE (which holds them as mlp_only_layers; it has q, k, v "
+            f"biases or a gated shared expert)"
+        )
+    if mixtral:
         return "MixtralForCausalLM"
     if moe.shared_experts in (0, 1) and moe.shared_gate == bool(moe.shared_experts):
         return "Qwen2MoeForCausalLM"
@@ -116,7 +125,8 @@ def hf_fields(model: ModelConfig, moe: MoeConfig) -> dict[str, Any]:
         "moe_intermediate_size": width, "intermediate_size": model.mlp_hidden,
         "shared_expert_intermediate_size": moe.shared_width(model.mlp_hidden),
         "norm_topk_prob": moe.normalize, "qkv_bias": model.qkv_bias,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": list(range(moe.first_dense)),
+        "use_sliding_window": False,
         "router_aux_loss_coef": moe.aux_loss,
     }  # fmt: skip
 

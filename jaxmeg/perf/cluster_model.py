@@ -428,9 +428,9 @@ def cluster_step_time(
     stage_layers = tuple(layout.stage_layers)
     if not stage_layers:
         stage_layers = (
-            balance([st.cost(slots) for st in times], shape.layers)
+            balance([st.cost(slots) for st in times], shape.stacked_layers)
             if placement == "auto"
-            else even_stage_layers(shape.layers, p)
+            else even_stage_layers(shape.stacked_layers, p)
         )
     layout = dataclasses.replace(layout, stage_layers=stage_layers)
     micro = [st.microbatch(n) for st, n in zip(times, stage_layers, strict=True)]

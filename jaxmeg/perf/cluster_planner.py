@@ -95,7 +95,7 @@ def cluster_layouts(
             if any(n % (d * t) for n in group_gpus):
                 continue
             p = cluster.gpus // (d * t)
-            if p > shape.layers or (pipe and p != pipe):
+            if p > shape.stacked_layers or (pipe and p != pipe):
                 continue
             for b in [microbatch] if microbatch else MICROBATCH_SIZES:
                 if batch % (d * b):

@@ -63,10 +63,12 @@ from jaxmeg.pipeline.layout import StageLayout
 
 def parameter_count(shape: Shape) -> float:
     """Megatron eq. 2: P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)) (MLP of 4h); with
-    experts, l MoE layers (`experts.moe_layer_parameters`) and the same embeddings."""
+    experts, the MoE layers' (`experts.moe_layer_parameters`), the dense leading layers' as eq.
+    2 counts a layer, and the same embeddings."""
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
     if shape.experts:
-        return l * layer_parameters(shape) + (v + s) * h
+        dense = shape.dense_layers * (12 * h * h + 13 * h)
+        return shape.stacked_layers * layer_parameters(shape) + dense + (v + s) * h
     return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
 
 
@@ -76,7 +78,7 @@ def active_parameters(shape: Shape) -> float:
     x = shape.experts
     if x is None:
         return parameter_count(shape)
-    unused = shape.layers * experts.expert_parameters(shape) * (1 - x.top_k / x.count)
+    unused = shape.stacked_layers * experts.expert_parameters(shape) * (1 - x.top_k / x.count)
     return parameter_count(shape) - unused
 
 
@@ -84,12 +86,13 @@ def flops_per_iteration(shape: Shape, batch: int, recompute: bool = True) -> flo
     """Megatron eq. 3: F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) with full recompute
     (one extra forward); 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)) without. With experts,
     the MoE block's active FLOPs (`experts.mlp_flops_per_token`) replace the dense MLP's 16 h^2
-    per token and pass."""
+    per token and pass, in every layer but the dense leading ones."""
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
     moe = 0.0
     if shape.experts:
         dense = experts.mlp_flops_per_token(dataclasses.replace(shape, experts=None))
-        moe = (4 if recompute else 3) * batch * s * l * (experts.mlp_flops_per_token(shape) - dense)
+        per_token = experts.mlp_flops_per_token(shape) - dense
+        moe = (4 if recompute else 3) * batch * s * shape.stacked_layers * per_token
     if recompute:
         return 96 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) + moe
     return 72 * batch * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)) + moe
@@ -99,7 +102,7 @@ def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
     """Which layers each stage holds (`jaxmeg.pipeline.layout`); raises LayoutError naming the
     numbers when l does not split over p v (or `stage_layers` does not fit)."""
     return _stage_layout(
-        shape.layers, layout.pipe, layout.chunks, tuple(layout.stage_layers),
+        shape.stacked_layers, layout.pipe, layout.chunks, tuple(layout.stage_layers),
         schedules.placement_of(layout.schedule),
     )  # fmt: skip
 

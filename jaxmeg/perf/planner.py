@@ -141,7 +141,7 @@ def candidate_layouts(
         [tensor] if tensor else [t for t in _divisors(shape.heads) if hw.gpus_per_node % t == 0]
     )
     for t, p, c, e in itertools.product(
-        tensors, [pipe] if pipe else _divisors(shape.layers), context_sizes(shape, context),
+        tensors, [pipe] if pipe else _divisors(shape.stacked_layers), context_sizes(shape, context),
         expert_sizes(shape, expert),
     ):  # fmt: skip
         if gpus % (t * p * c * e):
@@ -153,10 +153,10 @@ def candidate_layouts(
             if batch % (d * e * b):
                 continue
             m = batch // (d * e * b)
-            for v in [chunks] if chunks else _divisors(shape.layers // p):
+            for v in [chunks] if chunks else _divisors(shape.stacked_layers // p):
                 if v > MAX_CHUNKS and not chunks:
                     continue
-                if (shape.layers % (p * v)) or (v > 1 and p == 1):
+                if (shape.stacked_layers % (p * v)) or (v > 1 and p == 1):
                     continue
                 name = _schedule_for(schedule, p, m, v)
                 if name is None:
@@ -388,14 +388,14 @@ def shortest_time_layouts(
     `_data_sizes`, b in MICROBATCH_SIZES, v per `_chunk_options`, m per `_microbatches`."""
     target_batch = target.critical_batch_tokens / shape.seq_len
     for t in [t for t in _divisors(shape.heads) if hw.gpus_per_node % t == 0]:
-        for p in _divisors(shape.layers):
+        for p in _divisors(shape.stacked_layers):
             if t * p > max_gpus:
                 continue
             for d in _data_sizes(max_gpus // (t * p)):
                 for b in MICROBATCH_SIZES:
                     if d * b > BATCH_WINDOW * target_batch:
                         continue
-                    for v in _chunk_options(method, shape.layers // p, p):
+                    for v in _chunk_options(method, shape.stacked_layers // p, p):
                         m = _microbatches(method, target_batch, d, b, p, v)
                         if not 1 / BATCH_WINDOW <= d * m * b / target_batch <= BATCH_WINDOW:
                             continue

@@ -11,8 +11,9 @@ from jaxmeg.config import ModelConfig, MoeConfig
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Experts:
-    """A mixture-of-experts layer in place of every layer's MLP (`moe` config section), as the
-    performance model reads it (`jaxmeg.perf.experts`)."""
+    """A mixture-of-experts layer in place of the MLP of every layer but the `dense_layers`
+    leading ones (`moe` config section), as the performance model reads it
+    (`jaxmeg.perf.experts`)."""
 
     count: int
     """Routed experts E."""
@@ -27,6 +28,10 @@ class Experts:
     capacity_factor: float = 0.0
     """Slots per expert as a multiple of its even share of a sequence's choices (`moe`'s);
     0 = dropless."""
+    dense_layers: int = 0
+    """Leading layers that keep the dense MLP (`moe.first_dense`), counted as dense layers in
+    the parameters and FLOPs. They run with the embedding on the first stage; the per-stage
+    time and memory price the l - dense_layers MoE layers the stages split."""
 
     @property
     def matrices(self) -> int:
@@ -46,6 +51,16 @@ class Shape:
     context ring's block size reads it (the parameters and FLOPs are multi-head attention's)."""
     experts: Experts | None = None
     """The MoE layers' shape; None: a dense model."""
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers with the dense MLP before the MoE ones (0 for a dense model: all are)."""
+        return self.experts.dense_layers if self.experts else 0
+
+    @property
+    def stacked_layers(self) -> int:
+        """The layers the pipeline stages split: l less the dense leading ones."""
+        return self.layers - self.dense_layers
 
 
 def shape_of(model: ModelConfig, moe: MoeConfig | None = None) -> Shape:
@@ -68,5 +83,5 @@ def experts_of(model: ModelConfig, moe: MoeConfig | None) -> Experts | None:
     return Experts(
         count=moe.experts, top_k=moe.top_k, width=moe.expert_width(dense),
         shared_width=moe.shared_width(dense), gated=model.block != "gpt",
-        capacity_factor=moe.capacity_factor,
+        capacity_factor=moe.capacity_factor, dense_layers=moe.first_dense,
     )  # fmt: skip

@@ -64,16 +64,17 @@ class StageLayout:
         num_chunks: int = 1,
         stage_layers: tuple[int, ...] | list[int] = (),
         placement: str = "interleaved",
+        field: str = "model.layers",
     ) -> StageLayout:
         """The even split of `num_layers` over p stages and v chunks, or the uneven split
         `stage_layers` (one count per stage, v = 1); `placement` `v` puts two chunks in a V.
-        Raises LayoutError naming the numbers."""
-        L = _as_int("model.layers", num_layers)
+        Raises LayoutError naming the numbers, the layers as `field` (the config's name)."""
+        L = _as_int(field, num_layers)
         p = _as_int("parallel.pipe", num_stages)
         v = _as_int("parallel.chunks", num_chunks)
-        for field, value in (("model.layers", L), ("parallel.pipe", p), ("parallel.chunks", v)):
+        for name, value in ((field, L), ("parallel.pipe", p), ("parallel.chunks", v)):
             if value < 1:
-                raise LayoutError(f"{field} must be >= 1, got {value}")
+                raise LayoutError(f"{name} must be >= 1, got {value}")
         if placement not in PLACEMENTS:
             raise LayoutError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
         if placement == "v" and (v != 2 or stage_layers):
@@ -84,7 +85,7 @@ class StageLayout:
         if not stage_layers:
             if L % (p * v):
                 raise LayoutError(
-                    f"model.layers ({L}) must be divisible by parallel.pipe * parallel.chunks = "
+                    f"{field} ({L}) must be divisible by parallel.pipe * parallel.chunks = "
                     f"{p} * {v} = {p * v} (or give parallel.stage_layers, one count per stage)"
                 )
             return cls(L, p, v, (L // p,) * p, uneven=False, placement=placement)
@@ -101,8 +102,7 @@ class StageLayout:
             )
         if sum(counts) != L:
             raise LayoutError(
-                f"parallel.stage_layers {list(counts)} sums to {sum(counts)}, but model.layers "
-                f"is {L}"
+                f"parallel.stage_layers {list(counts)} sums to {sum(counts)}, but {field} is {L}"
             )
         if v > 1:
             raise LayoutError(

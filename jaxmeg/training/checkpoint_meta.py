@@ -29,6 +29,7 @@ SHAPE_FIELDS = (
     "moe.shared_experts",
     "moe.shared_ffn_hidden",
     "moe.shared_gate",
+    "moe.first_dense",
 )
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_steps")
 

@@ -57,7 +57,8 @@ def move_biases(params, loads: list[jax.Array], rate: float):
 
 
 def load_spread(loads: list[jax.Array], layout: StageLayout) -> jax.Array:
-    """max / mean load over the experts of each MoE layer [L], in model order (1 = even)."""
+    """max / mean load over the experts of each MoE layer [L - moe.first_dense], in model order
+    (1 = even)."""
     (load,) = loads  # the stacked layers' one bias leaf, [v, p, Lc, E]
     load = layout.to_canonical(load)
     mean = jnp.mean(load, axis=-1)
@@ -65,7 +66,7 @@ def load_spread(loads: list[jax.Array], layout: StageLayout) -> jax.Array:
 
 
 def dropped_share(kept: list[jax.Array], layout: StageLayout) -> jax.Array:
-    """The share of each MoE layer's routing choices that its experts' capacity dropped [L], in
-    model order (0 = none)."""
+    """The share of each MoE layer's routing choices that its experts' capacity dropped
+    [L - moe.first_dense], in model order (0 = none)."""
     (share,) = kept  # the stacked layers' one leaf, [v, p, Lc, E]
     return 1.0 - jnp.sum(layout.to_canonical(share), axis=-1)

@@ -106,12 +106,12 @@ def resolve(
     mode = par.stage_layers if isinstance(par.stage_layers, str) else None
     if mode:
         pipe = resolve_mesh_shape(par, devices)[1]
-        if cfg.model.layers < pipe:
+        if cfg.stacked_layers < pipe:
             raise ConfigError(
-                f"parallel.stage_layers={mode} needs model.layers ({cfg.model.layers}) >= "
-                f"parallel.pipe ({pipe})"
+                f"parallel.stage_layers={mode} needs {cfg.stacked_layers_field} "
+                f"({cfg.stacked_layers}) >= parallel.pipe ({pipe})"
             )
-        cfg = _with_stage_layers(cfg, balance([StageCost(1.0)] * pipe, cfg.model.layers))
+        cfg = _with_stage_layers(cfg, balance([StageCost(1.0)] * pipe, cfg.stacked_layers))
     cfg = validate(cfg, devices)
     placement = None
     if job is not None:
@@ -130,6 +130,6 @@ def resolve(
         from jaxmeg.training.stage_probe import probe_costs
 
         costs, source = probe_costs(cfg, placement, out_dir)
-    layers = balance(costs, cfg.model.layers)
+    layers = balance(costs, cfg.stacked_layers)
     return RunLayout(validate(_with_stage_layers(cfg, layers), devices), placement, tuple(costs),
                      source)  # fmt: skip

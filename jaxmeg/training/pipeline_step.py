@@ -207,7 +207,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
         activation_rules(cfg.parallel),
         manual_axes=frozenset(gradients.map_axes(trainable.mesh.shape)),
     )
-    model = GPT(trainable.model_cfg, trainable.vocab, constrain, model_order(trainable))
+    model = GPT(trainable.model_cfg, trainable.vocab, constrain, model_order(trainable), cfg.moe)
     vocab_size = cfg.model.vocab_size
 
     def embed(shared, tokens_BxS):

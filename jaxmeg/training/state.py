@@ -104,8 +104,8 @@ class Trainable:
     def layout(self) -> StageLayout:
         par = self.cfg.parallel
         return StageLayout.create(
-            self.cfg.model.layers, self.pipe, par.chunks, par.stage_layers,
-            placement=schedules.placement_of(par.schedule),
+            self.cfg.stacked_layers, self.pipe, par.chunks, par.stage_layers,
+            placement=schedules.placement_of(par.schedule), field=self.cfg.stacked_layers_field,
         )  # fmt: skip
 
 
