@@ -33,7 +33,11 @@ class MoeConfig:
     the embedding, on the first pipeline stage, and its backward recomputes them; the other
     model.layers - first_dense layers are the ones split over stages."""
     every: int = 1
-    """An MoE layer every n-th layer (Switch Transformer: 2). Only 1 runs yet."""
+    """MoE in every n-th layer only (Switch Transformer, Llama 4 Maverick: 2; Qwen-MoE's
+    `decoder_sparse_step`): after the `first_dense` layers the layers come in groups of n, n - 1
+    with the dense MLP and then an MoE one, so model.layers - first_dense must be divisible by
+    n. A group is one entry of the layer stack: pipeline stages and `parallel.stage_layers`
+    count groups."""
     router: str = "softmax"
     """`softmax` (Mixtral, Qwen-MoE: probabilities over all experts) or `sigmoid` (DeepSeek-V3:
     independent scores, the chosen ones normalised). The router runs in float32."""
@@ -64,6 +68,11 @@ class MoeConfig:
     def dense_layers(self) -> int:
         """The leading layers with a dense MLP: `first_dense` of an MoE model, else 0."""
         return self.first_dense if self.experts else 0
+
+    @property
+    def layers_per_unit(self) -> int:
+        """Layers per entry of the layer stack: `every` of an MoE model, else 1."""
+        return self.every if self.experts else 1
 
     def expert_width(self, dense_width: int) -> int:
         """One routed expert's FFN width, given the dense MLP's."""

@@ -355,14 +355,18 @@ class Config:
 
     @property
     def stacked_layers(self) -> int:
-        """The layers the pipeline splits over stages: model.layers but the dense leading ones
-        of an MoE model (`moe.first_dense`), which run with the embedding."""
-        return self.model.layers - self.moe.dense_layers
+        """The entries of the layer stack, which the pipeline splits over stages: model.layers
+        but the dense leading ones of an MoE model (`moe.first_dense`), which run with the
+        embedding, in groups of `moe.every` layers."""
+        return (self.model.layers - self.moe.dense_layers) // self.moe.layers_per_unit
 
     @property
     def stacked_layers_field(self) -> str:
         """How errors name `stacked_layers`."""
-        return "model.layers - moe.first_dense" if self.moe.dense_layers else "model.layers"
+        name = "model.layers - moe.first_dense" if self.moe.dense_layers else "model.layers"
+        if self.moe.layers_per_unit > 1:
+            return f"({name}) / moe.every (layer groups)"
+        return name
 
 
 SECTION_TYPES = {

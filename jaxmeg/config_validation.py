@@ -254,6 +254,12 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
             f"moe.first_dense (dense leading layers) must be between 0 and model.layers - 1 "
             f"({cfg.model.layers - 1}), got {moe.first_dense}"
         )
+    if moe.every < 1 or (cfg.model.layers - moe.first_dense) % moe.every:
+        raise ConfigError(
+            f"moe.every = {moe.every}: the layers after the dense leading ones, model.layers - "
+            f"moe.first_dense = {cfg.model.layers} - {moe.first_dense}, come in groups of "
+            f"moe.every (the last of each MoE): make it a divisor >= 1"
+        )
     for name in ("ffn_hidden", "shared_ffn_hidden"):
         if getattr(moe, name) != -1 and getattr(moe, name) < 1:
             raise ConfigError(f"moe.{name} must be -1 or >= 1, got {getattr(moe, name)}")
@@ -270,7 +276,6 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
                 f"{name} ({width}) is split over parallel.tensor ({tensor}): make it divisible"
             )
     not_yet = [
-        (moe.every != 1, f"moe.every = {moe.every} (MoE on some layers only)"),
         (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
         (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
         (bool(comp.data_grad_rank), f"compression.data_grad_rank = {comp.data_grad_rank} (it "

@@ -65,12 +65,19 @@ def _models():
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
         **{**attention, "num_hidden_layers": 3},
     )  # fmt: skip
+    # MoE every other layer (decoder_sparse_step 2): dense, MoE, dense, MoE (jaxmeg's moe.every)
+    qwen2_moe_every2 = Qwen2MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+        **{**attention, "num_hidden_layers": 4},
+    )  # fmt: skip
     return {
         "gpt2": (GPT2LMHeadModel(gpt2), "float16"),
         "llama_gqa": (LlamaForCausalLM(llama), "bfloat16"),
         "mixtral": (MixtralForCausalLM(mixtral), "bfloat16"),
         "qwen2_moe": (Qwen2MoeForCausalLM(qwen2_moe), "bfloat16"),
         "qwen2_moe_dense": (Qwen2MoeForCausalLM(qwen2_moe_dense), "bfloat16"),
+        "qwen2_moe_every2": (Qwen2MoeForCausalLM(qwen2_moe_every2), "bfloat16"),
     }
 
 

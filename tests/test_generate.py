@@ -2,10 +2,10 @@
 
 Greedy ids with the cache equal those of recomputing the full forward at every step, and on a
 (1, 1, 4) tensor mesh those of one device (GPT, Llama with grouped-query attention, and a Llama
-mixture of experts with a dense leading layer); seeded sampling repeats and never yields a
-padding id; the eval loss on a (2, 2, 2) pipelined mesh equals one device's; a trained run
-records eval_loss at train.eval_every steps, and scripts/generate.py and scripts/evaluate.py
-read its run directory.
+mixture of experts with a dense leading layer and MoE every other layer); seeded sampling
+repeats and never yields a padding id; the eval loss on a (2, 2, 2) pipelined mesh equals one
+device's; a trained run records eval_loss at train.eval_every steps, and scripts/generate.py and
+scripts/evaluate.py read its run directory.
 """
 
 from __future__ import annotations
@@ -42,10 +42,15 @@ NEW_TOKENS = 20
 BLOCKS = {
     "gpt": {},
     "llama_gqa": {"block": "llama", "kv_heads": 2, "tie_embeddings": False},
-    # a dense leading layer, then two MoE ones: the cache splits between the two stacks
-    "llama_moe_first_dense": {"block": "llama", "tie_embeddings": False, "layers": 3},
+    # a dense leading layer, then two groups of a dense and an MoE layer: the cache splits
+    # between the two stacks, and the groups' part into their layers
+    "llama_moe_first_dense_every2": {"block": "llama", "tie_embeddings": False, "layers": 5},
 }
-MOE = {"llama_moe_first_dense": C.MoeConfig(experts=4, top_k=2, ffn_hidden=16, first_dense=1)}
+MOE = {
+    "llama_moe_first_dense_every2": C.MoeConfig(
+        experts=4, top_k=2, ffn_hidden=16, first_dense=1, every=2
+    )
+}
 
 
 def tiny_trainable(block: str, tensor: int = 1) -> Trainable:

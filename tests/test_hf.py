@@ -27,7 +27,7 @@ from tests.helpers import put_batch, random_batch, trainable_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
-MODELS = ["gpt2", "llama_gqa", "mixtral", "qwen2_moe", "qwen2_moe_dense"]
+MODELS = ["gpt2", "llama_gqa", "mixtral", "qwen2_moe", "qwen2_moe_dense", "qwen2_moe_every2"]
 LOGITS_TOL = 1e-4
 GRADS_TOL = 1e-5  # as tests/test_tensor_parallel.py at the initial params
 
@@ -238,7 +238,7 @@ def assert_equal_to(loss_and_grads, ref_loss, ref_grads, mesh) -> None:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2_moe_dense"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2_moe_dense", "qwen2_moe_every2"])
 def test_an_imported_mixture_of_experts_trains_on_expert_2_pipe_2_as_on_one_device(name, imported):
     """The experts split over 2 devices and the layers over 2 stages (4 devices): the imported
     step-0 loss and every gradient, routers and expert weights included, equal one device's."""
@@ -260,13 +260,17 @@ def test_what_mixtral_and_qwen2_moe_cannot_hold_is_refused_before_writing(tmp_pa
         hf.write_checkpoint(tmp_path / "sigmoid", model, params, sigmoid)
     assert not (tmp_path / "moved").exists() and not (tmp_path / "sigmoid").exists()
     qwen, _ = hf.read_checkpoint(FIXTURES / "qwen2_moe")
-    with pytest.raises(hf.HFCheckpointError, match="decoder_sparse_step = 2"):
-        hf.moe_config({**qwen, "decoder_sparse_step": 2})
-    with pytest.raises(hf.HFCheckpointError, match=r"mlp_only_layers = \[1\]: jaxmeg runs dense"):
+    with pytest.raises(hf.HFCheckpointError, match="decoder_sparse_step = 4"):
+        hf.moe_config({**qwen, "decoder_sparse_step": 4, "num_hidden_layers": 6})
+    with pytest.raises(
+        hf.HFCheckpointError, match=r"mlp_only_layers = \[1\] \(2 layers\): jaxmeg runs dense"
+    ):
         hf.moe_config({**qwen, "mlp_only_layers": [1]})
     dense_mixtral = dataclasses.replace(moe, first_dense=1)
     model = dataclasses.replace(model, layers=3)
-    with pytest.raises(hf.HFCheckpointError, match="first_dense = 1: Mixtral has no dense layers"):
+    with pytest.raises(
+        hf.HFCheckpointError, match="first_dense = 1, moe.every = 1: Mixtral has no dense layers"
+    ):
         hf.write_checkpoint(tmp_path / "dense", model, params, dense_mixtral)
 
 

@@ -43,13 +43,16 @@ SHARED = dataclasses.replace(TOP2, shared_experts=1, shared_gate=True)
 SIGMOID_TOP1 = dataclasses.replace(TOP2, top_k=1, router="sigmoid", normalize=False)
 CAPACITY = dataclasses.replace(TOP2, capacity_factor=1.0)  # 4 slots per expert and sequence
 FIRST_DENSE = dataclasses.replace(TOP2, first_dense=1)  # a dense layer, then the MoE ones
+EVERY2 = dataclasses.replace(TOP2, every=2)  # dense, MoE, dense, MoE: groups of 2 per stage
 TOL = 2e-5
 
 
 def config(mesh, moe, model=LLAMA, schedule="1f1b", chunks=1, microbatches=2, **parallel):
     data, pipe, tensor = mesh
     return C.Config(
-        model=dataclasses.replace(model, layers=max(model.layers, pipe * chunks + moe.first_dense)),
+        model=dataclasses.replace(
+            model, layers=max(model.layers, pipe * chunks * moe.every + moe.first_dense)
+        ),
         moe=moe,
         parallel=C.ParallelConfig(
             data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, **parallel
@@ -140,6 +143,11 @@ CASES = {
     # a dense leading layer runs with the embedding, on the first stage, recomputed in its B
     "d2e2p2-zb_h1-zero3-first_dense": (
         (2, 2, 1), FIRST_DENSE, LLAMA, "zb_h1", 1, {"expert": 2, "zero_stage": 3}
+    ),
+    # MoE every other layer: each stack entry a group of a dense layer and an MoE one
+    "d2p2-every2": ((2, 2, 1), EVERY2, LLAMA, "1f1b", 1, {}),
+    "e2p2t2-zb_h1-every2-first_dense": (
+        (1, 2, 2), dataclasses.replace(EVERY2, first_dense=1), LLAMA, "zb_h1", 1, {"expert": 2}
     ),
     "e2t2-first_dense-sequence_parallel-gpt": (
         (1, 1, 2), FIRST_DENSE, GPT, "1f1b", 1, {"expert": 2, "sequence_parallel": True}
@@ -345,13 +353,25 @@ def test_capacity_exchange_moves_its_buffers_and_the_experts_run_the_routed_flop
     )
 
 
+def test_the_cost_report_says_why_it_has_no_planner_bytes_for_layer_groups():
+    """MoE every other layer: the planner counts its FLOPs but prices no stage of layer groups,
+    and the report says so instead of the planner's bytes."""
+    from jaxmeg.training import cost_report as cost_report_module
+
+    report = cost_report_module.cost_report(trainable_for(config((1, 1, 1), EVERY2)))
+    assert "moe.every = 2 stacks groups of 2 layers" in report["planner"]["unpriced"]
+    assert report["planner"]["flops"] > 0 and "collective_bytes_per_device" not in report["planner"]
+    text = cost_report_module.format_report(report)
+    assert "  tensor bytes     0.0000 GB | -" in text and "(planner: the performance" in text
+
+
 BAD = [
     ({"experts": 4, "top_k": 5}, "moe.top_k must be between 1 and moe.experts (4), got 5"),
     ({"experts": -2}, "moe.experts must be >= 0"),
     ({"experts": 4, "capacity_factor": -1.0}, "moe.capacity_factor must be >= 0, got -1.0"),
     ({"experts": 4, "router": "relu"}, "moe.router"),
     ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
-    ({"experts": 4, "every": 2}, "does not run with moe.every = 2"),
+    ({"experts": 4, "every": 0}, "moe.every = 0: the layers after the dense leading ones"),
     ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
 ]
 
@@ -365,22 +385,25 @@ def test_bad_moe_settings_are_named_before_compiling(fields, message):
         C.validate(cfg, 4)
 
 
-def test_dense_leading_layers_are_named_where_they_do_not_fit():
+def test_dense_leading_layers_and_layer_groups_are_named_where_they_do_not_fit():
     cfg = config((1, 2, 1), FIRST_DENSE)  # 3 layers: 1 dense, 2 over the stages
-    whole = dataclasses.replace(cfg, moe=dataclasses.replace(FIRST_DENSE, first_dense=3))
-    with pytest.raises(
-        C.ConfigError,
-        match=r"moe.first_dense \(dense leading layers\) must be between 0 and "
-        r"model.layers - 1 \(2\), got 3",
-    ):
-        C.validate(whole, 2)
-    four = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=4))
-    with pytest.raises(
-        C.ConfigError,
-        match=r"model.layers - moe.first_dense \(3\) must be divisible by "
-        r"parallel.pipe \* parallel.chunks = 2 \* 1 = 2",
-    ):
-        C.validate(four, 2)
+
+    def varied(layers, **moe):
+        model = dataclasses.replace(cfg.model, layers=layers)
+        return dataclasses.replace(cfg, model=model, moe=dataclasses.replace(FIRST_DENSE, **moe))
+
+    for bad, message in [
+        (varied(3, first_dense=3), r"moe.first_dense \(dense leading layers\) must be between "
+                                   r"0 and model.layers - 1 \(2\), got 3"),
+        (varied(4), r"model.layers - moe.first_dense \(3\) must be divisible by parallel.pipe "
+                    r"\* parallel.chunks = 2 \* 1 = 2"),
+        (varied(4, every=2), r"moe.every = 2: the layers after the dense leading ones, "
+                             r"model.layers - moe.first_dense = 4 - 1, come in groups"),
+        (varied(7, every=2), r"\(model.layers - moe.first_dense\) / moe.every \(layer groups\) "
+                             r"\(3\) must be divisible by parallel.pipe"),
+    ]:  # fmt: skip
+        with pytest.raises(C.ConfigError, match=message):
+            C.validate(bad, 2)
 
 
 def test_an_expert_axis_that_does_not_fit_is_named():

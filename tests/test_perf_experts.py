@@ -24,7 +24,7 @@ from jaxmeg.perf.model import (
     step_time,
 )
 from jaxmeg.perf.planner import plan
-from jaxmeg.perf.shape import Experts, Shape, shape_of
+from jaxmeg.perf.shape import Experts, Shape, UnpricedShape, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
 
 # Mixtral 8x7B (Jiang et al., 2024): h 4096, 32 layers, 32 heads (8 key/value), f 14336, 8
@@ -141,7 +141,22 @@ def test_dense_leading_layers_count_as_dense_ones_and_stay_out_of_the_stages():
     )
     pipes = {p.layout.pipe for p in plan(lead, 64, 256, H100, context=1, expert=8)}
     assert pipes and all(30 % p == 0 for p in pipes) and 4 not in pipes
-    model = C.ModelConfig(block="llama", hidden=64, layers=4, heads=4, vocab_size=256)
-    moe = C.MoeConfig(experts=4, first_dense=1)
-    assert shape_of(model, moe).experts.dense_layers == 1
-    assert shape_of(model, moe).stacked_layers == 3
+    model = C.ModelConfig(block="llama", hidden=64, layers=5, heads=4, vocab_size=256)
+    moe = C.MoeConfig(experts=4, first_dense=1, every=2)
+    shape = shape_of(model, moe)
+    assert (shape.experts.dense_layers, shape.experts.every) == (1, 2)
+    assert (shape.stacked_layers, shape.moe_layers) == (2, 2)
+
+
+def test_moe_every_other_layer_counts_half_the_moe_layers_and_is_not_priced_per_stage():
+    every2 = dataclasses.replace(MIXTRAL, experts=dataclasses.replace(MIXTRAL.experts, every=2))
+    dense = dataclasses.replace(MIXTRAL, experts=None)
+    assert every2.moe_layers == 16
+    for count in (parameter_count, active_parameters):
+        half = (count(MIXTRAL) + count(dense)) / 2
+        assert count(every2) == pytest.approx(half, rel=1e-12)
+    half = (flops_per_iteration(MIXTRAL, 1, False) + flops_per_iteration(dense, 1, False)) / 2
+    assert flops_per_iteration(every2, 1, False) == pytest.approx(half, rel=1e-12)
+    lay = Layout(tensor=8, pipe=4, data=2, expert=1, microbatch=1, microbatches=8)
+    with pytest.raises(UnpricedShape, match="moe.every = 2 stacks groups of 2 layers"):
+        step_time(every2, lay, H100)

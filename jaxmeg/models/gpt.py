@@ -268,14 +268,12 @@ REMAT_POLICY = {
 }
 
 
-class Block(nn.Module):
-    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)), the MLP a
-    mixture of experts (`MoeMlp`, named `moe`) when `moe.experts` > 0. With this layer's
-    key/value cache [2, B, T, K, H] (decoding), also returns the cache the new tokens wrote.
-    What it keeps for its backward is REMAT_POLICY[cfg.remat], applied by its caller
-    (`BlockStack`, the pipeline's chunk) around each layer. `moe_grad_scale`: the weight of the
-    MoE layers' auxiliary losses in the backward (`jaxmeg.models.moe.into_backward`);
-    `moe_dispatch`: how the MoE layer runs experts split over devices (None: all here)."""
+class StackEntry(nn.Module):
+    """The fields of one entry of the layer stack (`Block`, `LayerGroup`). What it keeps for
+    its backward is REMAT_POLICY[cfg.remat], applied by its caller (`BlockStack`, the
+    pipeline's chunk) around each entry. `moe_grad_scale`: the weight of the MoE layers'
+    auxiliary losses in the backward (`jaxmeg.models.moe.into_backward`); `moe_dispatch`: how
+    the MoE layer runs experts split over devices (None: all here)."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
@@ -283,6 +281,12 @@ class Block(nn.Module):
     moe: MoeConfig = MoeConfig()
     moe_grad_scale: float = 0.0
     moe_dispatch: Dispatch | None = None
+
+
+class Block(StackEntry):
+    """Pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)), the MLP a
+    mixture of experts (`MoeMlp`, named `moe`) when `moe.experts` > 0. With this layer's
+    key/value cache [2, B, T, K, H] (decoding), also returns the cache the new tokens wrote."""
 
     @nn.compact
     def __call__(
@@ -306,9 +310,42 @@ class Block(nn.Module):
         return x, cache_2xBxTxKxH
 
 
+class LayerGroup(StackEntry):
+    """`moe.every` = n consecutive layers as one entry of the layer stack (n > 1): n - 1
+    Blocks with the dense MLP, then one whose MLP is the mixture of experts; params
+    {'layer_0': .., 'layer_{n-1}': ..}, the MoE block's in the last. With a key/value cache
+    [n, 2, B, T, K, H] (decoding), also returns the cache its layers wrote."""
+
+    @nn.compact
+    def __call__(
+        self, x_BxSxD: Array, cache_Nx2xBxTxKxH: Array | None = None, start: Array | int = 0
+    ) -> tuple[Array, Array | None]:
+        n, caches = self.moe.every, []
+        for k in range(n):
+            moe = self.moe if k == n - 1 else MoeConfig()
+            block = Block(self.cfg, self.constrain, self.order, moe, self.moe_grad_scale,
+                          self.moe_dispatch, name=f"layer_{k}")  # fmt: skip
+            cache = None if cache_Nx2xBxTxKxH is None else cache_Nx2xBxTxKxH[k]
+            x_BxSxD, cache = block(x_BxSxD, cache, start)
+            caches.append(cache)
+        return x_BxSxD, None if cache_Nx2xBxTxKxH is None else jnp.stack(caches)
+
+
+def layer_unit(moe: MoeConfig) -> type[nn.Module]:
+    """What one entry of the layer stack is: a `Block`, or with MoE every n > 1 layers
+    (`moe.every`) a `LayerGroup` of n layers."""
+    return LayerGroup if moe.layers_per_unit > 1 else Block
+
+
+def moe_path(moe: MoeConfig) -> tuple[str, ...]:
+    """Where a stack entry's MoE block sits in its params (and in what it sows)."""
+    return (f"layer_{moe.every - 1}", "moe") if moe.layers_per_unit > 1 else ("moe",)
+
+
 class BlockStack(nn.Module):
-    """`num_layers` Blocks with parameters stacked on a leading `layers` dim, applied by scan
-    (what the MoE layers sow, stacked likewise)."""
+    """`num_layers` stack entries (`layer_unit`: Blocks, or groups of `moe.every` layers) with
+    parameters stacked on a leading `layers` dim, applied by scan (what the MoE layers sow,
+    stacked likewise). A key/value cache has one entry per layer, [num_layers x n, 2, ...]."""
 
     cfg: ModelConfig
     num_layers: int
@@ -321,9 +358,11 @@ class BlockStack(nn.Module):
         self, x_BxSxD: Array, cache_Lx2xBxTxKxH: Array | None = None, start: Array | int = 0
     ) -> Array | tuple[Array, Array]:
         """x; with a key/value cache (decoding, no remat), (x, the updated cache)."""
-        block = Block
+        block, n = layer_unit(self.moe), self.moe.layers_per_unit
         if cache_Lx2xBxTxKxH is None:
             block = nn.remat(block, policy=REMAT_POLICY[self.cfg.remat], prevent_cse=False)
+        elif n > 1:  # one cache entry per group: [L / n, n, 2, ...]
+            cache_Lx2xBxTxKxH = cache_Lx2xBxTxKxH.reshape(-1, n, *cache_Lx2xBxTxKxH.shape[1:])
         scanned = nn.scan(
             block,
             variable_axes={"params": 0, MOE_STATS: 0},
@@ -335,7 +374,9 @@ class BlockStack(nn.Module):
         x, cache = scanned(self.cfg, self.constrain, self.order, self.moe, name="layers")(
             x_BxSxD, cache_Lx2xBxTxKxH, start
         )
-        return x if cache_Lx2xBxTxKxH is None else (x, cache)
+        if cache_Lx2xBxTxKxH is None:
+            return x
+        return x, cache.reshape(-1, *cache.shape[2:]) if n > 1 else cache
 
 
 class Embed(nn.Module):
@@ -407,7 +448,8 @@ class GPT(nn.Module):
     'head': {final_norm, unembed?}}; `moe` makes every layer's MLP a mixture of experts, but
     for its `first_dense` leading layers, which keep the dense MLP and are a stack of their own,
     {'dense_blocks': {'layers': [first_dense, ...]}}, run with the embedding (`embed_tokens`):
-    'blocks' then holds the L - first_dense MoE layers, the ones a pipeline splits over stages.
+    'blocks' then holds the L - first_dense others, the ones a pipeline splits over stages;
+    with `moe.every` n > 1 as (L - first_dense) / n groups of n layers (`LayerGroup`).
     """
 
     cfg: ModelConfig
@@ -421,9 +463,8 @@ class GPT(nn.Module):
         dense = self.moe.dense_layers
         if dense:
             self.dense_blocks = BlockStack(self.cfg, dense, self.constrain, self.order)
-        self.blocks = BlockStack(
-            self.cfg, self.cfg.layers - dense, self.constrain, self.order, self.moe
-        )
+        entries = (self.cfg.layers - dense) // self.moe.layers_per_unit
+        self.blocks = BlockStack(self.cfg, entries, self.constrain, self.order, self.moe)
         self.head = Head(self.cfg, self.vocab, self.constrain)
 
     def __call__(self, tokens_BxS: Array) -> Array:

@@ -429,24 +429,33 @@ def from_hf(tensors: Tensors, cfg: ModelConfig, moe: MoeConfig | None = None) ->
             f"the checkpoint has tensors that a {cfg.block} model of {cfg.layers} layers does "
             f"not use: {unused[:5]}{' ...' if len(unused) > 5 else ''}"
         )
-    dense = moe.dense_layers
-    params = {"embed": embed, "blocks": {"layers": _stack_layers(layers[dense:])}, "head": head}
+    dense, n = moe.dense_layers, moe.layers_per_unit
+    if n > 1:  # groups of n layers: layer_k of group g is layer dense + g n + k
+        stacked = {f"layer_{k}": _stack_layers(layers[dense + k :: n]) for k in range(n)}
+    else:
+        stacked = _stack_layers(layers[dense:])
+    params = {"embed": embed, "blocks": {"layers": stacked}, "head": head}
     if dense:
         params["dense_blocks"] = {"layers": _stack_layers(layers[:dense])}
     return _as_float32(params)
 
 
 def _layer_moe(moe: MoeConfig, i: int) -> MoeConfig:
-    """Layer i's MLP: `moe`'s experts, or the dense MLP in the leading `moe.first_dense`."""
-    return MoeConfig() if i < moe.dense_layers else moe
+    """Layer i's MLP: `moe`'s experts, or the dense MLP in the leading `moe.first_dense` and,
+    with `moe.every` n > 1, in all but the last of each group of n after them."""
+    dense, n = moe.dense_layers, moe.layers_per_unit
+    return moe if i >= dense and (i - dense) % n == n - 1 else MoeConfig()
 
 
 def _layer_params(params: Params, moe: MoeConfig, i: int) -> Params:
-    """Layer i of the canonical params: of the dense leading stack or of the blocks."""
-    dense = moe.dense_layers
+    """Layer i of the canonical params: of the dense leading stack or of the blocks (of its
+    group's `layer_k` with `moe.every` > 1)."""
+    dense, n = moe.dense_layers, moe.layers_per_unit
     if i < dense:
         return _layer(params["dense_blocks"]["layers"], i)
-    return _layer(params["blocks"]["layers"], i - dense)
+    group, k = divmod(i - dense, n)
+    stacked = params["blocks"]["layers"]
+    return _layer(stacked[f"layer_{k}"] if n > 1 else stacked, group)
 
 
 def _as_float32(params: Params) -> Params:

@@ -1,7 +1,8 @@
 """Hugging Face mixtures of experts <-> jaxmeg (`jaxmeg.models.hf` for the rest of the model):
 `MixtralForCausalLM` and `Qwen2MoeForCausalLM`, both a llama block with every MLP a
 `jaxmeg.models.moe.MoeMlp`, but Qwen2-MoE's leading `mlp_only_layers` (jaxmeg's
-`moe.first_dense`), which keep the dense one.
+`moe.first_dense`), which keep the dense one, and with its `decoder_sparse_step` n (jaxmeg's
+`moe.every`) all but every n-th layer.
 
   Mixtral     softmax router, top-k weights renormalised; experts w1 (gate), w3 (up), w2
               (down), each [f, h] or [h, f] as torch stores them; `intermediate_size` is one
@@ -65,16 +66,19 @@ def moe_config(architecture: str, hf: dict) -> MoeConfig:
             experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden=-1,
             normalize=True, aux_loss=float(hf.get("router_aux_loss_coef", 0.0)),
         )  # fmt: skip
-    dense = list(hf.get("mlp_only_layers") or [])
-    if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+    dense, step = list(hf.get("mlp_only_layers") or []), hf.get("decoder_sparse_step", 1)
+    layers = hf["num_hidden_layers"]
+    if dense != list(range(len(dense))) or len(dense) % step or (layers - len(dense)) % step:
         raise HFCheckpointError(
-            f"config.json decoder_sparse_step = {hf.get('decoder_sparse_step')}, mlp_only_layers "
-            f"= {dense}: jaxmeg runs dense MLPs only in leading layers (moe.first_dense: "
-            f"mlp_only_layers 0, 1, .., n - 1) and MoE in every layer after them (moe.every 1)"
+            f"config.json decoder_sparse_step = {step}, mlp_only_layers = {dense} "
+            f"({layers} layers): jaxmeg runs dense MLPs in leading layers (moe.first_dense: "
+            f"mlp_only_layers 0, 1, .., n - 1) and after them MoE in every step-th layer "
+            f"(moe.every), so both n and the layers after them must be multiples of the step"
         )
     shared = hf.get("shared_expert_intermediate_size") or 0
     return MoeConfig(
         experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], first_dense=len(dense),
+        every=step,
         ffn_hidden=hf["moe_intermediate_size"], shared_experts=1 if shared else 0,
         shared_ffn_hidden=shared or -1, shared_gate=bool(shared),
         normalize=bool(hf.get("norm_topk_prob", False)),
@@ -92,11 +96,17 @@ def architecture_of(model: ModelConfig, moe: MoeConfig) -> str:
     if model.block != "llama":
         raise HFCheckpointError("Mixtral and Qwen2-MoE are llama blocks; this model's block is gpt")
     mixtral = moe.shared_experts == 0 and not model.qkv_bias and moe.normalize
-    if mixtral and moe.first_dense:
+    if mixtral and (moe.first_dense or moe.every > 1):
         raise HFCheckpointError(
-            f"moe.first_dense = {moe.first_dense}: Mixtral has no dense layers, and this "
-            f"model is no Qwen2-MoE (which holds them as mlp_only_layers; it has q, k, v "
-            f"biases or a gated shared expert)"
+            f"moe.first_dense = {moe.first_dense}, moe.every = {moe.every}: Mixtral has no "
+            f"dense layers, and this model is no Qwen2-MoE (which holds them as "
+            f"mlp_only_layers and decoder_sparse_step; it has q, k, v biases or a gated shared "
+            f"expert)"
+        )
+    if moe.first_dense % moe.every:
+        raise HFCheckpointError(
+            f"moe.first_dense = {moe.first_dense} is no multiple of moe.every = {moe.every}: "
+            f"Qwen2-MoE's MoE layers are those whose index + 1 the step divides"
         )
     if mixtral:
         return "MixtralForCausalLM"
@@ -125,7 +135,7 @@ def hf_fields(model: ModelConfig, moe: MoeConfig) -> dict[str, Any]:
         "moe_intermediate_size": width, "intermediate_size": model.mlp_hidden,
         "shared_expert_intermediate_size": moe.shared_width(model.mlp_hidden),
         "norm_topk_prob": moe.normalize, "qkv_bias": model.qkv_bias,
-        "decoder_sparse_step": 1, "mlp_only_layers": list(range(moe.first_dense)),
+        "decoder_sparse_step": moe.every, "mlp_only_layers": list(range(moe.first_dense)),
         "use_sliding_window": False,
         "router_aux_loss_coef": moe.aux_loss,
     }  # fmt: skip

@@ -35,8 +35,8 @@ the losses and loads are sown in the `moe_stats` collection for a caller that as
 Expert parallelism (`parallel.expert` > 1): the experts are split over the mesh's `expert`
 axis, a microbatch's rows too, and each choice travels to its expert's device and back by
 all-to-all (`experts_ffn_exchanged`, run under a map by `jaxmeg.parallel.experts`, which the
-step hands the layer as its `dispatch`). Dense leading layers (`moe.first_dense`) are the
-model's (`jaxmeg.models.gpt.GPT`); MoE every n-th layer only (`moe.every`) is not here yet.
+step hands the layer as its `dispatch`). Which layers are MoE layers (`moe.first_dense`,
+`moe.every`) is the model's (`jaxmeg.models.gpt.GPT`, `LayerGroup`).
 
 Capacity limits (`moe.capacity_factor` cf > 0, Switch Transformer's): each expert takes at most
 C = ceil(cf s k / E) of each sequence's s k choices, first come in token order; the rest are

@@ -56,19 +56,20 @@ from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, insid
     pipe_link,
     tensor_link,
 )
-from jaxmeg.perf.shape import Shape, shape_of  # noqa: F401 (re-exported)
+from jaxmeg.perf.shape import Shape, check_priced_per_stage, shape_of  # noqa: F401 (re-exported)
 from jaxmeg.pipeline import schedules, timing
 from jaxmeg.pipeline.layout import StageLayout
 
 
 def parameter_count(shape: Shape) -> float:
     """Megatron eq. 2: P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)) (MLP of 4h); with
-    experts, the MoE layers' (`experts.moe_layer_parameters`), the dense leading layers' as eq.
-    2 counts a layer, and the same embeddings."""
+    experts, the MoE layers' (`experts.moe_layer_parameters`), the dense ones' (leading, and
+    between MoE layers with `Experts.every`) as eq. 2 counts a layer, and the same
+    embeddings."""
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
     if shape.experts:
-        dense = shape.dense_layers * (12 * h * h + 13 * h)
-        return shape.stacked_layers * layer_parameters(shape) + dense + (v + s) * h
+        dense = (l - shape.moe_layers) * (12 * h * h + 13 * h)
+        return shape.moe_layers * layer_parameters(shape) + dense + (v + s) * h
     return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
 
 
@@ -78,7 +79,7 @@ def active_parameters(shape: Shape) -> float:
     x = shape.experts
     if x is None:
         return parameter_count(shape)
-    unused = shape.stacked_layers * experts.expert_parameters(shape) * (1 - x.top_k / x.count)
+    unused = shape.moe_layers * experts.expert_parameters(shape) * (1 - x.top_k / x.count)
     return parameter_count(shape) - unused
 
 
@@ -86,13 +87,13 @@ def flops_per_iteration(shape: Shape, batch: int, recompute: bool = True) -> flo
     """Megatron eq. 3: F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) with full recompute
     (one extra forward); 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)) without. With experts,
     the MoE block's active FLOPs (`experts.mlp_flops_per_token`) replace the dense MLP's 16 h^2
-    per token and pass, in every layer but the dense leading ones."""
+    per token and pass, in the MoE layers (not the dense ones)."""
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
     moe = 0.0
     if shape.experts:
         dense = experts.mlp_flops_per_token(dataclasses.replace(shape, experts=None))
         per_token = experts.mlp_flops_per_token(shape) - dense
-        moe = (4 if recompute else 3) * batch * s * shape.stacked_layers * per_token
+        moe = (4 if recompute else 3) * batch * s * shape.moe_layers * per_token
     if recompute:
         return 96 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) + moe
     return 72 * batch * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)) + moe
@@ -100,7 +101,9 @@ def flops_per_iteration(shape: Shape, batch: int, recompute: bool = True) -> flo
 
 def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
     """Which layers each stage holds (`jaxmeg.pipeline.layout`); raises LayoutError naming the
-    numbers when l does not split over p v (or `stage_layers` does not fit)."""
+    numbers when l does not split over p v (or `stage_layers` does not fit), UnpricedShape for
+    a stack of layer groups. Every per-stage figure starts here."""
+    check_priced_per_stage(shape)
     return _stage_layout(
         shape.stacked_layers, layout.pipe, layout.chunks, tuple(layout.stage_layers),
         schedules.placement_of(layout.schedule),

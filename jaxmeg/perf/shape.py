@@ -32,6 +32,10 @@ class Experts:
     """Leading layers that keep the dense MLP (`moe.first_dense`), counted as dense layers in
     the parameters and FLOPs. They run with the embedding on the first stage; the per-stage
     time and memory price the l - dense_layers MoE layers the stages split."""
+    every: int = 1
+    """MoE in every n-th layer after the dense leading ones (`moe.every`), the others dense:
+    counted so in the parameters and FLOPs; stages of such groups are not priced yet
+    (`UnpricedShape`)."""
 
     @property
     def matrices(self) -> int:
@@ -59,8 +63,30 @@ class Shape:
 
     @property
     def stacked_layers(self) -> int:
-        """The layers the pipeline stages split: l less the dense leading ones."""
-        return self.layers - self.dense_layers
+        """The entries of the layer stack, which the pipeline stages split: l less the dense
+        leading ones, in groups of `Experts.every` (one MoE layer each)."""
+        every = self.experts.every if self.experts else 1
+        return (self.layers - self.dense_layers) // every
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is the mixture of experts (0 for a dense model)."""
+        return self.stacked_layers if self.experts else 0
+
+
+class UnpricedShape(ValueError):
+    """A model the performance model counts (parameters, FLOPs) but cannot price per stage."""
+
+
+def check_priced_per_stage(shape: Shape) -> None:
+    """Raises UnpricedShape for a stack of layer groups (`moe.every` > 1): the per-stage time,
+    memory and traffic price stacks of single layers."""
+    if shape.experts and shape.experts.every > 1:
+        raise UnpricedShape(
+            f"the performance model prices pipeline stages of single layers; moe.every = "
+            f"{shape.experts.every} stacks groups of {shape.experts.every} layers (not priced "
+            f"per stage yet; parameters and FLOPs are)"
+        )
 
 
 def shape_of(model: ModelConfig, moe: MoeConfig | None = None) -> Shape:
@@ -83,5 +109,5 @@ def experts_of(model: ModelConfig, moe: MoeConfig | None) -> Experts | None:
     return Experts(
         count=moe.experts, top_k=moe.top_k, width=moe.expert_width(dense),
         shared_width=moe.shared_width(dense), gated=model.block != "gpt",
-        capacity_factor=moe.capacity_factor, dense_layers=moe.first_dense,
+        capacity_factor=moe.capacity_factor, dense_layers=moe.first_dense, every=moe.every,
     )  # fmt: skip

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
-from jaxmeg.models.gpt import REMAT_POLICY
+from jaxmeg.models.gpt import REMAT_POLICY, LayerGroup, layer_unit
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
@@ -158,13 +158,14 @@ def sequence_order(cfg) -> SequenceOrder | None:
     )
 
 
-def step_block(trainable: Trainable, constrain) -> Block:
-    """One layer as the step runs it: its MoE auxiliary losses weighted 1/m in the backward,
-    m the microbatches each replica's loss is the mean of (`jaxmeg.models.moe.into_backward`),
-    its experts split over the `expert` axis (`jaxmeg.parallel.experts`)."""
+def step_block(trainable: Trainable, constrain) -> Block | LayerGroup:
+    """One entry of the layer stack as the step runs it (a layer, or a `moe.every` group):
+    its MoE auxiliary losses weighted 1/m in the backward, m the microbatches each replica's
+    loss is the mean of (`jaxmeg.models.moe.into_backward`), its experts split over the
+    `expert` axis (`jaxmeg.parallel.experts`)."""
     cfg, dispatch = trainable.cfg, experts.dispatch_for(trainable.mesh.shape)
-    return Block(trainable.model_cfg, constrain, model_order(trainable), cfg.moe,
-                 1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
+    return layer_unit(cfg.moe)(trainable.model_cfg, constrain, model_order(trainable), cfg.moe,
+                               1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
 
 
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.models import cross_entropy
+from jaxmeg.models.gpt import moe_path
 from jaxmeg.models.moe import MOE_STATS
 from jaxmeg.training.state import Trainable, to_canonical_layout, to_stage_layout
 
@@ -34,7 +35,7 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
         loss = cross_entropy(logits, targets_BxS, cfg.model.vocab_size)
         if not stats:
             return loss, (loss, None)
-        moe_stats = stats[MOE_STATS]["blocks"]["layers"]["moe"]
+        moe_stats = _at(stats[MOE_STATS]["blocks"]["layers"], moe_path(cfg.moe))
         return loss + jnp.sum(moe_stats["aux"]), (loss, moe_stats["share"])
 
     def loss_and_grads(params, tokens, targets):
@@ -49,7 +50,7 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
                 params, *microbatch
             )
             if load is not None:  # the routing bias's slot holds the load shares (`models.moe`)
-                moe = grads["blocks"]["layers"]["moe"]
+                moe = _at(grads["blocks"]["layers"], moe_path(cfg.moe))
                 if "router_kept" in moe:  # [layers, 2, E]: routed and kept shares
                     load, kept = load[:, 0], load[:, 1]
                     moe["router_kept"] = kept.astype(jnp.float32)
@@ -64,3 +65,9 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
         return loss / microbatches, to_stage_layout(grads, layout)
 
     return loss_and_grads
+
+
+def _at(tree: dict, path: tuple[str, ...]) -> dict:
+    for key in path:
+        tree = tree[key]
+    return tree
