@@ -142,12 +142,14 @@ def test_bad_zero_bubble_configs_are_named_before_compile(overrides, match):
         C.validate(cfg, 4)
 
 
-@pytest.mark.parametrize("block", ["gpt", "llama"])
+@pytest.mark.parametrize("block", ["gpt", "llama", "llama-moe"])
 def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
     """I (one vjp w.r.t. the other params, the input and the taps) and W (X^T dY) give the
-    gradients of one vjp of the layer, with the same matmul FLOPs."""
-    model = dataclasses.replace(tp.MODEL, block=block, vocab_size=512)
-    layer = Block(model)
+    gradients of one vjp of the layer, with the same matmul FLOPs. An MoE layer's experts on
+    one device are grouped GEMMs that are tapped too: their weight gradients come in W."""
+    model = dataclasses.replace(tp.MODEL, block=block.removesuffix("-moe"), vocab_size=512)
+    moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=32) if "moe" in block else C.MoeConfig()
+    layer = Block(model, moe=moe)
     x = jax.random.normal(jax.random.key(1), (2, model.seq_len, model.hidden))
     params = nn.meta.unbox(layer.init(jax.random.key(0), x)["params"])
     cot = jax.random.normal(jax.random.key(2), x.shape)
@@ -157,6 +159,8 @@ def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
 
     taps = split_backward.zero_taps(layer, params, x)
     weights, rest = split_backward.split_weights(params, taps)
+    if moe.experts:
+        assert set(weights["moe"]) == {"w_in", "w_out", "w_gate"}, weights["moe"].keys()
     tapped = split_backward.tapped(layer)
 
     def input_backward(rest, x, taps, cot):
@@ -180,7 +184,19 @@ def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
     forward = flops(lambda p_, x_: layer.apply({"params": p_}, x_)[0], params, x)
     i_flops = flops(input_backward, rest, x, taps, cot) - forward
     w_flops = flops(split_backward.weight_gradients, inputs, d_taps)
-    assert i_flops + w_flops <= 1.0 * (flops(whole, params, x, cot) - forward)
+    # XLA:CPU runs a ragged_dot as masked dense dots over every group; its cost analysis gives
+    # the split's three expert weight gradients 70 kFLOP (3.6%) more than the whole backward's
+    slack = 1.04 if moe.experts else 1.0
+    assert i_flops + w_flops <= slack * (flops(whole, params, x, cot) - forward)
+    if moe.experts:  # the grouped GEMMs: 3 forward, 3 for the rows' cotangent in I, 3 in W
+
+        def grouped(fn, *args) -> int:
+            text = str(jax.make_jaxpr(fn)(*args))
+            return text.count("ragged_dot_general[")
+
+        assert grouped(input_backward, rest, x, taps, cot) == 6
+        assert grouped(split_backward.weight_gradients, inputs, d_taps) == 3
+        assert grouped(whole, params, x, cot) == 9
 
 
 # Loss and every gradient against one device (tests/test_pipeline.check_against_single_device,

@@ -59,7 +59,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import MOE_ROUTERS, ModelConfig, MoeConfig
-from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, normal, param
+from jaxmeg.models.parts import (
+    MATMUL_INPUTS,
+    TAPS,
+    Array,
+    Constrain,
+    Mlp,
+    dtype_of,
+    no_constraint,
+    normal,
+    param,
+)
 
 ROUTERS = MOE_ROUTERS
 MOE_STATS = "moe_stats"
@@ -116,32 +126,44 @@ def z_loss(routing: Routing) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2)
 
 
+GroupedMatmul = Callable[[str, jax.Array, jax.Array, jax.Array], jax.Array]
+"""gmm(name, rows [N, in], w [E, in, out], sizes [E]) -> [N, out]: the grouped GEMM of the
+expert weight `name` (`ragged_matmul`, or the layer's tapped one for a split backward)."""
+
+
+def ragged_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Each group of `rows` (sorted by group, `sizes` [E] rows each; rows past the groups give
+    zeros) times its expert's weight: `jax.lax.ragged_dot`."""
+    del name
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes)
+
+
 def experts_ffn(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
-    w_gate: jax.Array | None = None,
+    w_gate: jax.Array | None = None, gmm: GroupedMatmul = ragged_matmul,
 ) -> jax.Array:  # fmt: skip
     """sum over a token's k choices of weight x FFN_e(x): x [T, h]; w_in [E, h, f] and w_out
     [E, f, h]; with `w_gate` [E, h, f], SwiGLU (silu(x w_gate) * x w_in, Mixtral's and
     Qwen-MoE's experts), else GeLU. Rows are sorted by expert (a stable sort: a token's choices
-    keep their order), each expert's rows go through the grouped GEMMs, and the results are put
-    back in token order and combined."""
+    keep their order), each expert's rows go through the grouped GEMMs (`gmm`), and the
+    results are put back in token order and combined."""
     k = routing.experts.shape[1]
     order = jnp.argsort(routing.experts.reshape(-1), stable=True)  # [T k], token-major
     sizes = expert_load(routing, w_in.shape[0])
-    out = _grouped_ffn(x[order // k], sizes, w_in, w_out, w_gate)  # rows grouped by expert
+    out = _grouped_ffn(x[order // k], sizes, w_in, w_out, w_gate, gmm)  # grouped by expert
     return _combine(jnp.zeros_like(out).at[order].set(out), routing.weights).astype(x.dtype)
 
 
-def _grouped_ffn(rows, sizes, w_in, w_out, w_gate) -> jax.Array:
+def _grouped_ffn(rows, sizes, w_in, w_out, w_gate, gmm: GroupedMatmul = ragged_matmul):
     """Each expert's FFN on its group of `rows` (sorted by expert, `sizes` [E] rows each; rows
     past the groups give zeros) as grouped GEMMs."""
-    hidden = jax.lax.ragged_dot(rows, w_in.astype(rows.dtype), sizes)
+    hidden = gmm("w_in", rows, w_in, sizes)
     if w_gate is not None:
-        gate = jax.lax.ragged_dot(rows, w_gate.astype(rows.dtype), sizes)
+        gate = gmm("w_gate", rows, w_gate, sizes)
         hidden = jax.nn.silu(gate) * hidden
     else:
         hidden = jax.nn.gelu(hidden)
-    return jax.lax.ragged_dot(hidden, w_out.astype(rows.dtype), sizes)
+    return gmm("w_out", hidden, w_out, sizes)
 
 
 def _combine(per_choice: jax.Array, weights: jax.Array) -> jax.Array:
@@ -331,6 +353,7 @@ def router_logits(x: Array, w_router: Array) -> Array:
 def moe_ffn(
     moe: MoeConfig, sequences: int, x: Array, logits: Array, bias: Array, w_in: Array,
     w_out: Array, *w_gate: Array, axis: str | None = None, tensor_axis: str | None = None,
+    gmm: GroupedMatmul = ragged_matmul,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
     """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
     router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
@@ -338,7 +361,8 @@ def moe_ffn(
     choices it kept). w_gate: () or (the SwiGLU gate,). With `axis` (inside a map
     manual over it, each device holding its own rows and E_l experts) the choices travel by
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
-    every device holds as many sequences, so that is the mean over all of them."""
+    every device holds as many sequences, so that is the mean over all of them. `gmm`: the
+    grouped GEMM of the dropless experts on one device."""
     routing = route(logits, moe.top_k, moe.router, moe.normalize, bias)
     gate = w_gate[0] if w_gate else None
     if moe.capacity_factor:
@@ -350,7 +374,7 @@ def moe_ffn(
                 x, routing, w_in, w_out, gate, sequences, cap, axis, tensor_axis
             )
     elif axis is None:
-        y = experts_ffn(x, routing, w_in, w_out, gate)
+        y = experts_ffn(x, routing, w_in, w_out, gate, gmm)
     else:
         y = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis)
     aux = jnp.zeros((), jnp.float32)
@@ -433,7 +457,8 @@ class MoeMlp(nn.Module):
             w_gate = param(self, "w_gate", (e, d, f), expert_in, normal(cfg.init_std))
         x_TxD = x_BxSxD.reshape(b * s, d)
         experts = (w_in, w_out) if w_gate is None else (w_in, w_out, w_gate)
-        run = moe_ffn if self.dispatch is None or self.is_initializing() else self.dispatch
+        local = self.dispatch is None or self.is_initializing()
+        run = partial(moe_ffn, gmm=self._tapped_matmul) if local else self.dispatch
         logits = router_logits(x_TxD, w_router)
         y_TxD, aux, share = run(moe, b, x_TxD, logits, bias, *(w.astype(compute) for w in experts))
         y_BxSxD = y_TxD.reshape(b, s, d)
@@ -456,3 +481,13 @@ class MoeMlp(nn.Module):
                 none = jnp.zeros((), jnp.float32)
                 y_BxSxD = into_backward(y_BxSxD, none, kept, share[1], self.grad_scale)
         return y_BxSxD
+
+    def _tapped_matmul(self, name: str, rows: Array, w: Array, sizes: Array) -> Array:
+        """The dropless experts' grouped GEMM on one device, as `parts.weight_matmul` is for a
+        dense one: its input sown (the rows and the group sizes, `MATMUL_INPUTS`) and its output
+        tapped (`TAPS`), so a split backward computes the expert weights' gradients in W
+        (`jaxmeg.models.split_backward.weight_gradients`). With the experts split over
+        devices the exchange's custom backward computes them in I."""
+        grouped = {"rows": rows, "sizes": sizes}
+        self.sow(MATMUL_INPUTS, name, grouped, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+        return self.perturb(name, ragged_matmul(name, rows, w, sizes), collection=TAPS)

@@ -68,12 +68,42 @@ def merge_weights(weights, rest) -> dict:
 def weight_gradients(inputs, cotangents, batch_dims: int = 2, lead: int = 0):
     """dW = X^T dY for every weight: the sown input X [*lead, b, s, ...in] and the tap's
     cotangent dY [*lead, b, s, ...out] contracted over their `batch_dims` leading dims after the
-    `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape."""
+    `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape. A
+    grouped GEMM's input ({"rows" [N, in], "sizes" [E]}, `moe.MoeMlp`) gives each expert's
+    X_e^T dY_e over its group of rows, [E, in, out]."""
 
-    def one(x, dy):
+    def dense(dy, x):
         contract = list(range(batch_dims))
         return jnp.tensordot(x, dy, axes=(contract, contract))
 
+    def grouped(dy, x):
+        return _grouped_weight_gradient(x["rows"], x["sizes"], dy)
+
     for _ in range(lead):
-        one = jax.vmap(one)
-    return jax.tree.map(one, inputs, cotangents)
+        dense, grouped = jax.vmap(dense), _one_by_one(grouped)
+
+    def one(dy, x):
+        return grouped(dy, x) if isinstance(x, dict) else dense(dy, x)
+
+    return jax.tree.map(one, cotangents, inputs)
+
+
+def _one_by_one(fn: Callable) -> Callable:
+    """fn over the leading dim of its arguments by `lax.map`: jax batches no transposed
+    `ragged_dot`."""
+    return lambda *args: jax.lax.map(lambda a: fn(*a), args)
+
+
+def _grouped_weight_gradient(rows, sizes, dy):
+    """The transpose of `jax.lax.ragged_dot(rows, w, sizes)` in w, applied to dy: the grouped
+    GEMM that the whole backward runs for the expert weights. The w it transposes at varies
+    over the manual axes rows and dy vary over (inside a map): an invariant one would sum the
+    gradient over them."""
+    varying = set()
+    for a in (rows, dy):
+        varying |= set(jax.typeof(a).manual_axis_type.varying)
+    w = jnp.zeros((sizes.shape[0], rows.shape[-1], dy.shape[-1]), rows.dtype)
+    if varying:
+        w = jax.lax.pcast(w, tuple(sorted(varying)), to="varying")
+    transpose = jax.linear_transpose(lambda w_: jax.lax.ragged_dot(rows, w_, sizes), w)
+    return transpose(dy.astype(rows.dtype))[0]
