@@ -59,17 +59,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import MOE_ROUTERS, ModelConfig, MoeConfig
-from jaxmeg.models.parts import (
-    MATMUL_INPUTS,
-    TAPS,
-    Array,
-    Constrain,
-    Mlp,
-    dtype_of,
-    no_constraint,
-    normal,
-    param,
-)
+from jaxmeg.models import parts
+from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, normal, param
 
 ROUTERS = MOE_ROUTERS
 MOE_STATS = "moe_stats"
@@ -489,5 +480,6 @@ class MoeMlp(nn.Module):
         (`jaxmeg.models.split_backward.weight_gradients`). With the experts split over
         devices the exchange's custom backward computes them in I."""
         grouped = {"rows": rows, "sizes": sizes}
-        self.sow(MATMUL_INPUTS, name, grouped, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-        return self.perturb(name, ragged_matmul(name, rows, w, sizes), collection=TAPS)
+        keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
+        self.sow(parts.MATMUL_INPUTS, name, grouped, **keep)
+        return self.perturb(name, ragged_matmul(name, rows, w, sizes), collection=parts.TAPS)
