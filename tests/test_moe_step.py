@@ -137,6 +137,8 @@ CASES = {
         (1, 2, 2), dataclasses.replace(SHARED, capacity_factor=1.0), LLAMA, "1f1b", 1,
         {"expert": 2},
     ),
+    # on one device the experts' grouped GEMMs are tapped: their weight gradients come in W
+    "d2p2-zb_h1-capacity": ((2, 2, 1), CAPACITY, LLAMA, "zb_h1", 1, {}),
     "d2p2-capacity-half-gpt": (
         (2, 2, 1), dataclasses.replace(TOP2, capacity_factor=0.5), GPT, "1f1b", 1, {}
     ),

@@ -142,13 +142,15 @@ def test_bad_zero_bubble_configs_are_named_before_compile(overrides, match):
         C.validate(cfg, 4)
 
 
-@pytest.mark.parametrize("block", ["gpt", "llama", "llama-moe"])
+@pytest.mark.parametrize("block", ["gpt", "llama", "llama-moe", "llama-moe-capacity"])
 def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
     """I (one vjp w.r.t. the other params, the input and the taps) and W (X^T dY) give the
     gradients of one vjp of the layer, with the same matmul FLOPs. An MoE layer's experts on
     one device are grouped GEMMs that are tapped too: their weight gradients come in W."""
-    model = dataclasses.replace(tp.MODEL, block=block.removesuffix("-moe"), vocab_size=512)
+    model = dataclasses.replace(tp.MODEL, block=block.split("-")[0], vocab_size=512)
     moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=32) if "moe" in block else C.MoeConfig()
+    if "capacity" in block:  # batched GEMMs over [E, C] buffers
+        moe = dataclasses.replace(moe, capacity_factor=1.0)
     layer = Block(model, moe=moe)
     x = jax.random.normal(jax.random.key(1), (2, model.seq_len, model.hidden))
     params = nn.meta.unbox(layer.init(jax.random.key(0), x)["params"])
@@ -184,11 +186,12 @@ def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
     forward = flops(lambda p_, x_: layer.apply({"params": p_}, x_)[0], params, x)
     i_flops = flops(input_backward, rest, x, taps, cot) - forward
     w_flops = flops(split_backward.weight_gradients, inputs, d_taps)
-    # XLA:CPU runs a ragged_dot as masked dense dots over every group; its cost analysis gives
-    # the split's three expert weight gradients 70 kFLOP (3.6%) more than the whole backward's
-    slack = 1.04 if moe.experts else 1.0
+    # XLA:CPU's cost analysis of an MoE layer's split (measured): 3.6% more FLOPs than the
+    # whole backward with ragged grouped GEMMs (which it runs as dense dots over every group,
+    # masked), 1.0% more with batched ones
+    slack = {0: 1.0, 1: 1.04, 2: 1.01}[bool(moe.experts) + bool(moe.capacity_factor)]
     assert i_flops + w_flops <= slack * (flops(whole, params, x, cot) - forward)
-    if moe.experts:  # the grouped GEMMs: 3 forward, 3 for the rows' cotangent in I, 3 in W
+    if moe.experts and not moe.capacity_factor:  # 3 forward, 3 for the rows' cotangent in I, 3 in W
 
         def grouped(fn, *args) -> int:
             text = str(jax.make_jaxpr(fn)(*args))

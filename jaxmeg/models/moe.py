@@ -117,15 +117,20 @@ def z_loss(routing: Routing) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2)
 
 
-GroupedMatmul = Callable[[str, jax.Array, jax.Array, jax.Array], jax.Array]
-"""gmm(name, rows [N, in], w [E, in, out], sizes [E]) -> [N, out]: the grouped GEMM of the
-expert weight `name` (`ragged_matmul`, or the layer's tapped one for a split backward)."""
+GroupedMatmul = Callable[[str, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+"""gmm(name, rows, w [E, in, out], sizes) -> the grouped GEMM of the expert weight `name`:
+rows [N, in] sorted by expert with `sizes` [E] rows each -> [N, out], or with sizes None each
+expert's own rows [E, N, in] -> [E, N, out] (`ragged_matmul`, or the layer's tapped one for a
+split backward)."""
 
 
-def ragged_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+def ragged_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | None) -> jax.Array:
     """Each group of `rows` (sorted by group, `sizes` [E] rows each; rows past the groups give
-    zeros) times its expert's weight: `jax.lax.ragged_dot`."""
+    zeros) times its expert's weight: `jax.lax.ragged_dot`; with sizes None, a batched GEMM
+    of each expert's [N, in] rows."""
     del name
+    if sizes is None:
+        return jnp.einsum("eni,eio->eno", rows, w.astype(rows.dtype))
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes)
 
 
@@ -255,15 +260,9 @@ def capacity_slots(
     return jnp.where(kept, sequence * cap + position, sequences * cap), kept
 
 
-def _batched_ffn(rows, w_in, w_out, w_gate) -> jax.Array:
+def _batched_ffn(rows, w_in, w_out, w_gate, gmm: GroupedMatmul = ragged_matmul) -> jax.Array:
     """Each expert's FFN on its own rows [E, N, h] as batched GEMMs (zero rows give zeros)."""
-    hidden = jnp.einsum("enh,ehf->enf", rows, w_in.astype(rows.dtype))
-    if w_gate is not None:
-        gate = jnp.einsum("enh,ehf->enf", rows, w_gate.astype(rows.dtype))
-        hidden = jax.nn.silu(gate) * hidden
-    else:
-        hidden = jax.nn.gelu(hidden)
-    return jnp.einsum("enf,efh->enh", hidden, w_out.astype(rows.dtype))
+    return _grouped_ffn(rows, None, w_in, w_out, w_gate, gmm)
 
 
 def _capacity_buffers(x, routing, sequences, num_experts, cap):
@@ -284,13 +283,13 @@ def _capacity_combine(out, expert, row, kept, weights, dtype) -> jax.Array:
 
 def experts_ffn_capacity(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
-    w_gate: jax.Array | None, sequences: int, cap: int,
+    w_gate: jax.Array | None, sequences: int, cap: int, gmm: GroupedMatmul = ragged_matmul,
 ) -> jax.Array:  # fmt: skip
     """`experts_ffn` with at most `cap` of each sequence's choices per expert (see the module
     docstring): the kept choices' rows in [E, sequences x cap] buffers, one batched GEMM per
     matrix, the dropped choices adding nothing."""
     buffers, expert, row, kept = _capacity_buffers(x, routing, sequences, w_in.shape[0], cap)
-    out = _batched_ffn(buffers, w_in, w_out, w_gate)
+    out = _batched_ffn(buffers, w_in, w_out, w_gate, gmm)
     return _capacity_combine(out, expert, row, kept, routing.weights, x.dtype)
 
 
@@ -353,13 +352,13 @@ def moe_ffn(
     manual over it, each device holding its own rows and E_l experts) the choices travel by
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
     every device holds as many sequences, so that is the mean over all of them. `gmm`: the
-    grouped GEMM of the dropless experts on one device."""
+    grouped GEMM of the experts on one device."""
     routing = route(logits, moe.top_k, moe.router, moe.normalize, bias)
     gate = w_gate[0] if w_gate else None
     if moe.capacity_factor:
         cap = capacity(moe, x.shape[0] // sequences)
         if axis is None:
-            y = experts_ffn_capacity(x, routing, w_in, w_out, gate, sequences, cap)
+            y = experts_ffn_capacity(x, routing, w_in, w_out, gate, sequences, cap, gmm)
         else:
             y = experts_ffn_capacity_exchanged(
                 x, routing, w_in, w_out, gate, sequences, cap, axis, tensor_axis
@@ -473,13 +472,13 @@ class MoeMlp(nn.Module):
                 y_BxSxD = into_backward(y_BxSxD, none, kept, share[1], self.grad_scale)
         return y_BxSxD
 
-    def _tapped_matmul(self, name: str, rows: Array, w: Array, sizes: Array) -> Array:
-        """The dropless experts' grouped GEMM on one device, as `parts.weight_matmul` is for a
-        dense one: its input sown (the rows and the group sizes, `MATMUL_INPUTS`) and its output
-        tapped (`TAPS`), so a split backward computes the expert weights' gradients in W
-        (`jaxmeg.models.split_backward.weight_gradients`). With the experts split over
-        devices the exchange's custom backward computes them in I."""
-        grouped = {"rows": rows, "sizes": sizes}
+    def _tapped_matmul(self, name: str, rows: Array, w: Array, sizes: Array | None) -> Array:
+        """The experts' grouped GEMM on one device, as `parts.weight_matmul` is for a dense
+        one: its input sown (the rows, and the group sizes of a ragged one, `MATMUL_INPUTS`)
+        and its output tapped (`TAPS`), so a split backward computes the expert weights'
+        gradients in W (`jaxmeg.models.split_backward.weight_gradients`). With the experts
+        split over devices the exchange's custom backward computes them in I."""
+        grouped = {"rows": rows} if sizes is None else {"rows": rows, "sizes": sizes}
         keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
         self.sow(parts.MATMUL_INPUTS, name, grouped, **keep)
         return self.perturb(name, ragged_matmul(name, rows, w, sizes), collection=parts.TAPS)

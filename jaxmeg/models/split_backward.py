@@ -69,14 +69,16 @@ def weight_gradients(inputs, cotangents, batch_dims: int = 2, lead: int = 0):
     """dW = X^T dY for every weight: the sown input X [*lead, b, s, ...in] and the tap's
     cotangent dY [*lead, b, s, ...out] contracted over their `batch_dims` leading dims after the
     `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape. A
-    grouped GEMM's input ({"rows" [N, in], "sizes" [E]}, `moe.MoeMlp`) gives each expert's
-    X_e^T dY_e over its group of rows, [E, in, out]."""
+    grouped GEMM's input (`moe.MoeMlp`: {"rows" [N, in], "sizes" [E]} sorted by expert, or
+    {"rows" [E, N, in]} each expert's own) gives each expert's X_e^T dY_e, [E, in, out]."""
 
     def dense(dy, x):
         contract = list(range(batch_dims))
         return jnp.tensordot(x, dy, axes=(contract, contract))
 
     def grouped(dy, x):
+        if "sizes" not in x:
+            return jnp.einsum("eni,eno->eio", x["rows"], dy.astype(x["rows"].dtype))
         return _grouped_weight_gradient(x["rows"], x["sizes"], dy)
 
     for _ in range(lead):
