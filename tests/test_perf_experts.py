@@ -18,14 +18,17 @@ from jaxmeg.perf.layout import Layout, config_layout
 from jaxmeg.perf.memory import memory_per_gpu
 from jaxmeg.perf.model import (
     active_parameters,
+    busiest_stage_layers,
     flops_per_iteration,
+    layer_seconds,
     parameter_count,
     params_per_gpu,
     step_time,
 )
 from jaxmeg.perf.planner import plan
-from jaxmeg.perf.shape import Experts, Shape, UnpricedShape, shape_of
+from jaxmeg.perf.shape import Experts, Shape, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
+from jaxmeg.pipeline.layout import LayoutError
 
 # Mixtral 8x7B (Jiang et al., 2024): h 4096, 32 layers, 32 heads (8 key/value), f 14336, 8
 # experts, top-2; 46.7B parameters, 12.9B active. The model counts multi-head attention
@@ -148,15 +151,27 @@ def test_dense_leading_layers_count_as_dense_ones_and_stay_out_of_the_stages():
     assert (shape.stacked_layers, shape.moe_layers) == (2, 2)
 
 
-def test_moe_every_other_layer_counts_half_the_moe_layers_and_is_not_priced_per_stage():
+def test_moe_every_other_layer_is_priced_halfway_between_dense_and_all_moe():
+    """Half the layers MoE: parameters, FLOPs, the experts' all-to-all bytes and a stage's
+    layer time halfway between the dense model's and the all-MoE one's; the stages split
+    groups of two layers (16 here), and the tensor traffic is every layer's, as for both."""
     every2 = dataclasses.replace(MIXTRAL, experts=dataclasses.replace(MIXTRAL.experts, every=2))
     dense = dataclasses.replace(MIXTRAL, experts=None)
-    assert every2.moe_layers == 16
+    assert (every2.moe_layers, every2.stacked_layers) == (16, 16)
+
+    def halfway(fn, *args):
+        return pytest.approx((fn(MIXTRAL, *args) + fn(dense, *args)) / 2, rel=1e-9)
+
     for count in (parameter_count, active_parameters):
-        half = (count(MIXTRAL) + count(dense)) / 2
-        assert count(every2) == pytest.approx(half, rel=1e-12)
-    half = (flops_per_iteration(MIXTRAL, 1, False) + flops_per_iteration(dense, 1, False)) / 2
-    assert flops_per_iteration(every2, 1, False) == pytest.approx(half, rel=1e-12)
-    lay = Layout(tensor=8, pipe=4, data=2, expert=1, microbatch=1, microbatches=8)
-    with pytest.raises(UnpricedShape, match="moe.every = 2 stacks groups of 2 layers"):
-        step_time(every2, lay, H100)
+        assert count(every2) == halfway(count)
+    assert flops_per_iteration(every2, 1, False) == halfway(flops_per_iteration, 1, False)
+    lay = Layout(tensor=8, pipe=4, data=2, expert=2, microbatch=1, microbatches=8)
+    traffic = bytes_per_step(every2, lay)
+    assert traffic["expert"] == pytest.approx(bytes_per_step(MIXTRAL, lay)["expert"] / 2)
+    assert traffic["tensor"] == bytes_per_step(MIXTRAL, lay)["tensor"]
+    assert layer_seconds(every2, lay, H100).forward == halfway(
+        lambda shape: layer_seconds(shape, lay, H100).forward
+    )
+    assert busiest_stage_layers(every2, lay) == 8
+    with pytest.raises(LayoutError, match=r"\(16\) must be divisible by parallel.pipe"):
+        step_time(every2, dataclasses.replace(lay, pipe=32), H100)

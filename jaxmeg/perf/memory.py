@@ -52,10 +52,11 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash_attention: bool =
     if layout.recompute == "full":
         return 2 * sbh / (t if sp else 1)
     moe = 0.0
-    if shape.experts:  # the MoE block's in place of the dense MLP's
+    if shape.experts:  # the MoE block's in place of the dense MLP's, in a moe_share of layers
         moe = experts.kept_bytes_per_layer(shape, layout) - experts.dense_mlp_kept_bytes(
             shape, layout
         )
+        moe *= shape.moe_share
     if layout.recompute == "selective":
         return sbh * (34 / t if sp else 10 + 24 / t) + moe
     return sbh * ((34 + scores) / t if sp else 10 + 24 / t + scores / t) + moe

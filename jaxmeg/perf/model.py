@@ -56,7 +56,7 @@ from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, insid
     pipe_link,
     tensor_link,
 )
-from jaxmeg.perf.shape import Shape, check_priced_per_stage, shape_of  # noqa: F401 (re-exported)
+from jaxmeg.perf.shape import Shape, shape_of  # noqa: F401 (re-exported)
 from jaxmeg.pipeline import schedules, timing
 from jaxmeg.pipeline.layout import StageLayout
 
@@ -69,7 +69,7 @@ def parameter_count(shape: Shape) -> float:
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
     if shape.experts:
         dense = (l - shape.moe_layers) * (12 * h * h + 13 * h)
-        return shape.moe_layers * layer_parameters(shape) + dense + (v + s) * h
+        return shape.moe_layers * experts.moe_layer_parameters(shape) + dense + (v + s) * h
     return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
 
 
@@ -101,9 +101,8 @@ def flops_per_iteration(shape: Shape, batch: int, recompute: bool = True) -> flo
 
 def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
     """Which layers each stage holds (`jaxmeg.pipeline.layout`); raises LayoutError naming the
-    numbers when l does not split over p v (or `stage_layers` does not fit), UnpricedShape for
-    a stack of layer groups. Every per-stage figure starts here."""
-    check_priced_per_stage(shape)
+    numbers when l does not split over p v (or `stage_layers` does not fit). Its layers are
+    the entries of the layer stack (groups of `Experts.every` layers)."""
     return _stage_layout(
         shape.stacked_layers, layout.pipe, layout.chunks, tuple(layout.stage_layers),
         schedules.placement_of(layout.schedule),
@@ -120,21 +119,25 @@ def _stage_layout(layers: int, pipe: int, chunks: int, stage_layers: tuple[int, 
 def busiest_stage_layers(shape: Shape, layout: Layout) -> int:
     """Real layers of the stage with the most (l / p when even). Every stage runs v Lc layer
     slots in lockstep (a shorter stage's padding is identity layers), so this stage sets the
-    pace and the memory; padding holds no parameters and counts in no FLOPs."""
-    return max(stage_layout(shape, layout).stage_layers)
+    pace and the memory; padding holds no parameters and counts in no FLOPs. With MoE every
+    n-th layer a slot holds a group of n layers, all counted."""
+    return max(stage_layout(shape, layout).stage_layers) * shape.layers_per_entry
 
 
 def layer_parameters(shape: Shape) -> float:
     """One layer's parameters, 12 h^2 + 13 h (eq. 2's per-layer term), or an MoE layer's
-    (`experts.moe_layer_parameters`, all E experts)."""
+    (`experts.moe_layer_parameters`, all E experts); with MoE every n-th layer, a group's
+    mean."""
+    dense = 12 * shape.hidden * shape.hidden + 13 * shape.hidden
     if shape.experts:
-        return experts.moe_layer_parameters(shape)
-    return 12 * shape.hidden * shape.hidden + 13 * shape.hidden
+        share = shape.moe_share
+        return share * experts.moe_layer_parameters(shape) + (1 - share) * dense
+    return dense
 
 
 def layer_parameters_per_gpu(shape: Shape, layout: Layout) -> float:
     """One layer's parameters on one GPU: split t ways, the routed experts e t ways."""
-    routed = experts.expert_parameters(shape)
+    routed = experts.expert_parameters(shape) * shape.moe_share
     return (layer_parameters(shape) - routed + routed / layout.expert) / layout.tensor
 
 
@@ -181,7 +184,7 @@ def parameter_groups(shape: Shape, layout: Layout) -> list[ParameterGroup]:
     dense = ParameterGroup(params, chunk, layout.gradient_group, False)
     if shape.experts is None:
         return [dense]
-    per_layer = experts.expert_parameters(shape) / (layout.expert * layout.tensor)
+    per_layer = experts.expert_parameters(shape) * shape.moe_share / (layout.expert * layout.tensor)
     layers = busiest_stage_layers(shape, layout)
     routed = ParameterGroup(
         layers * per_layer, layers // layout.chunks * per_layer, layout.expert_gradient_group, True
@@ -244,14 +247,16 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     s, b, h, a = local_seq_len(shape, layout), layout.microbatch, shape.hidden, shape.heads
     t, c = layout.tensor, layout.context
     tokens = s * b
-    # the dense MLP's width; an MoE block takes the place of fc1, fc2 and their GeLU
-    f = 0 if shape.experts else shape.mlp_ratio * h
+    # the dense MLP's width; an MoE block takes the place of fc1, fc2 and their GeLU in a
+    # `moe_share` of the layers (all of them unless MoE is every n-th layer only)
+    f, share = shape.mlp_ratio * h, shape.moe_share
     gemms = _gemm_seconds(tokens, 3 * h / t, h, hw) + _gemm_seconds(tokens, h, h / t, hw)
+    gemms += (1 - share) * (
+        _gemm_seconds(tokens, f / t, h, hw) + _gemm_seconds(tokens, h, f / t, hw)
+    )
     moe_f = moe_b = 0.0
     if shape.experts:
-        moe_f, moe_b = experts.moe_seconds(shape, layout, hw)
-    else:
-        gemms += _gemm_seconds(tokens, f / t, h, hw) + _gemm_seconds(tokens, h, f / t, hw)
+        moe_f, moe_b = (share * sec for sec in experts.moe_seconds(shape, layout, hw))
     heads = a / t
     block = (
         b * heads * (_gemm_seconds(s, s, h / a, hw) + _gemm_seconds(s, h / a, s, hw))
@@ -266,7 +271,7 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     replicated = 12 * tokens * h / (t if layout.sequence_parallel else 1)
     block_softmax = 6 * b * heads * s * s * 2 / hbm_bytes_per_s
     softmax = c * block_softmax
-    elementwise = (replicated + 4 * tokens * f / t) * 2 / hbm_bytes_per_s + softmax
+    elementwise = (replicated + (1 - share) * 4 * tokens * f / t) * 2 / hbm_bytes_per_s + softmax
     all_reduce = ring_all_reduce_seconds(2 * tokens * h, t, tensor_link(layout, hw))
     ring_f, ring_b = exposed_ring_seconds(
         shape, layout, context_link(layout, hw), block + block_softmax

@@ -33,9 +33,9 @@ class Experts:
     the parameters and FLOPs. They run with the embedding on the first stage; the per-stage
     time and memory price the l - dense_layers MoE layers the stages split."""
     every: int = 1
-    """MoE in every n-th layer after the dense leading ones (`moe.every`), the others dense:
-    counted so in the parameters and FLOPs; stages of such groups are not priced yet
-    (`UnpricedShape`)."""
+    """MoE in every n-th layer after the dense leading ones (`moe.every`), the others dense: a
+    stage holds groups of n layers, and its per-layer figures are a group's averages
+    (`Shape.moe_share`)."""
 
     @property
     def matrices(self) -> int:
@@ -73,20 +73,17 @@ class Shape:
         """Layers whose MLP is the mixture of experts (0 for a dense model)."""
         return self.stacked_layers if self.experts else 0
 
+    @property
+    def layers_per_entry(self) -> int:
+        """Layers per entry of the layer stack: `Experts.every`, 1 for a dense model."""
+        return self.experts.every if self.experts else 1
 
-class UnpricedShape(ValueError):
-    """A model the performance model counts (parameters, FLOPs) but cannot price per stage."""
-
-
-def check_priced_per_stage(shape: Shape) -> None:
-    """Raises UnpricedShape for a stack of layer groups (`moe.every` > 1): the per-stage time,
-    memory and traffic price stacks of single layers."""
-    if shape.experts and shape.experts.every > 1:
-        raise UnpricedShape(
-            f"the performance model prices pipeline stages of single layers; moe.every = "
-            f"{shape.experts.every} stacks groups of {shape.experts.every} layers (not priced "
-            f"per stage yet; parameters and FLOPs are)"
-        )
+    @property
+    def moe_share(self) -> float:
+        """The share of a stage's layers whose MLP is the mixture of experts (1 / every; 0 for
+        a dense model): the per-layer figures of a stage weight the MoE block's by it and the
+        dense MLP's by the rest."""
+        return 1.0 / self.experts.every if self.experts else 0.0
 
 
 def shape_of(model: ModelConfig, moe: MoeConfig | None = None) -> Shape:

@@ -49,7 +49,8 @@ def bytes_per_step(shape: Shape, layout: Layout, compute_bytes: int = 2) -> dict
         expert_message = experts.all_to_all_bytes(shape, layout, compute_bytes)
         forward, backward = experts.all_to_alls(shape, layout)
         forward *= 2 if layout.recompute == "full" else 1
-        expert_bytes = layers * layout.microbatches * (forward + backward) * expert_message
+        moe_layers = layers * shape.moe_share
+        expert_bytes = moe_layers * layout.microbatches * (forward + backward) * expert_message
     ring = ring_bytes_per_layer(shape, layout, compute_bytes)
     ring_forwards = 2 if layout.recompute == "full" else 1
     context_bytes = layers * layout.microbatches * (ring_forwards * ring.forward + ring.backward)

@@ -35,7 +35,6 @@ from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
 from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import flops_per_iteration, shape_of
-from jaxmeg.perf.shape import UnpricedShape
 from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step
@@ -97,11 +96,12 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     busiest = max(range(len(stages)), key=lambda i: stages[i].matmul_flops)
     device = stages[busiest]
     shape = shape_of(model, cfg.moe)
+    layout = config_layout(cfg)
+    predicted = bytes_per_step(shape, layout, compute_bytes=act_bytes)
+    grad_bytes = 4  # gradients are reduced in fp32
     planned_flops = flops_per_iteration(
         shape, cfg.train.global_batch, recompute=model.remat == "full"
     )
-    planner = _planner_per_gpu(shape, config_layout(cfg), act_bytes)
-    planner = {"flops": planned_flops, **planner}
     report = {
         "mesh": {"data": d, "pipe": p, "tensor": t},
         "schedule": par.schedule if p > 1 else None,
@@ -139,7 +139,15 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
             "written_bytes": device.written_bytes,
             "collective_bytes": _collective_bytes(device.collective_bytes),
         },
-        "planner": planner,
+        "planner": {
+            "flops": planned_flops,
+            "collective_bytes_per_device": {
+                "pipe": predicted["pipe"],
+                "tensor": predicted["tensor"],
+                "data": predicted["data"] * grad_bytes / WIRE_BYTES,
+                EXPERT_KEY: predicted["expert"],
+            },
+        },
         "per_stage_collective_bytes": [_collective_bytes(c.collective_bytes) for c in stages],
         "unweighted_conditionals": sorted(total.unweighted),
         "devices": mesh.size,
@@ -246,17 +254,12 @@ def format_report(report: dict[str, Any]) -> str:
     dev, plan = r["per_device"], r["planner"]
     lines.append(f"busiest device (stage {dev['stage']}) | planner per GPU:")
     lines.append(f"  matmul FLOPs {gf(dev['matmul_flops'])} | {gf(plan['flops'] / r['devices'])}")
-    planned = plan.get("collective_bytes_per_device", {})
-    experts = (
-        (EXPERT_KEY,) if planned.get(EXPERT_KEY) or EXPERT_KEY in dev["collective_bytes"] else ()
-    )
+    planned = plan["collective_bytes_per_device"]
+    experts = (EXPERT_KEY,) if planned[EXPERT_KEY] or EXPERT_KEY in dev["collective_bytes"] else ()
     for axis in (*AXES, *experts):
         ours = dev["collective_bytes"].get(axis, 0.0)
         name = "expert" if axis == EXPERT_KEY else axis
-        theirs = gb(planned[axis]) if planned else "-"
-        lines.append(f"  {name:6} bytes {gb(ours)} | {theirs}")
-    if "unpriced" in plan:
-        lines.append(f"  (planner: {plan['unpriced']})")
+        lines.append(f"  {name:6} bytes {gb(ours)} | {gb(planned[axis])}")
     if "target" in r:
         lines += _format_gpu(r, gb, gf)
     if r["unweighted_conditionals"]:
@@ -264,24 +267,6 @@ def format_report(report: dict[str, Any]) -> str:
             f"conditionals counted by their costliest branch: {r['unweighted_conditionals']}"
         )
     return "\n".join(lines)
-
-
-def _planner_per_gpu(shape, layout, act_bytes: int) -> dict[str, Any]:
-    """{"collective_bytes_per_device": the planner's bytes per link of one GPU}, or
-    {"unpriced": why} for a model it does not price per stage (`UnpricedShape`)."""
-    try:
-        predicted = bytes_per_step(shape, layout, compute_bytes=act_bytes)
-    except UnpricedShape as err:
-        return {"unpriced": str(err)}
-    grad_bytes = 4  # gradients are reduced in fp32
-    return {
-        "collective_bytes_per_device": {
-            "pipe": predicted["pipe"],
-            "tensor": predicted["tensor"],
-            "data": predicted["data"] * grad_bytes / WIRE_BYTES,
-            EXPERT_KEY: predicted["expert"],
-        }
-    }
 
 
 def _format_gpu(r: dict[str, Any], gb, gf) -> list[str]:
