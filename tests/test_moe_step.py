@@ -158,9 +158,22 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_moe_step_equals_one_device(name):
+def test_moe_step_equals_one_device(name, monkeypatch):
+    """With zero-bubble schedules the experts' weight gradients come in W: with an expert
+    axis from the rows the exchange recorded (`experts.weight_gradient`, traced here)."""
+    from jaxmeg.parallel import experts
+
     mesh, moe, model, schedule, chunks, parallel = CASES[name]
+    traced, original = [], experts.weight_gradient
+
+    def tracing(dy, recorded, weight):
+        traced.append(weight)
+        return original(dy, recorded, weight)
+
+    monkeypatch.setattr(experts, "weight_gradient", tracing)
     check(config(mesh, moe, model, schedule, chunks, **parallel))
+    exchanged_in_w = schedule == "zb_h1" and parallel.get("expert", 1) > 1
+    assert sorted(set(traced)) == (["w_gate", "w_in", "w_out"] if exchanged_in_w else [])
 
 
 def test_every_token_to_one_expert_leaves_the_others_at_zero():

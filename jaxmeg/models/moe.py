@@ -205,6 +205,7 @@ def _sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.
 def experts_ffn_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
+    gmm: GroupedMatmul = ragged_matmul,
 ) -> jax.Array:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
@@ -230,7 +231,7 @@ def experts_ffn_exchanged(
     # received rows sorted by local expert, the padding (id `local`) last: past every group
     by_expert, sizes, _ = _sorted_by(ids, local + 1)
     sizes = sizes[:local]
-    out = _grouped_ffn(rows[by_expert], sizes, w_in, w_out, w_gate)
+    out = _grouped_ffn(rows[by_expert], sizes, w_in, w_out, w_gate, gmm)
     out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ranks, choices, -1)
     back = exchange(out, axis)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(back[rank, slot])
@@ -352,7 +353,7 @@ def moe_ffn(
     manual over it, each device holding its own rows and E_l experts) the choices travel by
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
     every device holds as many sequences, so that is the mean over all of them. `gmm`: the
-    grouped GEMM of the experts on one device."""
+    experts' grouped GEMM (without a capacity factor, or on one device)."""
     routing = route(logits, moe.top_k, moe.router, moe.normalize, bias)
     gate = w_gate[0] if w_gate else None
     if moe.capacity_factor:
@@ -366,7 +367,7 @@ def moe_ffn(
     elif axis is None:
         y = experts_ffn(x, routing, w_in, w_out, gate, gmm)
     else:
-        y = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis)
+        y = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis, gmm)
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:
         aux = aux + moe.aux_loss * sequence_balance_loss(routing, sequences, moe.router)
@@ -450,7 +451,10 @@ class MoeMlp(nn.Module):
         local = self.dispatch is None or self.is_initializing()
         run = partial(moe_ffn, gmm=self._tapped_matmul) if local else self.dispatch
         logits = router_logits(x_TxD, w_router)
-        y_TxD, aux, share = run(moe, b, x_TxD, logits, bias, *(w.astype(compute) for w in experts))
+        experts = tuple(w.astype(compute) for w in experts)
+        if not local and self._tapped_exchange():
+            run = self._exchanged_tapped
+        y_TxD, aux, share = run(moe, b, x_TxD, logits, bias, *experts)
         y_BxSxD = y_TxD.reshape(b, s, d)
         if moe.shared_experts:
             shared = Mlp(cfg, self.constrain, moe.shared_width(cfg.mlp_hidden), name="shared")
@@ -471,6 +475,30 @@ class MoeMlp(nn.Module):
                 none = jnp.zeros((), jnp.float32)
                 y_BxSxD = into_backward(y_BxSxD, none, kept, share[1], self.grad_scale)
         return y_BxSxD
+
+    def _tapped_exchange(self) -> bool:
+        """Whether the experts split over devices run tapped: in a split backward's layer (its
+        taps collection given or being made), dropless, with a dispatch that can."""
+        split = self.is_mutable_collection(parts.TAPS) or self.has_variable(parts.TAPS, "w_in")
+        return split and not self.moe.capacity_factor and hasattr(self.dispatch, "tapped")
+
+    def _exchanged_tapped(self, moe, sequences, x, logits, bias, *experts):
+        """The dispatch's tapped exchange (`jaxmeg.parallel.experts.exchanged_tapped`): zero
+        taps on the experts' grouped GEMMs (`TAPS`, each device's block stacked), their rows
+        and group sizes sown (`MATMUL_INPUTS`), so a split backward computes the expert
+        weights' gradients in W, as on one device."""
+        shapes = self.dispatch.tap_shapes(moe, sequences, x, logits, bias, *experts)
+        taps = {
+            name: self.variable(parts.TAPS, name, jnp.zeros, a.shape, a.dtype).value
+            for name, a in shapes.items()
+        }
+        y, aux, share, recorded = self.dispatch.tapped(
+            moe, sequences, x, logits, bias, taps, *experts
+        )
+        keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
+        for name, rows in recorded.items():
+            self.sow(parts.MATMUL_INPUTS, name, rows, **keep)
+        return y, aux, share
 
     def _tapped_matmul(self, name: str, rows: Array, w: Array, sizes: Array | None) -> Array:
         """The experts' grouped GEMM on one device, as `parts.weight_matmul` is for a dense

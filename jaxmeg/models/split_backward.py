@@ -65,38 +65,46 @@ def merge_weights(weights, rest) -> dict:
     )
 
 
-def weight_gradients(inputs, cotangents, batch_dims: int = 2, lead: int = 0):
+def weight_gradients(
+    inputs, cotangents, batch_dims: int = 2, lead: int = 0, exchanged: Callable | None = None
+):
     """dW = X^T dY for every weight: the sown input X [*lead, b, s, ...in] and the tap's
     cotangent dY [*lead, b, s, ...out] contracted over their `batch_dims` leading dims after the
     `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape. A
     grouped GEMM's input (`moe.MoeMlp`: {"rows" [N, in], "sizes" [E]} sorted by expert, or
-    {"rows" [E, N, in]} each expert's own) gives each expert's X_e^T dY_e, [E, in, out]."""
+    {"rows" [E, N, in]} each expert's own) gives each expert's X_e^T dY_e, [E, in, out]; one
+    of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
+    name)`'s (`jaxmeg.parallel.experts.weight_gradient`)."""
 
     def dense(dy, x):
         contract = list(range(batch_dims))
         return jnp.tensordot(x, dy, axes=(contract, contract))
 
-    def grouped(dy, x):
+    def grouped(dy, x, name):
+        if "device_rows" in x:
+            return exchanged(dy, x, name)
         if "sizes" not in x:
             return jnp.einsum("eni,eno->eio", x["rows"], dy.astype(x["rows"].dtype))
-        return _grouped_weight_gradient(x["rows"], x["sizes"], dy)
+        return grouped_weight_gradient(x["rows"], x["sizes"], dy)
 
     for _ in range(lead):
         dense, grouped = jax.vmap(dense), _one_by_one(grouped)
 
-    def one(dy, x):
-        return grouped(dy, x) if isinstance(x, dict) else dense(dy, x)
+    def one(path, dy, x):
+        if isinstance(x, dict):
+            return grouped(dy, x, path[-1].key)
+        return dense(dy, x)
 
-    return jax.tree.map(one, cotangents, inputs)
+    return jax.tree_util.tree_map_with_path(one, cotangents, inputs)
 
 
 def _one_by_one(fn: Callable) -> Callable:
-    """fn over the leading dim of its arguments by `lax.map`: jax batches no transposed
+    """fn(*arrays, name) over the arrays' leading dim by `lax.map`: jax batches no transposed
     `ragged_dot`."""
-    return lambda *args: jax.lax.map(lambda a: fn(*a), args)
+    return lambda dy, x, name: jax.lax.map(lambda a: fn(*a, name), (dy, x))
 
 
-def _grouped_weight_gradient(rows, sizes, dy):
+def grouped_weight_gradient(rows, sizes, dy):
     """The transpose of `jax.lax.ragged_dot(rows, w, sizes)` in w, applied to dy: the grouped
     GEMM that the whole backward runs for the expert weights. The w it transposes at varies
     over the manual axes rows and dy vary over (inside a map): an invariant one would sum the

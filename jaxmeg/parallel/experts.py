@@ -20,6 +20,10 @@ backward always reruns it: two more all-to-alls and the experts' forward GEMMs p
 microbatch. The map holds no `dot_general` that a layer's checkpoint policy would keep: the
 router's matmul stays outside.
 
+For a split backward (zero-bubble schedules) `exchanged_tapped` adds zero taps to the experts'
+grouped GEMMs inside the map and returns the rows they ran on, so W computes the expert
+weights' gradients (`weight_gradient`), not I.
+
 Dropless at fixed shapes: each (sender, receiver) block of the all-to-all holds all T k of the
 sender's choices, of which the first `count` are real, so the bytes on the wire are E_ranks
 times those of the routed tokens (`experts_ffn_exchanged`). XLA's CPU backend has no ragged
@@ -28,12 +32,14 @@ all-to-all, which would send only the real rows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.models.moe import moe_ffn
+from jaxmeg.models.moe import moe_ffn, ragged_matmul
+from jaxmeg.models.split_backward import grouped_weight_gradient
 from jaxmeg.parallel.mesh import automatic_axes_here
 
 EXPERT, TENSOR = "expert", "tensor"
@@ -62,20 +68,59 @@ def _in_specs(gated: int) -> tuple:
 def _on_device(moe, sequences: int) -> Callable:
     ranks = jax.sharding.get_abstract_mesh().shape[EXPERT]
 
-    def local(x, logits, bias, *experts):
+    def local(x, logits, bias, *experts, gmm=ragged_matmul):
         return moe_ffn(moe, sequences // ranks, x, logits, bias, *experts, axis=EXPERT,
-                       tensor_axis=TENSOR)  # fmt: skip
+                       tensor_axis=TENSOR, gmm=gmm)  # fmt: skip
 
     return local
 
 
-def _differentiable(moe, sequences, bias):
-    """The device's layer as a function of what has a gradient: ((y, aux), shares)."""
+def _stack(v, axes):
+    """A device's value as its block of a global stacked over `axes` (leading dims of 1)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(v).manual_axis_type.varying)
+    if missing:
+        v = jax.lax.pcast(v, missing, to="varying")
+    return v.reshape((1,) * len(axes) + v.shape)
+
+
+def _unstack(v, axes):
+    return v.reshape(v.shape[len(axes) :])
+
+
+def _tap_axes(axes) -> tuple[str, ...]:
+    """The axes the experts' grouped GEMMs' values vary over, of the map's: their taps and
+    recorded rows are stacked over these."""
+    return tuple(a for a in axes if a in (EXPERT, TENSOR))
+
+
+def _recording(taps: dict, axes) -> tuple[Callable, dict]:
+    """The experts' grouped GEMM that adds its tap (`taps`: name -> this device's block of
+    the stacked taps) and records, by name, its rows, group sizes and output."""
+    recorded = {}
+
+    def gmm(name, rows, w, sizes):
+        y = ragged_matmul(name, rows, w, sizes)
+        if name in taps:
+            y = y + _unstack(taps[name], _tap_axes(axes)).astype(y.dtype)
+        recorded[name] = {"device_rows": rows, "device_sizes": sizes, "out": y}
+        return y
+
+    return gmm, recorded
+
+
+def _differentiable(moe, sequences, bias, axes):
+    """The device's layer as a function of what has a gradient: ((y, aux), (shares, what the
+    tapped GEMMs recorded, stacked over `axes`: their rows and group sizes))."""
     local = _on_device(moe, sequences)
 
-    def fn(x, logits, *experts):
-        y, aux, shares = local(x, logits, bias, *experts)
-        return (y, aux), shares
+    def fn(x, logits, taps, *experts):
+        gmm, recorded = _recording(taps, axes)
+        y, aux, shares = local(x, logits, bias, *experts, gmm=gmm)
+        kept = {
+            name: {k: _stack(v, _tap_axes(axes)) for k, v in recorded[name].items() if k != "out"}
+            for name in taps
+        }
+        return (y, aux), (shares, kept)
 
     return fn
 
@@ -94,18 +139,27 @@ def _varies(x, axes) -> tuple[str, ...]:
     return tuple(a for a in axes if a in jax.typeof(x).manual_axis_type.varying)
 
 
-def _forward_keeping(moe, sequences) -> Callable:
-    """The device's forward and its pullback: ((y, aux, shares), pullback)."""
+def _forward_keeping(moe, sequences, axes) -> Callable:
+    """The device's forward and its pullback: ((y, aux, shares, recorded), pullback)."""
 
-    def local(x, logits, bias, *experts):
-        fn = _differentiable(moe, sequences, bias)
-        (y, aux), pullback, shares = jax.vjp(fn, x, logits, *experts, has_aux=True)
-        return (y, aux, shares), pullback
+    def local(x, logits, bias, taps, *experts):
+        fn = _differentiable(moe, sequences, bias, axes)
+        (y, aux), pullback, (shares, kept) = jax.vjp(fn, x, logits, taps, *experts, has_aux=True)
+        return (y, aux, shares, kept), pullback
 
     return local
 
 
-def _residual_axes(local, specs, args, axes) -> list[tuple[str, ...]]:
+def _tapped_specs(taps: dict, axes) -> tuple[dict, dict]:
+    """(the taps' in_specs, the recorded rows' and sizes' out_specs): stacked over `axes`."""
+    stacked = P(*_tap_axes(axes))
+    return (
+        {name: stacked for name in taps},
+        {name: {"device_rows": stacked, "device_sizes": stacked} for name in taps},
+    )
+
+
+def _residual_axes(local, specs, out_specs, args, axes) -> list[tuple[str, ...]]:
     """The axes each residual of the device's pullback varies over (flattened order), read
     from a trace of the map."""
     seen = []
@@ -115,7 +169,7 @@ def _residual_axes(local, specs, args, axes) -> list[tuple[str, ...]]:
         seen.extend(_varies(r, axes) for r in jax.tree.leaves(pullback))
         return out
 
-    mapped = jax.shard_map(probe, in_specs=specs, out_specs=(ROWS, P(), P()), axis_names=set(axes))
+    mapped = jax.shard_map(probe, in_specs=specs, out_specs=out_specs, axis_names=set(axes))
     jax.eval_shape(mapped, *args)
     return seen
 
@@ -130,20 +184,24 @@ def _decode(code, axes) -> list[tuple[str, ...]]:
     return [tuple(a for i, a in enumerate(axes) if len(c) >> i & 1) for c in code]
 
 
-def _keeping_fwd(moe, sequences, x, logits, bias, *experts):
+def _keeping_fwd(moe, sequences, x, logits, bias, taps, *experts):
     """The forward, keeping each device's pullback: its residuals leave the map stacked over
     the axes each varies over, their types unchanged (the backward's map takes them apart
-    again); the backward reruns no forward where they are kept (the module docstring)."""
+    again); the backward reruns no forward where they are kept (the module docstring).
+    ((y, aux, shares, recorded), residuals); `taps` and `recorded` as `exchanged_tapped`'s."""
     axes = _nested_axes()
     gates = len(experts) - 2
-    local = _forward_keeping(moe, sequences)
-    args = (x, logits, bias, *experts)
+    local = _forward_keeping(moe, sequences, axes)
+    args = (x, logits, bias, taps, *experts)
     d_bias = jax.lax.full_like(bias, 0)  # the bias only moves the top-k choice (see bwd)
+    names = {name: None for name in taps}  # an empty tree: which taps, for the backward
     if not axes:
         out, pullback = local(*args)
-        return out, (d_bias, pullback, (), (None,) * gates)
-    specs = _in_specs(gates)
-    kinds = _residual_axes(local, specs, args, axes)
+        return out, (d_bias, pullback, (), (None,) * gates, names)
+    tap_specs, kept_specs = _tapped_specs(taps, axes)
+    specs = (*_in_specs(gates)[:3], tap_specs, *_in_specs(gates)[3:])
+    out_specs = (ROWS, P(), P(), kept_specs)
+    kinds = _residual_axes(local, specs, out_specs, args, axes)
     tree = []
 
     def stacked(*a):
@@ -153,21 +211,22 @@ def _keeping_fwd(moe, sequences, x, logits, bias, *experts):
         return out, [r[None] if k else r for r, k in zip(leaves, kinds, strict=True)]
 
     mapped = jax.shard_map(
-        stacked, in_specs=specs, out_specs=((ROWS, P(), P()), [P(k) if k else P() for k in kinds]),
+        stacked, in_specs=specs, out_specs=(out_specs, [P(k) if k else P() for k in kinds]),
         axis_names=set(axes),
     )  # fmt: skip
     out, leaves = mapped(*args)
     pullback = jax.tree.unflatten(tree[0], leaves)
-    # the gates' count too as an empty tree, for the backward's specs
-    return out, (d_bias, pullback, _encode(kinds, axes), (None,) * gates)
+    # the gates' count and the taps' names too as empty trees, for the backward's specs
+    return out, (d_bias, pullback, _encode(kinds, axes), (None,) * gates, names)
 
 
 def _keeping_bwd(saved, g_y, g_aux):
-    d_bias, pullback, code, gates = saved
+    """(d_x, d_logits, d_bias, d_taps, *d_experts) from `_keeping_fwd`'s residuals."""
+    d_bias, pullback, code, gates, names = saved
     axes = _nested_axes()
     if not axes:
-        d_x, d_logits, *d_experts = pullback((g_y, g_aux))
-        return (d_x, d_logits, d_bias, *d_experts)
+        d_x, d_logits, d_taps, *d_experts = pullback((g_y, g_aux))
+        return (d_x, d_logits, d_bias, d_taps, *d_experts)
     kinds = _decode(code, axes)
     leaves, treedef = jax.tree.flatten(pullback)
 
@@ -176,12 +235,13 @@ def _keeping_bwd(saved, g_y, g_aux):
         return jax.tree.unflatten(treedef, leaves_)((g_y_, g_aux_))
 
     specs = _in_specs(len(gates))
+    tap_specs, _ = _tapped_specs(names, axes)
     mapped = jax.shard_map(
         local, in_specs=([P(k) if k else P() for k in kinds], ROWS, P()),
-        out_specs=(specs[0], specs[1], *specs[3:]), axis_names=set(axes),
+        out_specs=(specs[0], specs[1], tap_specs, *specs[3:]), axis_names=set(axes),
     )  # fmt: skip
-    d_x, d_logits, *d_experts = mapped(leaves, g_y, g_aux)
-    return (d_x, d_logits, d_bias, *d_experts)
+    d_x, d_logits, d_taps, *d_experts = mapped(leaves, g_y, g_aux)
+    return (d_x, d_logits, d_bias, d_taps, *d_experts)
 
 
 def _rerunning_fwd(moe, sequences, x, logits, bias, *experts):
@@ -191,11 +251,12 @@ def _rerunning_fwd(moe, sequences, x, logits, bias, *experts):
 def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
     """The backward as a map of its own that reruns the device's forward under `jax.vjp`."""
     x, logits, bias, *experts = args
-    forward = _forward_keeping(moe, sequences)
+    forward = _forward_keeping(moe, sequences, _nested_axes())
 
     def local_vjp(x_, logits_, bias_, *more):
         *experts_, g_y_, g_aux_ = more
-        return forward(x_, logits_, bias_, *experts_)[1]((g_y_, g_aux_))
+        d_x, d_logits, _, *d_experts = forward(x_, logits_, bias_, {}, *experts_)[1]((g_y_, g_aux_))
+        return (d_x, d_logits, *d_experts)
 
     specs = _in_specs(len(experts) - 2)
     grads = _nested_map(local_vjp, (*specs, ROWS, P()), (specs[0], specs[1], *specs[3:]))(
@@ -205,12 +266,13 @@ def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
     return (d_x, d_logits, jax.lax.full_like(bias, 0), *d_experts)
 
 
-def _exchanged_fwd(moe, sequences, *args):
+def _exchanged_fwd(moe, sequences, x, logits, bias, *experts):
     """Dropless (the default) keeps the pullback; with a capacity factor the backward reruns
     the forward (see the module docstring)."""
     if moe.capacity_factor:
-        return _rerunning_fwd(moe, sequences, *args)
-    return _keeping_fwd(moe, sequences, *args)
+        return _rerunning_fwd(moe, sequences, x, logits, bias, *experts)
+    (y, aux, shares, _), saved = _keeping_fwd(moe, sequences, x, logits, bias, {}, *experts)
+    return (y, aux, shares), saved
 
 
 def _exchanged_bwd(moe, sequences, saved, cotangents):
@@ -219,13 +281,82 @@ def _exchanged_bwd(moe, sequences, saved, cotangents):
     # the loads, outside this function)
     if moe.capacity_factor:
         return _rerunning_bwd(moe, sequences, saved, g_y, g_aux)
-    return _keeping_bwd(saved, g_y, g_aux)
+    d_x, d_logits, d_bias, _, *d_experts = _keeping_bwd(saved, g_y, g_aux)
+    return (d_x, d_logits, d_bias, *d_experts)
 
 
 exchanged.defvjp(_exchanged_fwd, _exchanged_bwd)
 
 
+def _tapped_forward(moe, sequences, x, logits, bias, taps, *experts):
+    return _keeping_fwd(moe, sequences, x, logits, bias, taps, *experts)[0]
+
+
+exchanged_tapped = jax.custom_vjp(_tapped_forward, nondiff_argnums=(0, 1))
+"""`exchanged` (dropless) with zero taps added to the experts' grouped GEMMs' outputs (`taps`:
+name -> [*axes, N, out], each device's block stacked over the map's axes): (y, aux, shares,
+recorded), recorded: name -> {"device_rows", "device_sizes"} stacked alike, what W needs. Its
+backward gives the taps' cotangents (the GEMMs' dY); a split backward holds the expert weights
+and computes their gradients in W (`weight_gradient`)."""
+
+
+def _tapped_fwd(moe, sequences, *args):
+    return _keeping_fwd(moe, sequences, *args)
+
+
+def _tapped_bwd(moe, sequences, saved, cotangents):
+    g_y, g_aux, _, _ = cotangents
+    return _keeping_bwd(saved, g_y, g_aux)
+
+
+exchanged_tapped.defvjp(_tapped_fwd, _tapped_bwd)
+
+
+def tap_shapes(moe, sequences, x, logits, bias, *experts) -> dict:
+    """name -> the stacked shape of each grouped GEMM's output, for `exchanged_tapped`'s taps."""
+    axes = _nested_axes()
+    local = _on_device(moe, sequences)
+
+    def outputs(*args):
+        gmm, recorded = _recording({}, axes)
+        local(*args, gmm=gmm)
+        return {name: _stack(r["out"], _tap_axes(axes)) for name, r in recorded.items()}
+
+    names = ("w_in", "w_out", "w_gate")[: len(experts)]
+    stacked = P(*_tap_axes(axes))
+    mapped = _nested_map(outputs, _in_specs(len(experts) - 2), dict.fromkeys(names, stacked))
+    return jax.eval_shape(mapped, x, logits, bias, *experts)
+
+
+def weight_gradient(dy, recorded: dict, name: str):
+    """The gradient of the expert weight `name` from `exchanged_tapped`'s recorded rows and
+    group sizes and its tap's cotangent dy: each device's grouped X_e^T dY_e for its experts,
+    in a map over the layer's axes ([E, h, f] or [E, f, h], split as the weight is)."""
+    axes = _tap_axes(_nested_axes())
+
+    def local(rows, sizes, dy_):
+        return grouped_weight_gradient(
+            _unstack(rows, axes), _unstack(sizes, axes), _unstack(dy_, axes)
+        )
+
+    stacked = P(*axes)
+    spec = EXPERT_OUT if name == "w_out" else EXPERT_IN
+    return _nested_map(local, (stacked, stacked, stacked), spec)(
+        recorded["device_rows"], recorded["device_sizes"], dy
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDispatch:
+    """The MoE layers' `dispatch` with an expert axis: `exchanged`, and for a split backward
+    `exchanged_tapped` and `tap_shapes` (`jaxmeg.models.moe.MoeMlp`)."""
+
+    __call__ = staticmethod(exchanged)
+    tapped = staticmethod(exchanged_tapped)
+    tap_shapes = staticmethod(tap_shapes)
+
+
 def dispatch_for(mesh_shape) -> Callable | None:
     """The MoE layers' dispatch on a mesh of `mesh_shape`: `exchanged` with an expert axis > 1,
     else None (the layer's own, every expert on every device)."""
-    return exchanged if mesh_shape.get(EXPERT, 1) > 1 else None
+    return ExpertDispatch() if mesh_shape.get(EXPERT, 1) > 1 else None

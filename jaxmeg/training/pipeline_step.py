@@ -198,7 +198,9 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
         taps=taps,
         split_weights=split_backward.split_weights,
         merge_weights=split_backward.merge_weights,
-        weight_grads=lambda inputs, cots: split_backward.weight_gradients(inputs, cots, lead=1),
+        weight_grads=lambda inputs, cots: split_backward.weight_gradients(
+            inputs, cots, lead=1, exchanged=experts.weight_gradient
+        ),
     )
 
 
