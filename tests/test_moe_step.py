@@ -137,6 +137,11 @@ CASES = {
         (1, 2, 2), dataclasses.replace(SHARED, capacity_factor=1.0), LLAMA, "1f1b", 1,
         {"expert": 2},
     ),
+    # uneven stages: the second stage's padding slot skips an MoE layer (zero aux and loads)
+    "e2p2-uneven-2-1": (
+        (1, 2, 1), TOP2, dataclasses.replace(LLAMA, layers=3), "1f1b", 1,
+        {"expert": 2, "stage_layers": (2, 1)},
+    ),
     # on one device the experts' grouped GEMMs are tapped: their weight gradients come in W
     "d2p2-zb_h1-capacity": ((2, 2, 1), CAPACITY, LLAMA, "zb_h1", 1, {}),
     "d2p2-capacity-half-gpt": (
