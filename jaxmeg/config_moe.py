@@ -8,6 +8,8 @@ import dataclasses
 
 MOE_ROUTERS = ("softmax", "sigmoid")
 """The `moe.router` choices (`jaxmeg.models.moe.route`)."""
+GROUPED_GEMMS = ("ragged", "blocked")
+"""The `moe.grouped_gemm` choices (`jaxmeg.models.moe.grouped_gemm`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +59,12 @@ class MoeConfig:
     microbatches, replicas and stages. 0 = off."""
     z_loss: float = 0.0
     """Coefficient of the router z-loss (ST-MoE: the mean squared log-sum-exp of the logits)."""
+    grouped_gemm: str = "ragged"
+    """How a dropless layer runs its experts' grouped GEMMs on one device: `ragged`
+    (`jax.lax.ragged_dot`, which XLA's GPU compiler makes one dense GEMM over every expert) or
+    `blocked` (a loop of dense GEMMs over blocks of each expert's rows: about the routed FLOPs,
+    more memory traffic; docs/benchmarks.md). Both give the same outputs and gradients. Not yet
+    under the exchange (parallel.expert > 1), whose experts run `ragged`."""
     bias_update_rate: float = 0.0
     """DeepSeek-V3's loss-free balancing: after each step every expert's routing bias moves by
     this much toward an even load (up if the expert got fewer tokens than the mean, down if

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import warnings
 
-from jaxmeg.config_moe import MOE_ROUTERS
+from jaxmeg.config_moe import GROUPED_GEMMS, MOE_ROUTERS
 from jaxmeg.config_sections import (
     DTYPES,
     ERROR_FEEDBACK,
@@ -245,6 +245,7 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
     if moe.experts == 0:
         return
     _check_choice("moe.router", moe.router, MOE_ROUTERS)
+    _check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
     if not 1 <= moe.top_k <= moe.experts:
         raise ConfigError(
             f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"
@@ -277,6 +278,9 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
             )
     not_yet = [
         (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
+        (moe.grouped_gemm == "blocked" and expert > 1,
+         f"moe.grouped_gemm = blocked and parallel.expert = {expert} (the exchange's experts "
+         f"run ragged)"),
         (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
         (bool(comp.data_grad_rank), f"compression.data_grad_rank = {comp.data_grad_rank} (it "
                                     f"would compress the routing bias's expert loads)"),

@@ -104,3 +104,23 @@ def test_bad_routing_is_named(top_k, router, message):
     with pytest.raises(ValueError) as error:
         moe.route(jnp.zeros((2, E)), top_k, router)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("sizes", [(10, 0, 15, 3), (0, 0, 28, 0), (7, 7, 7, 7), (0, 0, 0, 0)])
+def test_blocked_grouped_gemm_equals_ragged_dot(sizes, monkeypatch):
+    """`blocked_ragged_dot` (the GPU's grouped GEMM: dense GEMMs over blocks of each group's
+    rows) gives `jax.lax.ragged_dot`'s outputs and both cotangents, for empty groups, rows past
+    the groups and blocks that straddle two groups (blocks of 4 rows here)."""
+    monkeypatch.setattr(moe, "BLOCK_ROWS", 4)
+    keys = jax.random.split(jax.random.key(3), 3)
+    rows = jax.random.normal(keys[0], (30, H))
+    w = jax.random.normal(keys[1], (E, H, F))
+    cot = jax.random.normal(keys[2], (30, F))
+    group = jnp.asarray(sizes, jnp.int32)
+
+    def pulled(ragged):
+        y, pullback = jax.vjp(lambda r, w_: ragged(r, w_, group), rows, w)
+        return (y, *pullback(cot))
+
+    for got, want in zip(pulled(moe.blocked_ragged_dot), pulled(jax.lax.ragged_dot), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -137,6 +137,12 @@ CASES = {
         (1, 2, 2), dataclasses.replace(SHARED, capacity_factor=1.0), LLAMA, "1f1b", 1,
         {"expert": 2},
     ),
+    # the grouped GEMMs as dense GEMMs over blocks of rows (what GPUs run: `moe.grouped_gemm`)
+    "d2p2-zb_h1-blocked": (
+        (2, 2, 1), dataclasses.replace(TOP2, grouped_gemm="blocked"), LLAMA, "zb_h1", 1, {}
+    ),
+    "p2t2-blocked-gpt": ((1, 2, 2), dataclasses.replace(TOP2, grouped_gemm="blocked"), GPT,
+                         "1f1b", 1, {}),
     # uneven stages: the second stage's padding slot skips an MoE layer (zero aux and loads)
     "e2p2-uneven-2-1": (
         (1, 2, 1), TOP2, dataclasses.replace(LLAMA, layers=3), "1f1b", 1,
@@ -171,9 +177,9 @@ def test_moe_step_equals_one_device(name, monkeypatch):
     mesh, moe, model, schedule, chunks, parallel = CASES[name]
     traced, original = [], experts.weight_gradient
 
-    def tracing(dy, recorded, weight):
+    def tracing(dy, recorded, weight, grouped_gradient):
         traced.append(weight)
-        return original(dy, recorded, weight)
+        return original(dy, recorded, weight, grouped_gradient)
 
     monkeypatch.setattr(experts, "weight_gradient", tracing)
     check(config(mesh, moe, model, schedule, chunks, **parallel))
@@ -387,6 +393,11 @@ BAD = [
     ({"experts": 4, "router": "relu"}, "moe.router"),
     ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
     ({"experts": 4, "every": 0}, "moe.every = 0: the layers after the dense leading ones"),
+    ({"experts": 4, "grouped_gemm": "dense"}, "moe.grouped_gemm"),
+    (
+        {"experts": 4, "grouped_gemm": "blocked"},
+        "does not run with moe.grouped_gemm = blocked and parallel.expert = 4",
+    ),
     ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
 ]
 

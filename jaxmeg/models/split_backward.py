@@ -66,15 +66,18 @@ def merge_weights(weights, rest) -> dict:
 
 
 def weight_gradients(
-    inputs, cotangents, batch_dims: int = 2, lead: int = 0, exchanged: Callable | None = None
-):
+    inputs, cotangents, batch_dims: int = 2, lead: int = 0, exchanged: Callable | None = None,
+    grouped_gradient: Callable | None = None,
+):  # fmt: skip
     """dW = X^T dY for every weight: the sown input X [*lead, b, s, ...in] and the tap's
     cotangent dY [*lead, b, s, ...out] contracted over their `batch_dims` leading dims after the
     `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape. A
     grouped GEMM's input (`moe.MoeMlp`: {"rows" [N, in], "sizes" [E]} sorted by expert, or
     {"rows" [E, N, in]} each expert's own) gives each expert's X_e^T dY_e, [E, in, out]; one
     of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
-    name)`'s (`jaxmeg.parallel.experts.weight_gradient`)."""
+    name, grouped_gradient)`'s (`jaxmeg.parallel.experts.weight_gradient`).
+    `grouped_gradient`: the ragged GEMM's weight gradient, as the forward ran it
+    (`jaxmeg.models.moe.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose."""
 
     def dense(dy, x):
         contract = list(range(batch_dims))
@@ -82,10 +85,10 @@ def weight_gradients(
 
     def grouped(dy, x, name):
         if "device_rows" in x:
-            return exchanged(dy, x, name)
+            return exchanged(dy, x, name, grouped_gradient)
         if "sizes" not in x:
             return jnp.einsum("eni,eno->eio", x["rows"], dy.astype(x["rows"].dtype))
-        return grouped_weight_gradient(x["rows"], x["sizes"], dy)
+        return grouped_weight_gradient(x["rows"], x["sizes"], dy, grouped_gradient)
 
     for _ in range(lead):
         dense, grouped = jax.vmap(dense), _one_by_one(grouped)
@@ -104,11 +107,14 @@ def _one_by_one(fn: Callable) -> Callable:
     return lambda dy, x, name: jax.lax.map(lambda a: fn(*a, name), (dy, x))
 
 
-def grouped_weight_gradient(rows, sizes, dy):
-    """The transpose of `jax.lax.ragged_dot(rows, w, sizes)` in w, applied to dy: the grouped
-    GEMM that the whole backward runs for the expert weights. The w it transposes at varies
+def grouped_weight_gradient(rows, sizes, dy, grouped_gradient: Callable | None = None):
+    """Each expert's X_e^T dY_e [E, in, out]: `grouped_gradient(rows, sizes, dy)`, or the
+    transpose of `jax.lax.ragged_dot(rows, w, sizes)` in w applied to dy, the grouped GEMM
+    that the whole backward runs for the expert weights. The w it transposes at varies
     over the manual axes rows and dy vary over (inside a map): an invariant one would sum the
     gradient over them."""
+    if grouped_gradient is not None:
+        return grouped_gradient(rows, sizes, dy)
     varying = set()
     for a in (rows, dy):
         varying |= set(jax.typeof(a).manual_axis_type.varying)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY, LayerGroup, layer_unit
+from jaxmeg.models.moe import grouped_gemm
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
@@ -183,6 +184,7 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
     """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`)."""
     block = step_block(trainable, constrain)
     tapped = split_backward.tapped(block)
+    grouped = grouped_gemm(trainable.cfg.moe)[1]  # W's grouped GEMMs as the forward's
 
     def recompute_under(policy):
         return _over_layers(trainable, lambda lp, x, taps: tapped(lp, x, taps), policy)
@@ -199,7 +201,7 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
         split_weights=split_backward.split_weights,
         merge_weights=split_backward.merge_weights,
         weight_grads=lambda inputs, cots: split_backward.weight_gradients(
-            inputs, cots, lead=1, exchanged=experts.weight_gradient
+            inputs, cots, lead=1, exchanged=experts.weight_gradient, grouped_gradient=grouped
         ),
     )
 
