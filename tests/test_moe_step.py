@@ -137,12 +137,6 @@ CASES = {
         (1, 2, 2), dataclasses.replace(SHARED, capacity_factor=1.0), LLAMA, "1f1b", 1,
         {"expert": 2},
     ),
-    # the grouped GEMMs as dense GEMMs over blocks of rows (what GPUs run: `moe.grouped_gemm`)
-    "d2p2-zb_h1-blocked": (
-        (2, 2, 1), dataclasses.replace(TOP2, grouped_gemm="blocked"), LLAMA, "zb_h1", 1, {}
-    ),
-    "p2t2-blocked-gpt": ((1, 2, 2), dataclasses.replace(TOP2, grouped_gemm="blocked"), GPT,
-                         "1f1b", 1, {}),
     # uneven stages: the second stage's padding slot skips an MoE layer (zero aux and loads)
     "e2p2-uneven-2-1": (
         (1, 2, 1), TOP2, dataclasses.replace(LLAMA, layers=3), "1f1b", 1,
@@ -157,8 +151,12 @@ CASES = {
     "d2e2p2-zb_h1-zero3-first_dense": (
         (2, 2, 1), FIRST_DENSE, LLAMA, "zb_h1", 1, {"expert": 2, "zero_stage": 3}
     ),
-    # MoE every other layer: each stack entry a group of a dense layer and an MoE one
-    "d2p2-every2": ((2, 2, 1), EVERY2, LLAMA, "1f1b", 1, {}),
+    # MoE every other layer: each stack entry a group of a dense layer and an MoE one; its
+    # grouped GEMMs as dense GEMMs over blocks of rows (`moe.grouped_gemm`), their weight
+    # gradients in W
+    "d2p2-zb_h1-every2-blocked": (
+        (2, 2, 1), dataclasses.replace(EVERY2, grouped_gemm="blocked"), LLAMA, "zb_h1", 1, {}
+    ),
     "e2p2t2-zb_h1-every2-first_dense": (
         (1, 2, 2), dataclasses.replace(EVERY2, first_dense=1), LLAMA, "zb_h1", 1, {"expert": 2}
     ),
