@@ -9,7 +9,7 @@ import dataclasses
 MOE_ROUTERS = ("softmax", "sigmoid")
 """The `moe.router` choices (`jaxmeg.models.moe.route`)."""
 GROUPED_GEMMS = ("ragged", "blocked")
-"""The `moe.grouped_gemm` choices (`jaxmeg.models.moe.grouped_gemm`)."""
+"""The `moe.grouped_gemm` choices (`jaxmeg.models.grouped_gemm`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

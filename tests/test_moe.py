@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmeg.models import moe
+from jaxmeg.models import grouped_gemm, moe
 
 T, H, F, E = 24, 16, 8, 4
 
@@ -111,7 +111,7 @@ def test_blocked_grouped_gemm_equals_ragged_dot(sizes, monkeypatch):
     """`blocked_ragged_dot` (the GPU's grouped GEMM: dense GEMMs over blocks of each group's
     rows) gives `jax.lax.ragged_dot`'s outputs and both cotangents, for empty groups, rows past
     the groups and blocks that straddle two groups (blocks of 4 rows here)."""
-    monkeypatch.setattr(moe, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(grouped_gemm, "BLOCK_ROWS", 4)
     keys = jax.random.split(jax.random.key(3), 3)
     rows = jax.random.normal(keys[0], (30, H))
     w = jax.random.normal(keys[1], (E, H, F))
@@ -122,5 +122,7 @@ def test_blocked_grouped_gemm_equals_ragged_dot(sizes, monkeypatch):
         y, pullback = jax.vjp(lambda r, w_: ragged(r, w_, group), rows, w)
         return (y, *pullback(cot))
 
-    for got, want in zip(pulled(moe.blocked_ragged_dot), pulled(jax.lax.ragged_dot), strict=True):
+    for got, want in zip(
+        pulled(grouped_gemm.blocked_ragged_dot), pulled(jax.lax.ragged_dot), strict=True
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.models.gpt import MATMUL_INPUTS, TAPS
+from jaxmeg.models.grouped_gemm import grouped_weight_gradient
 
 
 def tapped(block: nn.Module) -> Callable:
@@ -77,7 +78,7 @@ def weight_gradients(
     of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
     name, grouped_gradient)`'s (`jaxmeg.parallel.experts.weight_gradient`).
     `grouped_gradient`: the ragged GEMM's weight gradient, as the forward ran it
-    (`jaxmeg.models.moe.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose."""
+    (`jaxmeg.models.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose."""
 
     def dense(dy, x):
         contract = list(range(batch_dims))
@@ -105,21 +106,3 @@ def _one_by_one(fn: Callable) -> Callable:
     """fn(*arrays, name) over the arrays' leading dim by `lax.map`: jax batches no transposed
     `ragged_dot`."""
     return lambda dy, x, name: jax.lax.map(lambda a: fn(*a, name), (dy, x))
-
-
-def grouped_weight_gradient(rows, sizes, dy, grouped_gradient: Callable | None = None):
-    """Each expert's X_e^T dY_e [E, in, out]: `grouped_gradient(rows, sizes, dy)`, or the
-    transpose of `jax.lax.ragged_dot(rows, w, sizes)` in w applied to dy, the grouped GEMM
-    that the whole backward runs for the expert weights. The w it transposes at varies
-    over the manual axes rows and dy vary over (inside a map): an invariant one would sum the
-    gradient over them."""
-    if grouped_gradient is not None:
-        return grouped_gradient(rows, sizes, dy)
-    varying = set()
-    for a in (rows, dy):
-        varying |= set(jax.typeof(a).manual_axis_type.varying)
-    w = jnp.zeros((sizes.shape[0], rows.shape[-1], dy.shape[-1]), rows.dtype)
-    if varying:
-        w = jax.lax.pcast(w, tuple(sorted(varying)), to="varying")
-    transpose = jax.linear_transpose(lambda w_: jax.lax.ragged_dot(rows, w_, sizes), w)
-    return transpose(dy.astype(rows.dtype))[0]

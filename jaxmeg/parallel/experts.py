@@ -38,8 +38,8 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.models.moe import moe_ffn, ragged_matmul
-from jaxmeg.models.split_backward import grouped_weight_gradient
+from jaxmeg.models.grouped_gemm import grouped_weight_gradient, ragged_matmul
+from jaxmeg.models.moe import moe_ffn
 from jaxmeg.parallel.mesh import automatic_axes_here
 
 EXPERT, TENSOR = "expert", "tensor"

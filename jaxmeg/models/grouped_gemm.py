@@ -1,0 +1,169 @@
+"""The experts' grouped GEMMs: each group of rows (sorted by expert) times its expert's weight,
+and the weights' gradients from the rows and the output cotangents (`moe.grouped_gemm`).
+
+  ragged   `jax.lax.ragged_dot`, which XLA's GPU compiler makes one dense GEMM over every expert
+           (docs/benchmarks.md)
+  blocked  `blocked_ragged_dot`: a loop of dense GEMMs over blocks of each expert's rows
+
+With no group sizes, a batched GEMM of each expert's own rows (a capacity factor's buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.config import MoeConfig
+
+GroupedMatmul = Callable[[str, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+"""gmm(name, rows, w [E, in, out], sizes) -> the grouped GEMM of the expert weight `name`:
+rows [N, in] sorted by expert with `sizes` [E] rows each -> [N, out], or with sizes None each
+expert's own rows [E, N, in] -> [E, N, out] (`ragged_matmul`, or the layer's tapped one for a
+split backward)."""
+
+
+def ragged_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | None) -> jax.Array:
+    """Each group of `rows` (sorted by group, `sizes` [E] rows each; rows past the groups give
+    zeros) times its expert's weight: `jax.lax.ragged_dot`; with sizes None, a batched GEMM
+    of each expert's [N, in] rows."""
+    del name
+    if sizes is None:
+        return jnp.einsum("eni,eio->eno", rows, w.astype(rows.dtype))
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes)
+
+
+BLOCK_ROWS = 256
+"""Rows per GEMM of `blocked_ragged_dot`."""
+
+
+def _block_table(sizes: jax.Array, n: int, block: int):
+    """(each block's expert, first row, end of its group) for `blocked_ragged_dot`'s loop:
+    ceil(n_e / B) blocks for expert e, ceil(N / B) + E entries in all (the ones past the real
+    blocks end at row 0: they keep nothing)."""
+    e = sizes.shape[0]
+    count = -(-n // block) + e
+    per = (sizes + block - 1) // block
+    ends = jnp.cumsum(per)
+    group_starts = jnp.cumsum(sizes) - sizes
+    i = jnp.arange(count)
+    expert = jnp.minimum(jnp.sum(ends[None, :] <= i[:, None], axis=1), e - 1)
+    start = jnp.minimum(group_starts[expert] + (i - (ends - per)[expert]) * block, n)
+    stop = jnp.where(i < ends[-1], group_starts[expert] + sizes[expert], 0)
+    return expert, start, stop
+
+
+def varying_like(zeros: jax.Array, *arrays) -> jax.Array:
+    """`zeros` varying over the manual axes `arrays` vary over (a loop carry inside a map)."""
+    varying = set()
+    for a in arrays:
+        varying |= set(jax.typeof(a).manual_axis_type.varying)
+    return jax.lax.pcast(zeros, tuple(sorted(varying)), to="varying") if varying else zeros
+
+
+def _block_rows(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    n = rows.shape[0]
+    block = max(1, min(BLOCK_ROWS, n))
+    padded = jnp.pad(rows, ((0, block), (0, 0)))
+    w = w.astype(rows.dtype)
+
+    def one_block(y, blk):
+        ex, first, end = blk
+        x = jax.lax.dynamic_slice_in_dim(padded, first, block)
+        keep = (first + jnp.arange(block)) < end
+        out = jnp.where(keep[:, None], x @ w[ex], 0).astype(y.dtype)
+        now = jax.lax.dynamic_slice_in_dim(y, first, block)
+        return jax.lax.dynamic_update_slice_in_dim(y, now + out, first, 0), None
+
+    y = varying_like(jnp.zeros((n + block, w.shape[-1]), rows.dtype), rows, w, sizes)
+    y, _ = jax.lax.scan(one_block, y, _block_table(sizes, n, block))
+    return y[:n]
+
+
+def blocked_weight_gradient(rows: jax.Array, sizes: jax.Array, dy: jax.Array) -> jax.Array:
+    """Each expert's X_e^T dY_e [E, in, out] over its group of `rows`, block by block as
+    `blocked_ragged_dot` runs (its weights' cotangent)."""
+    n, e = rows.shape[0], sizes.shape[0]
+    block = max(1, min(BLOCK_ROWS, n))
+    padded_x = jnp.pad(rows, ((0, block), (0, 0)))
+    padded_dy = jnp.pad(dy.astype(rows.dtype), ((0, block), (0, 0)))
+
+    def one_block(g, blk):
+        ex, first, end = blk
+        keep = (first + jnp.arange(block)) < end
+        x = jnp.where(keep[:, None], jax.lax.dynamic_slice_in_dim(padded_x, first, block), 0)
+        d = jax.lax.dynamic_slice_in_dim(padded_dy, first, block)
+        now = jax.lax.dynamic_index_in_dim(g, ex, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(g, now + (x.T @ d).astype(g.dtype), ex, 0), None
+
+    g = jnp.zeros((e, rows.shape[-1], dy.shape[-1]), rows.dtype)
+    g = varying_like(g, rows, sizes, dy)
+    g, _ = jax.lax.scan(one_block, g, _block_table(sizes, n, block))
+    return g
+
+
+@jax.custom_vjp
+def blocked_ragged_dot(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot(rows [N, in], w [E, in, out], sizes [E])` as a loop over blocks of
+    B = min(BLOCK_ROWS, N) sorted rows, each block within one expert's group: ceil(n_e / B)
+    blocks for expert e, at most ceil(N / B) + E in all, one dense [B, in] x [in, out] GEMM
+    each, the rows of a block past its group's end masked. Its FLOPs are at most
+    (N + E B) in out, against the E N in out of the dense GEMM over every expert that XLA's
+    GPU compiler makes of a `ragged_dot` (docs/benchmarks.md). Its backward runs the same
+    loop for the rows' cotangent (dY against each expert's transposed weight) and
+    `blocked_weight_gradient` for the weights', and keeps only its inputs."""
+    return _block_rows(rows, w, sizes)
+
+
+def _blocked_fwd(rows, w, sizes):
+    return _block_rows(rows, w, sizes), (rows, w, sizes)
+
+
+def _blocked_bwd(saved, dy):
+    rows, w, sizes = saved
+    d_rows = _block_rows(dy.astype(rows.dtype), jnp.swapaxes(w, 1, 2), sizes)
+    d_w = blocked_weight_gradient(rows, sizes, dy).astype(w.dtype)
+    return _summed_like(d_rows, rows), _summed_like(d_w, w), None
+
+
+def _summed_like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent summed over the manual axes it varies over and its primal does not (the
+    transpose of the primal's implicit broadcast, as jax's own rules give)."""
+    extra = set(jax.typeof(cotangent).manual_axis_type.varying)
+    extra -= set(jax.typeof(primal).manual_axis_type.varying)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
+blocked_ragged_dot.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def blocked_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | None) -> jax.Array:
+    """`ragged_matmul` with the ragged GEMM as `blocked_ragged_dot`."""
+    if sizes is None:
+        return ragged_matmul(name, rows, w, sizes)
+    return blocked_ragged_dot(rows, w, sizes)
+
+
+def grouped_gemm(moe: MoeConfig) -> tuple[GroupedMatmul, Callable | None]:
+    """(the grouped GEMM, its weight gradient (rows, sizes, dy) -> [E, in, out], None for
+    the transpose of `jax.lax.ragged_dot`) of `moe.grouped_gemm`: `blocked_matmul` for
+    `blocked`, else `ragged_matmul`."""
+    if moe.grouped_gemm == "blocked":
+        return blocked_matmul, blocked_weight_gradient
+    return ragged_matmul, None
+
+
+def grouped_weight_gradient(rows, sizes, dy, grouped_gradient: Callable | None = None):
+    """Each expert's X_e^T dY_e [E, in, out]: `grouped_gradient(rows, sizes, dy)`, or the
+    transpose of `jax.lax.ragged_dot(rows, w, sizes)` in w applied to dy, the grouped GEMM
+    that the whole backward runs for the expert weights. The w it transposes at varies
+    over the manual axes rows and dy vary over (inside a map): an invariant one would sum the
+    gradient over them."""
+    if grouped_gradient is not None:
+        return grouped_gradient(rows, sizes, dy)
+    w = varying_like(
+        jnp.zeros((sizes.shape[0], rows.shape[-1], dy.shape[-1]), rows.dtype), rows, dy
+    )
+    transpose = jax.linear_transpose(lambda w_: jax.lax.ragged_dot(rows, w_, sizes), w)
+    return transpose(dy.astype(rows.dtype))[0]
