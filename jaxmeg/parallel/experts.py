@@ -328,13 +328,12 @@ def tap_shapes(moe, sequences, x, logits, bias, *experts) -> dict:
     return jax.eval_shape(mapped, x, logits, bias, *experts)
 
 
-def weight_gradient(dy, recorded: dict, name: str, grouped_gradient: Callable | None = None):
+def weight_gradient(dy, recorded: dict, name: str):
     """The gradient of the expert weight `name` from `exchanged_tapped`'s recorded rows and
     group sizes and its tap's cotangent dy: each device's grouped X_e^T dY_e for its experts,
     in a map over the layer's axes ([E, h, f] or [E, f, h], split as the weight is). The
-    exchange runs `jax.lax.ragged_dot` whatever `moe.grouped_gemm` says (its blocked form
-    under the exchange's map does not lower yet), so `grouped_gradient` is not used."""
-    del grouped_gradient
+    exchange's experts run `jax.lax.ragged_dot` (`moe.grouped_gemm: blocked` is refused with
+    an expert axis), so this is its transpose."""
     axes = _tap_axes(_nested_axes())
 
     def local(rows, sizes, dy_):
