@@ -5,11 +5,24 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MOE_ROUTERS = ("softmax", "sigmoid")
 """The `moe.router` choices (`jaxmeg.models.moe.route`)."""
 GROUPED_GEMMS = ("ragged", "blocked")
 """The `moe.grouped_gemm` choices (`jaxmeg.models.grouped_gemm`)."""
+EXCHANGE_BOUNDS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+"""The bounds a dropless exchange over an expert axis runs at (`exchange_bounds`): rows per
+(sender, receiver) block as multiples of an even load, T k / E_ranks."""
+
+
+def exchange_bounds(choices: int, ranks: int) -> tuple[int, ...]:
+    """The dropless exchange's block sizes for a device's `choices` (T k) over `ranks` expert
+    ranks: each `EXCHANGE_BOUNDS` factor times the even share T k / E_ranks, rounded up, below
+    T k; then T k, which any routing fits (`jaxmeg.models.moe.experts_ffn_exchanged` runs the
+    smallest that fits the step's busiest block)."""
+    sizes = {math.ceil(f * choices / ranks) for f in EXCHANGE_BOUNDS}
+    return (*sorted(b for b in sizes if b < choices), choices)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,8 +10,9 @@ saves, and what it saves. --context auto (the default) also searches context par
 long sequences (c GPUs per sequence, a ring of key/value blocks), --context N pins it, --context
 1 forbids it; when the fastest plan splits the sequence, the fastest without context parallelism
 follows the table. A config with a moe section also searches expert parallelism (--expert pins
-it), priced as jaxmeg exchanges tokens (--expert-exchange padded) or with the routed rows only
-(routed). docs/planner.md explains the models.
+it), priced as jaxmeg exchanges tokens (--expert-exchange bounded: at a balanced load), at the
+exchange's largest bound (padded) or with the routed rows only (routed). docs/planner.md
+explains the models.
 
   python scripts/plan.py --config configs/megatron_1t.yaml --gpus 3072 --batch 3072 \
       --hardware a100_dgx --tokens 450e9
@@ -112,9 +113,10 @@ def parse_args(argv):
         "every divisor of the experts)",
     )  # fmt: skip
     parser.add_argument(
-        "--expert-exchange", choices=EXPERT_EXCHANGES, default="padded",
-        help="how tokens reach their experts: padded, jaxmeg's dropless all-to-all (default); "
-        "routed, the routed rows only (a ragged all-to-all, not run yet)",
+        "--expert-exchange", choices=EXPERT_EXCHANGES, default="bounded",
+        help="how tokens reach their experts: bounded, jaxmeg's dropless all-to-all at a balanced "
+        "load (default); padded, at its largest bound (every choice to one GPU); routed, the "
+        "routed rows only (a ragged all-to-all, not run)",
     )  # fmt: skip
     parser.add_argument(
         "--capacity-factor", type=float,

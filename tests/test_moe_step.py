@@ -267,41 +267,6 @@ def test_loads_leave_the_gradients_and_move_each_bias_toward_the_mean():
     np.testing.assert_allclose(moved["moe"]["router_bias"], [[-0.1, 0.0, 0.0, 0.1]])
 
 
-def test_expert_parallel_dispatch_is_all_to_all_over_expert_in_the_compiled_step():
-    """(expert 4): per MoE layer and microbatch, the compiled step exchanges tokens by
-    all-to-all over `expert` only: dispatch and combine and their transposes (4 of the padded
-    row buffer: 4 ranks x T k rows x h, the bound that keeps a dropless exchange at fixed
-    shapes; the forward keeps its residuals, so the backward reruns neither) and one of the
-    choices' expert ids. The routing runs
-    on each device's own rows: the only all-gathers over `expert` are the embedding's backward
-    (its tokens and cotangents), none in the MoE layers. With bf16 compute the rows travel as
-    16 bits (XLA would widen a bf16 all-to-all to float32)."""
-    from jaxmeg.parallel import hlo
-    from jaxmeg.perf.layout import config_layout
-    from jaxmeg.perf.shape import shape_of
-    from jaxmeg.perf.traffic import bytes_per_step
-
-    bf16 = dataclasses.replace(LLAMA, compute_dtype="bfloat16")
-    trainable = trainable_for(config((1, 1, 1), TOP2, bf16, expert=4, microbatches=1))
-    with jax.set_mesh(trainable.mesh):
-        params = init_state(trainable, seed=0)["params"]
-        tokens = put_batch(trainable, random_batch(trainable.cfg))
-        compiled = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
-    found = hlo.collectives(compiled.as_text(), trainable.mesh)
-    rows = trainable.cfg.train.microbatch_size // 4 * LLAMA.seq_len  # T on each device
-    buffer = 4 * rows * TOP2.top_k * LLAMA.hidden * 2  # bf16 rows
-    exchanges = [c.bytes for c in found if c.kind == "all-to-all"]
-    assert all(c.axes == {"expert"} for c in found if c.kind == "all-to-all")
-    assert sorted(set(exchanges)) == [4 * rows * TOP2.top_k * 4, buffer], exchanges
-    assert exchanges.count(buffer) == 4 * LLAMA.layers
-    # the performance model sends what the program sends: (e - 1) / e of each row buffer
-    shape = shape_of(trainable.cfg.model, trainable.cfg.moe)
-    traffic = bytes_per_step(shape, config_layout(trainable.cfg), compute_bytes=2)
-    assert traffic["expert"] == pytest.approx(4 * LLAMA.layers * buffer * 3 / 4)
-    gathers = [c for c in found if c.kind == "all-gather"]
-    assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
-
-
 def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
     """(expert 4, pipe 2): the executor takes microbatch mb as every m-th row (`carry.Stage`),
     so each expert rank holds its share of every microbatch and no slot moves rows. Taken as a

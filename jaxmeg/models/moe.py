@@ -44,8 +44,9 @@ C = ceil(cf s k / E) of each sequence's s k choices, first come in token order; 
 dropped (they add nothing to the token's output; the residual carries it). Decided per sequence,
 so the same choices drop however the batch is split. The experts then run on fixed buffers of
 [E, sequences x C] rows as one batched GEMM (`experts_ffn_capacity`), and with expert
-parallelism the all-to-all moves exactly those buffers: cf times the routed tokens' bytes, not
-the dropless exchange's E_ranks times (`experts_ffn_capacity_exchanged`).
+parallelism the all-to-all moves exactly those buffers: cf times the routed tokens' bytes,
+where the dropless exchange moves its bound's, max/mean block load rounded up to one of
+`config_moe.EXCHANGE_BOUNDS` (`experts_ffn_capacity_exchanged`).
 """
 
 from __future__ import annotations
@@ -60,8 +61,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import MOE_ROUTERS, ModelConfig, MoeConfig
-from jaxmeg.models import parts
+from jaxmeg.config_moe import exchange_bounds
+from jaxmeg.models import parts, residual_switch
 from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_gemm, ragged_matmul
+from jaxmeg.models.moe_exchange import (
+    EXCHANGE_KEPT,
+    bound_index,
+    exchange,
+    sorted_by,
+    through_experts,
+)
 from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, normal, param
 
 ROUTERS = MOE_ROUTERS
@@ -155,75 +164,47 @@ def _combine(per_choice: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.sum(per_choice * weights.astype(jnp.float32)[..., None], axis=1)
 
 
-def _all_to_all_raw(x: jax.Array, axis: str) -> jax.Array:
-    if x.dtype in (jnp.bfloat16, jnp.float16):  # as 16-bit integers: XLA widens 16-bit floats
-        bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, jnp.uint16), axis, 0, 0,
-                                  tiled=True)  # fmt: skip
-        return jax.lax.bitcast_convert_type(bits, x.dtype)
-    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def exchange(x: jax.Array, axis: str) -> jax.Array:
-    """`all_to_all` over mesh `axis` of x's leading dim (block i to device i, tiled), moving
-    16-bit floats as 16-bit integers: XLA's CPU and GPU backends otherwise send them as float32
-    (twice the bytes). Its own transpose."""
-    return _all_to_all_raw(x, axis)
-
-
-exchange.defvjp(
-    lambda x, axis: (_all_to_all_raw(x, axis), None),
-    lambda axis, _, g: (_all_to_all_raw(g, axis),),
-)
-
-
-def _sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(the stable order that sorts `keys` [N] in [0, groups), each group's size [groups], each
-    sorted entry's position within its group [N])."""
-    order = jnp.argsort(keys, stable=True)
-    sizes = jnp.bincount(keys, length=groups).astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    sorted_keys = keys[order]
-    return order, sizes, jnp.arange(keys.shape[0]) - starts[sorted_keys]
-
-
 def experts_ffn_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
-    gmm: GroupedMatmul = ragged_matmul,
-) -> jax.Array:  # fmt: skip
+    taps: dict | None = None,
+) -> tuple[jax.Array, dict]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
     [e * E_l, (e + 1) * E_l) (w_* [E_l, ...], e its index on `axis`). Each choice goes to its
     expert's device and its output comes back by two `all_to_all`s (dispatch, combine); the
-    experts run as grouped GEMMs on the rows they receive.
+    experts run as grouped GEMMs (`jax.lax.ragged_dot`) on the rows they receive.
 
-    Dropless with fixed shapes: a device may send all its T k choices to one device, so each
-    (sender, receiver) block holds T k rows, of which the first `count` are real. That is E/E_l
-    times the routed tokens' bytes on the wire (and in the buffers); a ragged all-to-all would
-    send only the real rows, but XLA's CPU backend does not run one. With `tensor_axis`, w_*
-    hold a 1/t slice of the experts' width and the outputs are summed over it."""
+    Dropless at a bound chosen per step: each (sender, receiver) block holds B rows, the first
+    `count` real. B is the smallest of `exchange_bounds` (multiples of the even load T k /
+    E_ranks, up to T k) that the step's busiest block fits, the same on every device of the
+    exchange (`bound_index`, one all-reduce of a scalar); each bound is a branch of a switch
+    compiled at its shapes (`moe_exchange.through_experts`), and the taken one runs. So the wire
+    and the experts' GEMMs carry about max/mean load times the routed tokens, not E_ranks
+    times, and a router that sends everything to one device still runs (B = T k). Every bound
+    keeps the same residual buffers, the largest bound's (`residual_switch`). With
+    `tensor_axis`, w_* hold a 1/t slice of the experts' width and the outputs are summed over
+    it.
+
+    `taps`: name -> zeros [E_ranks T k, out] added to that grouped GEMM's output (a split
+    backward's, their cotangents are its dY). Returns (y [T, h], name -> the tapped GEMM's
+    rows and group sizes, padded to E_ranks T k rows)."""
     tokens, k = routing.experts.shape
     ranks, local = jax.lax.axis_size(axis), w_in.shape[0]
     choices = tokens * k
     expert = routing.experts.reshape(-1)  # [T k], token-major
-    order, _, slot = _sorted_by(expert // local, ranks)
-    rank = (expert // local)[order]
-    send = jnp.zeros((ranks, choices, x.shape[-1]), x.dtype).at[rank, slot].set(x[order // k])
-    ids = jnp.full((ranks, choices), local, jnp.int32).at[rank, slot].set(expert[order] % local)
-    rows = exchange(send, axis).reshape(ranks * choices, -1)
-    ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
-    # received rows sorted by local expert, the padding (id `local`) last: past every group
-    by_expert, sizes, _ = _sorted_by(ids, local + 1)
-    sizes = sizes[:local]
-    out = _grouped_ffn(rows[by_expert], sizes, w_in, w_out, w_gate, gmm)
-    out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ranks, choices, -1)
-    back = exchange(out, axis)
-    per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(back[rank, slot])
+    order, counts, slot = sorted_by(expert // local, ranks)
+    bounds = exchange_bounds(choices, ranks)
+    const = ((expert // local)[order], slot, expert[order] % local)
+    diff = (x[order // k], w_in, w_out, w_gate, taps or {})
+    branches = [partial(through_experts, b, ranks * choices, axis) for b in bounds]
+    index = bound_index(counts, bounds, axis)
+    sent, recorded = residual_switch.switch(index, branches, const, diff, EXCHANGE_KEPT)
+    per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(sent)
     combined = _combine(per_choice, routing.weights)
     if tensor_axis is not None:  # each tensor rank's experts ran a slice of their width
         combined = jax.lax.psum(combined, tensor_axis)
-    return combined.astype(x.dtype)
+    return combined.astype(x.dtype), recorded
 
 
 def capacity(moe: MoeConfig, tokens_per_sequence: int) -> int:
@@ -240,7 +221,7 @@ def capacity_slots(
     expert = routing.experts.reshape(-1)  # [T k], token-major
     per_sequence = expert.shape[0] // sequences
     sequence = jnp.arange(expert.shape[0]) // per_sequence
-    order, _, position = _sorted_by(sequence * num_experts + expert, sequences * num_experts)
+    order, _, position = sorted_by(sequence * num_experts + expert, sequences * num_experts)
     position = jnp.zeros_like(position).at[order].set(position)
     kept = position < cap
     return jnp.where(kept, sequence * cap + position, sequences * cap), kept
@@ -329,7 +310,7 @@ def router_logits(x: Array, w_router: Array) -> Array:
 def moe_ffn(
     moe: MoeConfig, sequences: int, x: Array, logits: Array, bias: Array, w_in: Array,
     w_out: Array, *w_gate: Array, axis: str | None = None, tensor_axis: str | None = None,
-    gmm: GroupedMatmul = ragged_matmul,
+    gmm: GroupedMatmul = ragged_matmul, taps: dict | None = None,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
     """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
     router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
@@ -338,9 +319,11 @@ def moe_ffn(
     manual over it, each device holding its own rows and E_l experts) the choices travel by
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
     every device holds as many sequences, so that is the mean over all of them. `gmm`: the
-    experts' grouped GEMM (without a capacity factor, or on one device)."""
+    experts' grouped GEMM on one device. `taps` (dropless, with `axis`): as
+    `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth."""
     routing = route(logits, moe.top_k, moe.router, moe.normalize, bias)
     gate = w_gate[0] if w_gate else None
+    recorded = {}
     if moe.capacity_factor:
         cap = capacity(moe, x.shape[0] // sequences)
         if axis is None:
@@ -352,7 +335,7 @@ def moe_ffn(
     elif axis is None:
         y = experts_ffn(x, routing, w_in, w_out, gate, gmm)
     else:
-        y = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis, gmm)
+        y, recorded = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis, taps)
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:
         aux = aux + moe.aux_loss * sequence_balance_loss(routing, sequences, moe.router)
@@ -366,6 +349,8 @@ def moe_ffn(
         share = jnp.stack([share, kept_share / routing.experts.size])
     if axis is not None:
         aux, share = jax.lax.pmean((aux, share), axis)
+    if taps is not None:
+        return y, aux, share, recorded
     return y, aux, share
 
 

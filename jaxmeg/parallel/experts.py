@@ -10,24 +10,26 @@ pullback: `jax.vjp` inside the map, its residuals returned stacked over the map'
 each varies over (their types unchanged, so the backward's map takes them apart and runs the
 pullback as is). Left to jax, a nested map's residuals inside the pipeline's checkpointed layers
 are stacked over the whole mesh, pipe included, and the step fails to lower ("manual axis
-expert after free axis pipe"). With the whole model in one computation (p v = 1) the backward
-then runs only the transposed exchange. In a pipeline's slots the layer's checkpoint policy
-(matmul outputs) does not keep these residuals, so the B slot reruns the forward: keeping them
-by name as well hung (expert 4, pipe 2) on CPU in 2 of 3 runs (XLA:CPU ran F's send and B's
-all-to-all in different orders on different devices). With a capacity factor the lowering
-failure comes back on some meshes (data 1 x pipe 2), so there the forward keeps nothing and the
-backward always reruns it: two more all-to-alls and the experts' forward GEMMs per layer and
-microbatch. The map holds no `dot_general` that a layer's checkpoint policy would keep: the
-router's matmul stays outside.
+expert after free axis pipe"). With the whole model in one computation (p v = 1) the layer's
+checkpoint policy keeps them by name (`moe_exchange.EXCHANGE_KEPT`, added to the policy by
+`jaxmeg.training.pipeline_step`) and the backward runs only the transposed exchange. In a
+pipeline's slots the policy (matmul outputs) does not keep them, so the B slot reruns the
+forward: keeping them by name as well hung (expert 4, pipe 2) on CPU in 2 of 3 runs (XLA:CPU
+ran F's send and B's all-to-all in different orders on different devices). With a capacity
+factor the lowering failure comes back on some meshes (data 1 x pipe 2), so there the forward
+keeps nothing and the backward always reruns it: two more all-to-alls and the experts' forward
+GEMMs per layer and microbatch. The map holds no `dot_general` that a layer's checkpoint policy
+would keep: the router's matmul stays outside.
 
 For a split backward (zero-bubble schedules) `exchanged_tapped` adds zero taps to the experts'
 grouped GEMMs inside the map and returns the rows they ran on, so W computes the expert
 weights' gradients (`weight_gradient`), not I.
 
-Dropless at fixed shapes: each (sender, receiver) block of the all-to-all holds all T k of the
-sender's choices, of which the first `count` are real, so the bytes on the wire are E_ranks
-times those of the routed tokens (`experts_ffn_exchanged`). XLA's CPU backend has no ragged
-all-to-all, which would send only the real rows.
+Dropless at a bound chosen per step (`experts_ffn_exchanged`): each (sender, receiver) block
+holds B rows, the smallest of `config_moe.exchange_bounds` the step's busiest block fits, so
+a balanced step sends about 1.25 times the routed tokens, and a router that sends every choice
+to one device E_ranks times (B = T k). XLA's CPU backend has no ragged all-to-all, which would
+send only the real rows.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.models.grouped_gemm import grouped_weight_gradient, ragged_matmul
+from jaxmeg.models.grouped_gemm import grouped_weight_gradient
 from jaxmeg.models.moe import moe_ffn
 from jaxmeg.parallel.mesh import automatic_axes_here
 
@@ -68,9 +71,9 @@ def _in_specs(gated: int) -> tuple:
 def _on_device(moe, sequences: int) -> Callable:
     ranks = jax.sharding.get_abstract_mesh().shape[EXPERT]
 
-    def local(x, logits, bias, *experts, gmm=ragged_matmul):
+    def local(x, logits, bias, *experts, taps=None):
         return moe_ffn(moe, sequences // ranks, x, logits, bias, *experts, axis=EXPERT,
-                       tensor_axis=TENSOR, gmm=gmm)  # fmt: skip
+                       tensor_axis=TENSOR, taps=taps)  # fmt: skip
 
     return local
 
@@ -93,33 +96,16 @@ def _tap_axes(axes) -> tuple[str, ...]:
     return tuple(a for a in axes if a in (EXPERT, TENSOR))
 
 
-def _recording(taps: dict, axes) -> tuple[Callable, dict]:
-    """The experts' grouped GEMM that adds its tap (`taps`: name -> this device's block of
-    the stacked taps) and records, by name, its rows, group sizes and output."""
-    recorded = {}
-
-    def gmm(name, rows, w, sizes):
-        y = ragged_matmul(name, rows, w, sizes)
-        if name in taps:
-            y = y + _unstack(taps[name], _tap_axes(axes)).astype(y.dtype)
-        recorded[name] = {"device_rows": rows, "device_sizes": sizes, "out": y}
-        return y
-
-    return gmm, recorded
-
-
 def _differentiable(moe, sequences, bias, axes):
-    """The device's layer as a function of what has a gradient: ((y, aux), (shares, what the
-    tapped GEMMs recorded, stacked over `axes`: their rows and group sizes))."""
+    """The device's layer as a function of what has a gradient: ((y, aux), (shares, the
+    tapped GEMMs' rows and group sizes, stacked over `axes`))."""
     local = _on_device(moe, sequences)
+    stacked = _tap_axes(axes)
 
     def fn(x, logits, taps, *experts):
-        gmm, recorded = _recording(taps, axes)
-        y, aux, shares = local(x, logits, bias, *experts, gmm=gmm)
-        kept = {
-            name: {k: _stack(v, _tap_axes(axes)) for k, v in recorded[name].items() if k != "out"}
-            for name in taps
-        }
+        device_taps = {name: _unstack(t, stacked) for name, t in taps.items()}
+        y, aux, shares, recorded = local(x, logits, bias, *experts, taps=device_taps)
+        kept = jax.tree.map(lambda v: _stack(v, stacked), recorded)
         return (y, aux), (shares, kept)
 
     return fn
@@ -313,19 +299,24 @@ exchanged_tapped.defvjp(_tapped_fwd, _tapped_bwd)
 
 
 def tap_shapes(moe, sequences, x, logits, bias, *experts) -> dict:
-    """name -> the stacked shape of each grouped GEMM's output, for `exchanged_tapped`'s taps."""
+    """name -> the stacked shape of each grouped GEMM's output, for `exchanged_tapped`'s taps:
+    [*axes, E_ranks T k, out] (the exchange's largest bound, `experts_ffn_exchanged`)."""
+    del sequences, logits, bias
     axes = _nested_axes()
-    local = _on_device(moe, sequences)
+    ranks = jax.sharding.get_abstract_mesh().shape[EXPERT]
 
-    def outputs(*args):
-        gmm, recorded = _recording({}, axes)
-        local(*args, gmm=gmm)
-        return {name: _stack(r["out"], _tap_axes(axes)) for name, r in recorded.items()}
+    def outputs(x_, *experts_):
+        rows = ranks * x_.shape[0] * moe.top_k
+        return {
+            name: _stack(jnp.zeros((rows, w.shape[-1]), x_.dtype), _tap_axes(axes))
+            for name, w in zip(("w_in", "w_out", "w_gate"), experts_, strict=False)
+        }
 
     names = ("w_in", "w_out", "w_gate")[: len(experts)]
     stacked = P(*_tap_axes(axes))
-    mapped = _nested_map(outputs, _in_specs(len(experts) - 2), dict.fromkeys(names, stacked))
-    return jax.eval_shape(mapped, x, logits, bias, *experts)
+    specs = (ROWS, *_in_specs(len(experts) - 2)[3:])
+    mapped = _nested_map(outputs, specs, dict.fromkeys(names, stacked))
+    return jax.eval_shape(mapped, x, *experts)
 
 
 def weight_gradient(dy, recorded: dict, name: str):

@@ -6,7 +6,9 @@ XLA's `compiled.cost_analysis()` counts a while body once and only the costliest
 conditional. Here every loop body counts `known_trip_count` times, and a conditional whose JAX
 name scope is listed in `branch_columns` counts each branch by how many ticks of the loop it is
 in take it on that stage (the pipeline executor's slots: the same tick table the executor runs).
-Any other conditional counts its costliest branch, and is listed in `Cost.unweighted`.
+A conditional whose scope is in `chosen_branches` (one whose branch the data picks at run time,
+such as the bound of the dropless expert exchange) counts the branch given there. Any other
+conditional counts its costliest branch, and is listed in `Cost.unweighted`.
 
 Counting rules, per executed instruction:
   dot                     2 x output elements x contracted size (matmul FLOPs)
@@ -197,6 +199,8 @@ class StepCost:
         (`jaxmeg.pipeline.executor.columns.SLOT_KINDS`), else ValueError: a misspelt scope would
         leave its loop counted once.
     roofline: (peak FLOP/s, memory bytes/s) of one device, for `Cost.roofline_seconds`.
+    chosen_branches: JAX name scope of a conditional (under any transformation: `jvp(name)`,
+        `transpose(jvp(name))`) -> the branch to count.
     """
 
     def __init__(
@@ -205,6 +209,7 @@ class StepCost:
         mesh: Mesh,
         branch_columns: Mapping[str, np.ndarray] | None = None,
         roofline: tuple[float, float] | None = None,
+        chosen_branches: Mapping[str, int] | None = None,
     ):
         unknown = sorted(set(branch_columns or {}) - set(SLOT_KINDS))
         if unknown:
@@ -220,6 +225,7 @@ class StepCost:
         }
         self.mesh = mesh
         self.columns = dict(branch_columns or {})
+        self.chosen = dict(chosen_branches or {})
         names = list(mesh.axis_names)
         self.pipe_dim = names.index("pipe") if "pipe" in names else None
         self.p = mesh.shape.get("pipe", 1)
@@ -395,6 +401,10 @@ class StepCost:
         parts = ins.op_name.split("/")
         scope = parts[-2] if len(parts) >= 2 else ""
         costs = [self.cost(b, stage) for b in branches]
+        chosen = self.chosen.get(re.sub(r"^(?:[\w\-]+\()*([^()]*)\)*$", r"\1", scope))
+        if chosen is not None:
+            total.add(costs[min(chosen, len(costs) - 1)])
+            return
         fractions = self._fractions(scope, stage, len(branches))
         if fractions is None:
             worst = max(costs, key=lambda c: (c.matmul_flops, c.written_bytes))

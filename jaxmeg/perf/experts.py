@@ -8,12 +8,14 @@ tokens of one microbatch on one GPU (s b, with s / c under context parallelism).
 
 How jaxmeg runs an MoE block with e > 1: each GPU routes its T tokens, sends each of its T k
 choices to the GPU that holds the expert and gets the output back, by two all-to-alls over the
-expert axis. Dropless at fixed shapes (`Layout.expert_exchange = "padded"`, what jaxmeg runs):
-each (sender, receiver) block holds all T k choices, so a GPU sends (e - 1) T k rows each way,
-and its grouped GEMMs take the e T k rows it receives, of which T k on average are real (the
-compiled program counts e times the routed FLOPs). `"routed"` prices what a ragged all-to-all
-and a grouped GEMM over the real rows only would cost, (e - 1) / e T k rows each way (Megatron-
-Core's dispatcher); jaxmeg does not run it yet. Dropless, with the whole model in one
+expert axis. Dropless at a bound chosen per step (`Layout.expert_exchange = "bounded"`, what
+jaxmeg runs): each (sender, receiver) block holds B rows, the smallest of
+`config_moe.exchange_bounds` that the step's busiest block fits; priced here at a busiest block
+of `EXCHANGE_LOAD` times the even load T k / e, so B = 1.25 T k / e: a GPU sends (e - 1) B rows
+each way and its grouped GEMMs take the e B rows it receives. `"padded"` prices the largest
+bound, B = T k (a router that sends every choice to one GPU); `"routed"` the routed rows only,
+(e - 1) / e T k rows each way (a ragged all-to-all, Megatron-Core's dispatcher), which jaxmeg
+does not run. Dropless, with the whole model in one
 computation (p v = 1), the exchange keeps its residuals (the received rows and the experts'
 hidden activations) and its backward runs the two transposed all-to-alls: 2 forward, 2
 backward. In a pipeline's slots (p v > 1) the layer's checkpoint policy does not keep them, so
@@ -26,14 +28,19 @@ work. With e = 1 the experts run on the GPU with no exchange.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from jaxmeg.config_moe import exchange_bounds
 from jaxmeg.perf.context import local_seq_len, send_seconds
 from jaxmeg.perf.hardware import Hardware, gemm_seconds
 from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.links import expert_link
 from jaxmeg.perf.shape import Shape
 
+EXCHANGE_LOAD = 1.25
+"""The busiest (sender, receiver) block of a bounded exchange as a multiple of the even load,
+as priced: balanced routing (max / mean expert load below 1.3, docs/moe.md)."""
 BUFFER_PASSES = 6
 """Memory passes over the exchange's e T k x h buffers per forward (zero fill, scatter into the
 send blocks, sort by expert, unsort, gather back, combine), priced at HBM bandwidth."""
@@ -80,24 +87,47 @@ def capacity_rows(shape: Shape, layout: Layout) -> float:
     return x.count * slots * layout.microbatch
 
 
+def exchange_block(shape: Shape, layout: Layout) -> float:
+    """B, the rows of one (sender, receiver) block of a dropless exchange: T k padded, the
+    first bound at or above `EXCHANGE_LOAD` T k / e bounded, T k / e routed."""
+    choices, e = tokens(shape, layout) * shape.experts.top_k, layout.expert
+    if layout.expert_exchange == "padded":
+        return choices
+    if layout.expert_exchange == "routed":
+        return choices / e
+    busiest = EXCHANGE_LOAD * choices / e
+    bounds = exchange_bounds(max(1, round(choices)), e)
+    return next(b for b in bounds if b >= busiest or b == bounds[-1])
+
+
+def exchange_branch(shape: Shape, layout: Layout) -> int | None:
+    """Which of `exchange_bounds` a bounded exchange runs at as priced (`exchange_block`): the
+    branch of the compiled exchange the cost report counts; None without a dropless exchange."""
+    x = shape.experts
+    if x is None or x.capacity_factor or layout.expert == 1:
+        return None
+    choices = max(1, round(tokens(shape, layout) * x.top_k))
+    bounds = exchange_bounds(choices, layout.expert)
+    bounded = dataclasses.replace(layout, expert_exchange="bounded")
+    return bounds.index(exchange_block(shape, bounded))
+
+
 def expert_rows(shape: Shape, layout: Layout) -> float:
-    """Rows one GPU's expert GEMMs take per layer and microbatch: T k routed (and with e = 1),
-    e T k padded, E C per sequence with a capacity factor."""
+    """Rows one GPU's expert GEMMs take per layer and microbatch: T k with e = 1, e B with an
+    exchange (`exchange_block`), E C per sequence with a capacity factor."""
     if shape.experts.capacity_factor:
         return capacity_rows(shape, layout)
-    rows = tokens(shape, layout) * shape.experts.top_k
-    return rows * layout.expert if layout.expert_exchange == "padded" else rows
+    if layout.expert == 1:
+        return tokens(shape, layout) * shape.experts.top_k
+    return layout.expert * exchange_block(shape, layout)
 
 
 def all_to_all_bytes(shape: Shape, layout: Layout, compute_bytes: int = 2) -> float:
-    """Bytes one GPU sends in one all-to-all (dispatch or combine): (e - 1) T k h padded,
-    (e - 1) / e T k h routed, (e - 1) / e of its E C slots per sequence with a capacity factor;
-    0 with e = 1."""
+    """Bytes one GPU sends in one all-to-all (dispatch or combine): (e - 1) / e of the rows its
+    experts take (`expert_rows`: the e B rows of a dropless exchange, (e - 1) B h; its E C slots
+    per sequence with a capacity factor); 0 with e = 1."""
     e = layout.expert
-    if shape.experts.capacity_factor:
-        return (e - 1) / e * capacity_rows(shape, layout) * shape.hidden * compute_bytes
-    share = (e - 1) if layout.expert_exchange == "padded" else (e - 1) / e
-    return share * tokens(shape, layout) * shape.experts.top_k * shape.hidden * compute_bytes
+    return (e - 1) / e * expert_rows(shape, layout) * shape.hidden * compute_bytes
 
 
 def reruns_exchange(shape: Shape, layout: Layout) -> bool:
@@ -151,16 +181,17 @@ def kept_bytes_per_layer(shape: Shape, layout: Layout) -> float:
     (Korthikanti's (3 + 16 / t) s b h of a 4h MLP): its input (2 T h) and fp32 router logits
     (4 T E); with e = 1 also the sorted rows and the experts' hidden activations, 2 T k (h + M
     f / t), and the per-choice outputs in fp32 (4 T k h). With e > 1, where the exchange is not
-    rerun (`reruns_exchange`), the exchange's: the rows the experts received and their hidden
-    activations, over the padded e T k rows (`expert_rows`), and the per-choice outputs; where
-    it is rerun nothing."""
+    rerun (`reruns_exchange`), the exchange's (`jaxmeg.models.moe_exchange`): the rows the
+    experts received and their first GEMMs' outputs (M - 1 of them), over its largest bound's
+    e T k rows (every bound keeps the same buffers), and the per-choice outputs (2 T k h);
+    where it is rerun nothing."""
     x, h, n = shape.experts, shape.hidden, tokens(shape, layout)
     kept = 2 * n * h + 4 * n * x.count
     if layout.expert == 1:
         kept += 2 * n * x.top_k * (h + x.matrices * x.width / layout.tensor) + 4 * n * x.top_k * h
     elif not reruns_exchange(shape, layout):
-        rows = expert_rows(shape, layout)
-        kept += 2 * rows * (h + x.matrices * x.width / layout.tensor) + 4 * n * x.top_k * h
+        rows = layout.expert * n * x.top_k
+        kept += 2 * rows * (h + (x.matrices - 1) * x.width / layout.tensor) + 2 * n * x.top_k * h
     return kept
 
 
@@ -175,8 +206,8 @@ def dense_mlp_kept_bytes(shape: Shape, layout: Layout) -> float:
 
 def working_bytes(shape: Shape, layout: Layout) -> float:
     """The exchange's buffers while one MoE block runs (e > 1): the send, received, sorted,
-    output and returned blocks, e T k h each (padded), and the experts' hidden activations,
-    M e T k f / t, all 16-bit."""
+    output and returned blocks, e B h each (`expert_rows`), and the experts' hidden
+    activations, M e B f / t, all 16-bit."""
     if layout.expert == 1:
         return 0.0
     x, rows = shape.experts, expert_rows(shape, layout)

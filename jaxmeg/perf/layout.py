@@ -13,7 +13,7 @@ import dataclasses
 from jaxmeg.config import OUTER_AXES, REMAT_POLICIES, ZERO_STAGES
 from jaxmeg.pipeline import schedules
 
-EXPERT_EXCHANGES = ("padded", "routed")
+EXPERT_EXCHANGES = ("bounded", "padded", "routed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,10 +29,11 @@ class Layout:
     """Expert-parallel size e (`parallel.expert`): each MoE layer's experts split over e GPUs,
     which are data-parallel replicas for every other weight (the batch splits over d e). The
     mesh axis sits between context and tensor (`jaxmeg.perf.experts`)."""
-    expert_exchange: str = "padded"
-    """How tokens reach their experts' GPUs (one of `EXPERT_EXCHANGES`): `padded`, jaxmeg's
-    dropless all-to-all at fixed shapes; `routed`, the routed rows only (a ragged all-to-all,
-    which jaxmeg does not run yet). See `jaxmeg.perf.experts`."""
+    expert_exchange: str = "bounded"
+    """How tokens reach their experts' GPUs (one of `EXPERT_EXCHANGES`): `bounded`, jaxmeg's
+    dropless all-to-all at the smallest bound the step's load fits (priced at a balanced load);
+    `padded`, at its largest bound; `routed`, the routed rows only (a ragged all-to-all, which
+    jaxmeg does not run). See `jaxmeg.perf.experts`."""
     chunks: int = 1
     microbatch: int = 1
     """b, sequences of one microbatch on one GPU (`train.microbatch_size` / e)."""

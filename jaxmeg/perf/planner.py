@@ -121,7 +121,7 @@ def candidate_layouts(
     pipe: int | None = None,
     context: int | None = None,
     expert: int | None = None,
-    expert_exchange: str = "padded",
+    expert_exchange: str = "bounded",
     chunks: int | None = None,
     microbatch: int | None = None,
     recompute: tuple[str, ...] = ("full", "selective"),

@@ -31,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxmeg.models.moe import EXCHANGE_KEPT
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
+from jaxmeg.perf.experts import exchange_block, exchange_branch
 from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import flops_per_iteration, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
@@ -74,9 +76,13 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     compiled, seconds = compile_step(trainable, loss_and_grads)
     hw = target.hardware if target is not None else None
     roofline = (hw.peak_tflops * 1e12, hw.hbm_tb_per_s * 1e12) if hw else None
+    shape, layout = shape_of(model, cfg.moe), config_layout(cfg)
+    # the dropless exchange's bound is the data's: counted at a balanced load's
+    branch = exchange_branch(shape, layout)
     counter = StepCost(
-        compiled.as_text(), trainable.mesh, loss_and_grads.program.branch_columns, roofline=roofline
-    )
+        compiled.as_text(), trainable.mesh, loss_and_grads.program.branch_columns,
+        roofline=roofline, chosen_branches={} if branch is None else {EXCHANGE_KEPT: branch},
+    )  # fmt: skip
     total, stages = counter.total(), counter.per_stage()
     mesh = trainable.mesh
 
@@ -95,8 +101,6 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
 
     busiest = max(range(len(stages)), key=lambda i: stages[i].matmul_flops)
     device = stages[busiest]
-    shape = shape_of(model, cfg.moe)
-    layout = config_layout(cfg)
     predicted = bytes_per_step(shape, layout, compute_bytes=act_bytes)
     grad_bytes = 4  # gradients are reduced in fp32
     planned_flops = flops_per_iteration(
@@ -150,6 +154,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
         },
         "per_stage_collective_bytes": [_collective_bytes(c.collective_bytes) for c in stages],
         "unweighted_conditionals": sorted(total.unweighted),
+        "expert_exchange_block": None if branch is None else exchange_block(shape, layout),
         "devices": mesh.size,
         **memory_report(compiled),
     }
@@ -262,6 +267,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  {name:6} bytes {gb(ours)} | {gb(planned[axis])}")
     if "target" in r:
         lines += _format_gpu(r, gb, gf)
+    if r.get("expert_exchange_block"):
+        lines.append(
+            f"the dropless exchange counted at {r['expert_exchange_block']:.0f} rows per block "
+            "(a balanced load's bound; a step runs the bound its busiest block fits)"
+        )
     if r["unweighted_conditionals"]:
         lines.append(
             f"conditionals counted by their costliest branch: {r['unweighted_conditionals']}"

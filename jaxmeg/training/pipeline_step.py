@@ -27,6 +27,7 @@ from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY, LayerGroup, layer_unit
 from jaxmeg.models.grouped_gemm import grouped_gemm
+from jaxmeg.models.moe import EXCHANGE_KEPT
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
@@ -90,6 +91,12 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
         return layer(own, x, pick(extra))
 
     policy = REMAT_POLICY[remat]
+    if remat != "full" and trainable.pipe * trainable.chunks == 1:
+        # one computation: the dropless exchange keeps what it computed (a pipeline's B slot
+        # reruns it, `jaxmeg.parallel.experts`)
+        policy = jax.checkpoint_policies.save_from_both_policies(
+            policy, jax.checkpoint_policies.save_only_these_names(EXCHANGE_KEPT)
+        )
     each = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     stacked_layer = jax.checkpoint(
         stacked_layer, policy=policy, prevent_cse=False, static_argnums=(3,)

@@ -1,0 +1,211 @@
+"""The dropless expert exchange on one device of an expert axis, at one bound: the device's
+choices go to their experts' devices in blocks of B rows (`all_to_all`), through the experts'
+grouped GEMMs, and back (`jaxmeg.models.moe.experts_ffn_exchanged` picks the bound per step).
+
+Its backward is written out (`through_experts`'s custom VJP) so that it keeps exactly the
+experts' GEMM inputs and outputs it needs: the sorted received rows [B_max, h] and the
+first GEMMs' outputs [B_max, f] (both of SwiGLU's, GeLU's one), each padded to the largest
+bound's E_ranks T k rows so every bound keeps the same buffers, and the row order. The
+activation and its derivative are recomputed elementwise; the exchange's transposes are the
+same all-to-alls backwards. Left to jax, the pullback kept every intermediate (the activation's
+too) and the bounds could not share them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxmeg.models.grouped_gemm import grouped_weight_gradient, ragged_matmul
+
+EXCHANGE_KEPT = "moe_exchange"
+"""The checkpoint name of the exchange's output and residuals (`residual_switch`), and the name
+scope of its conditionals: a policy that saves it keeps them for the backward instead of
+rerunning the exchange, and the cost report prices its branch by it."""
+
+
+def _all_to_all_raw(x: jax.Array, axis: str) -> jax.Array:
+    if x.dtype in (jnp.bfloat16, jnp.float16):  # as 16-bit integers: XLA widens 16-bit floats
+        bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, jnp.uint16), axis, 0, 0,
+                                  tiled=True)  # fmt: skip
+        return jax.lax.bitcast_convert_type(bits, x.dtype)
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def exchange(x: jax.Array, axis: str) -> jax.Array:
+    """`all_to_all` over mesh `axis` of x's leading dim (block i to device i, tiled), moving
+    16-bit floats as 16-bit integers: XLA's CPU and GPU backends otherwise send them as float32
+    (twice the bytes). Its own transpose."""
+    return _all_to_all_raw(x, axis)
+
+
+exchange.defvjp(
+    lambda x, axis: (_all_to_all_raw(x, axis), None),
+    lambda axis, _, g: (_all_to_all_raw(g, axis),),
+)
+
+
+def sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the stable order that sorts `keys` [N] in [0, groups), each group's size [groups], each
+    sorted entry's position within its group [N])."""
+    order = jnp.argsort(keys, stable=True)
+    sizes = jnp.bincount(keys, length=groups).astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    sorted_keys = keys[order]
+    return order, sizes, jnp.arange(keys.shape[0]) - starts[sorted_keys]
+
+
+def bound_index(counts: jax.Array, bounds: tuple[int, ...], axis: str) -> jax.Array:
+    """The first of `bounds` that holds every block of the step's exchange over `axis`: the
+    largest of this device's `counts` [E_ranks] (its rows for each device), maxed over `axis`,
+    so every device of the exchange takes the same branch."""
+    busiest = jax.lax.pmax(jnp.max(counts), axis)
+    return jnp.sum(busiest > jnp.asarray(bounds[:-1], counts.dtype)).astype(jnp.int32)
+
+
+def _varying(x) -> frozenset:
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def _like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent typed as its primal: summed over the manual axes it varies over and the
+    primal does not (the transpose of jax's implicit broadcast), cast to varying over the ones
+    the primal varies over and it does not."""
+    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    missing = tuple(sorted(_varying(primal) - _varying(ct)))
+    if missing:
+        ct = jax.lax.pcast(ct, missing, to="varying")
+    return ct.astype(primal.dtype)
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+
+
+class _Blocks:
+    """One bound's row movements: `ranks` blocks of `bound` rows each way. `dispatch` and
+    `collect` are linear in the rows and each other's transpose (a scatter into the blocks, an
+    all-to-all and a permutation, and back), so the backward runs them the other way round."""
+
+    def __init__(self, rank, slot, bound: int, axis: str, by_expert, sizes):
+        self.rank, self.slot, self.bound, self.axis = rank, slot, bound, axis
+        self.ranks = jax.lax.axis_size(axis)
+        self.by_expert, self.sizes = by_expert, sizes
+
+    @classmethod
+    def route(cls, const, local: int, bound: int, axis: str) -> _Blocks:
+        """Sends each choice's local expert id along (one all-to-all of ints): the received
+        rows' order by local expert and the group sizes."""
+        rank, slot, ids = const
+        ranks = jax.lax.axis_size(axis)
+        got = jnp.full((ranks, bound), local, jnp.int32).at[rank, slot].set(ids, mode="drop")
+        got = jax.lax.all_to_all(got, axis, 0, 0, tiled=True).reshape(-1)
+        # received rows sorted by local expert, the padding (id `local`) last: past every group
+        by_expert, sizes, _ = sorted_by(got, local + 1)
+        return cls(rank, slot, bound, axis, by_expert, sizes[:local])
+
+    def dispatch(self, rows_in: jax.Array) -> jax.Array:
+        """This device's choices [T k, h] (in send order) -> the rows its experts receive
+        [E_ranks B, h], sorted by local expert."""
+        h = rows_in.shape[-1]
+        send = jnp.zeros((self.ranks, self.bound, h), rows_in.dtype)
+        send = send.at[self.rank, self.slot].set(rows_in, mode="drop")
+        return exchange(send, self.axis).reshape(self.ranks * self.bound, h)[self.by_expert]
+
+    def collect(self, out: jax.Array) -> jax.Array:
+        """The experts' outputs [E_ranks B, h] (sorted by local expert) -> each choice's output
+        [T k, h] in send order."""
+        unsorted = jnp.zeros_like(out).at[self.by_expert].set(out)
+        back = exchange(unsorted.reshape(self.ranks, self.bound, -1), self.axis)
+        return back.at[self.rank, self.slot].get(mode="fill", fill_value=0)
+
+
+def _activation(a, g):
+    return jax.nn.gelu(a) if g is None else jax.nn.silu(g) * a
+
+
+def _forward(plan: _Blocks, diff):
+    rows_in, w_in, w_out, w_gate, taps = diff
+    x = plan.dispatch(rows_in)
+    n = x.shape[0]
+
+    def gmm(name, rows, w):
+        y = ragged_matmul(name, rows, w, plan.sizes)
+        return y + taps[name][:n].astype(y.dtype) if name in taps else y
+
+    a = gmm("w_in", x, w_in)
+    g = None if w_gate is None else gmm("w_gate", x, w_gate)
+    act = _activation(a, g)
+    y = gmm("w_out", act, w_out)
+    return plan.collect(y), x, a, g, act
+
+
+def _recorded(taps, x, act, sizes, full: int) -> dict:
+    """What W needs of each tapped GEMM: its rows and group sizes, padded to `full` rows."""
+    rows = {"w_in": x, "w_gate": x, "w_out": act}
+    return {
+        name: {"device_rows": _pad_rows(rows[name], full), "device_sizes": sizes} for name in taps
+    }
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def through_experts(bound: int, full: int, axis: str, const, diff):
+    """One bound's exchange: `const` = (each sorted choice's device [T k], its slot in that
+    device's block, its expert on that device), `diff` = (the choices' rows [T k, h] in that
+    order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added to that grouped
+    GEMM's output, whose cotangents are its dY). (each choice's output [T k, h], name -> the
+    tapped GEMM's rows and group sizes padded to `full` = E_ranks T k rows)."""
+    plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
+    out, x, _, _, act = _forward(plan, diff)
+    return out, _recorded(diff[4], x, act, plan.sizes, full)
+
+
+def _through_fwd(bound, full, axis, const, diff):
+    plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
+    out, x, a, g, act = _forward(plan, diff)
+    kept = (
+        _pad_rows(x, full), _pad_rows(a, full), None if g is None else _pad_rows(g, full),
+        _pad_rows(plan.by_expert, full), plan.sizes,
+    )  # fmt: skip
+    return (out, _recorded(diff[4], x, act, plan.sizes, full)), (const, diff, kept)
+
+
+def _through_bwd(bound, full, axis, residuals, cotangents):
+    const, diff, (x, a, g, by_expert, sizes) = residuals
+    rows_in, w_in, w_out, w_gate, taps = diff
+    n = jax.lax.axis_size(axis) * bound
+    plan = _Blocks(const[0], const[1], bound, axis, by_expert[:n], sizes)
+    x, a = x[:n], a[:n]
+    g = None if g is None else g[:n]
+    d_out, _ = cotangents  # the recorded rows take no gradient
+    d_y = plan.dispatch(d_out.astype(a.dtype))  # collect's transpose
+    t = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
+    act, act_vjp = jax.vjp(_activation, a, g)
+    d_act = ragged_matmul("w_out", d_y, t(w_out), sizes)
+    d_a, d_g = act_vjp(d_act.astype(act.dtype))
+    d_x = ragged_matmul("w_in", d_a, t(w_in), sizes)
+    if g is not None:
+        d_x = d_x + ragged_matmul("w_gate", d_g, t(w_gate), sizes)
+    d_rows_in = plan.collect(d_x.astype(rows_in.dtype))  # dispatch's transpose
+    grads = {
+        "w_in": grouped_weight_gradient(x, sizes, d_a),
+        "w_out": grouped_weight_gradient(act, sizes, d_y),
+    }
+    if g is not None:
+        grads["w_gate"] = grouped_weight_gradient(x, sizes, d_g)
+    dy = {"w_in": d_a, "w_gate": d_g, "w_out": d_y}
+    d_taps = {name: _like(_pad_rows(dy[name], full), tap) for name, tap in taps.items()}
+    d_gate = None if w_gate is None else _like(grads["w_gate"], w_gate)
+    d_diff = (
+        _like(d_rows_in, rows_in), _like(grads["w_in"], w_in), _like(grads["w_out"], w_out),
+        d_gate, d_taps,
+    )  # fmt: skip
+    return None, d_diff
+
+
+through_experts.defvjp(_through_fwd, _through_bwd)

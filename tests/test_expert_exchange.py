@@ -1,0 +1,200 @@
+"""The dropless exchange over an expert axis at a bound chosen per step
+(`moe.experts_ffn_exchanged`): the same outputs and gradients as the experts on one device
+(`moe.experts_ffn`) whatever the bound the routing needs, the bound the busiest block fits taken
+on every device, the switch whose branches share one set of residual buffers
+(`residual_switch`), and what the compiled step exchanges and computes at each bound."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxmeg.config_moe import exchange_bounds
+from jaxmeg.models import moe, residual_switch
+from jaxmeg.training.pipeline_step import make_loss_and_grads
+from jaxmeg.training.state import init_state
+from tests.helpers import put_batch, random_batch, trainable_for
+from tests.test_moe_step import LLAMA, TOP2, config
+
+E, RANKS, TENSOR, T, K, H, F = 8, 4, 2, 8, 2, 16, 8
+"""8 experts over 4 expert ranks (2 each) x 2 tensor ranks; T tokens and k choices per device."""
+
+
+def routes() -> dict[str, np.ndarray]:
+    """[RANKS x T, K] expert ids: an even load (each device sends T k / RANKS = 4 choices to
+    every device), one device sending 6 to its next, and every choice to expert 0."""
+    even = np.arange(RANKS * T * K).reshape(RANKS * T, K) % E
+    skewed = even.copy()
+    to_device_2 = np.argwhere(even[:T] // 2 == 2)[:2]  # two of device 0's 4 choices for device 2
+    skewed[to_device_2[:, 0], to_device_2[:, 1]] = 2  # go to expert 2 (device 1): 6 for it
+    return {"even": even, "skewed": skewed, "one-expert": np.zeros_like(even)}
+
+
+def params(seed: int = 0) -> dict:
+    keys = jax.random.split(jax.random.key(seed), 6)
+    return {
+        "x": jax.random.normal(keys[0], (RANKS * T, H)),
+        "weights": jax.nn.softmax(jax.random.normal(keys[1], (RANKS * T, K)), axis=-1),
+        "w_in": jax.random.normal(keys[2], (E, H, F)) * 0.3,
+        "w_out": jax.random.normal(keys[3], (E, F, H)) * 0.3,
+        "w_gate": jax.random.normal(keys[4], (E, H, F)) * 0.3,
+        "target": jax.random.normal(keys[5], (RANKS * T, H)),
+    }
+
+
+def loss_of(ffn, ids):
+    def loss(p):
+        routing = moe.Routing(ids, p["weights"], None, None)
+        y = ffn(p["x"], routing, p["w_in"], p["w_out"], p["w_gate"])
+        return jnp.sum(y.astype(jnp.float32) * p["target"])
+
+    return loss
+
+
+def exchanged(mesh):
+    expert_in, expert_out = P("expert", None, "tensor"), P("expert", "tensor", None)
+
+    def local(x, ids, weights, w_in, w_out, w_gate):
+        routing = moe.Routing(ids, weights, None, None)
+        y, _ = moe.experts_ffn_exchanged(x, routing, w_in, w_out, w_gate, "expert", "tensor")
+        return y
+
+    mapped = jax.shard_map(
+        local, mesh=mesh, out_specs=P("expert"),
+        in_specs=(P("expert"), P("expert"), P("expert"), expert_in, expert_out, expert_in),
+    )  # fmt: skip
+    return lambda x, routing, *w: mapped(x, routing.experts, routing.weights, *w)
+
+
+@pytest.mark.parametrize("route", ["even", "skewed", "one-expert"])
+def test_every_bound_gives_one_devices_outputs_and_gradients(route, monkeypatch):
+    """The busiest block of the even route holds T k / RANKS = 4 rows: the exchange runs its
+    first bound, which moves exactly the routed tokens (E_ranks blocks of 4 rows hold the
+    device's T k = 16 choices); the skewed one 6 rows (the third bound, 1.5x), every choice to
+    one expert all T k (the last). Every device takes that bound, and the loss and every
+    gradient equal the experts run on one device."""
+    bounds = exchange_bounds(T * K, RANKS)
+    assert bounds == (4, 5, 6, 8, 12, 16)
+    expected = {"even": 0, "skewed": 2, "one-expert": len(bounds) - 1}[route]
+    taken, switch = [], residual_switch.switch
+
+    def spying(index, branches, const, diff, name=None):
+        jax.debug.callback(lambda i: taken.append(int(i)), index)
+        return switch(index, branches, const, diff, name)
+
+    monkeypatch.setattr(residual_switch, "switch", spying)
+    mesh = jax.make_mesh((RANKS, TENSOR), ("expert", "tensor"), (jax.sharding.AxisType.Auto,) * 2)
+    ids = jnp.asarray(routes()[route], jnp.int32)
+    p = params()
+    loss, grads = jax.jit(jax.value_and_grad(loss_of(exchanged(mesh), ids)))(p)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, ids)))(p)
+    jax.effects_barrier()
+    assert taken and set(taken) == {expected}, taken
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for key in ("x", "weights", "w_in", "w_out", "w_gate"):
+        scale = float(np.abs(ref_grads[key]).max())
+        np.testing.assert_allclose(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=key)  # fmt: skip
+
+
+def test_a_switchs_branches_share_one_set_of_residual_buffers():
+    """Three branches keeping 2, 5 and 8 rows: the forward keeps one float buffer as large as
+    the largest branch's residuals other than the switch's inputs (jax's own switch keeps all
+    three branches'), and each branch's gradient is its own."""
+
+    def branch(n):
+        def run(scale, d):
+            x, w = d
+            y = jnp.tanh(x[:n] @ w) * scale[:n, None]
+            return jnp.pad(y, ((0, 8 - n), (0, 0)))
+
+        return run
+
+    branches = (branch(2), branch(5), branch(8))
+    keys = jax.random.split(jax.random.key(1), 2)
+    d = (jax.random.normal(keys[0], (8, 4)), jax.random.normal(keys[1], (4, 3)))
+    scale = jnp.arange(8, dtype=jnp.float32)
+    _, kept = jax.eval_shape(
+        lambda i, c, d_: residual_switch._switch_fwd(branches, None, i, c, d_), 0, scale, d
+    )
+    _, (_, _, _, buffers, _) = kept, kept
+    largest = jax.eval_shape(lambda c, d_: jax.vjp(lambda e: branches[2](c, e), d_)[1], scale, d)
+    floats = sum(b.size for b in buffers.values())
+    inputs = d[0].size + d[1].size  # the pullback keeps x and w: referenced, not copied
+    assert floats == sum(r.size for r in jax.tree.leaves(largest)) - inputs
+    for j, run in enumerate(branches):
+        switched = lambda d_, j=j: residual_switch.switch(j, branches, scale, d_)  # noqa: E731
+        got = jax.grad(lambda d_, f=switched: jnp.sum(f(d_) ** 2))(d)
+        want = jax.grad(lambda d_, f=run: jnp.sum(f(scale, d_) ** 2))(d)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
+    """(expert 4, one expert per device): per MoE layer and microbatch, the compiled step
+    exchanges tokens by all-to-all over `expert` only, at each bound of the exchange (a branch
+    each; a step runs one): dispatch and combine and their transposes (4 of each bound's [4, B,
+    h] row buffer; the forward keeps its residuals, so the backward reruns neither) and one of
+    the choices' expert ids. The first bound's row buffer holds exactly the routed tokens, T k
+    h, of which (E - 1) / E leave the device, and counted at that branch the step's matmul
+    FLOPs are the model's active FLOPs (its vocabulary padding aside): no expert GEMM row
+    beyond the routed ones, no rerun. At the next bound, 1.25x the even load, the experts do
+    1.25x their work, what the performance model prices, and its all-to-all bytes are the
+    compiled ones. The routing runs on each device's own rows: the only all-gathers over
+    `expert` are the embedding's backward, none in the MoE layers. With bf16 compute the rows
+    travel as 16 bits (XLA would widen a bf16 all-to-all to float32)."""
+    from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
+    from jaxmeg.parallel import hlo
+    from jaxmeg.parallel.hlo_cost import StepCost
+    from jaxmeg.perf.experts import exchange_branch
+    from jaxmeg.perf.layout import config_layout
+    from jaxmeg.perf.shape import shape_of
+    from jaxmeg.perf.traffic import bytes_per_step
+    from jaxmeg.training.flops import model_flops_per_step
+
+    bf16 = dataclasses.replace(LLAMA, compute_dtype="bfloat16")
+    cfg = config((1, 1, 1), TOP2, bf16, expert=4, microbatches=1)
+    trainable = trainable_for(cfg)
+    cfg = trainable.cfg
+    loss_and_grads = make_loss_and_grads(trainable)
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(cfg))
+        text = jax.jit(loss_and_grads).lower(params, *tokens).compile().as_text()
+    found = hlo.collectives(text, trainable.mesh)
+    rows = cfg.train.microbatch_size // 4 * LLAMA.seq_len  # T on each device
+    choices = rows * TOP2.top_k
+    bounds = exchange_bounds(choices, 4)
+    buffers = {b: 4 * b * LLAMA.hidden * 2 for b in bounds}  # bf16 rows
+    assert buffers[bounds[0]] == choices * LLAMA.hidden * 2  # the routed tokens
+    exchanges = [c.bytes for c in found if c.kind == "all-to-all"]
+    assert all(c.axes == {"expert"} for c in found if c.kind == "all-to-all")
+    assert sorted(exchanges) == sorted(
+        [buffers[b] for b in bounds] * 4 * LLAMA.layers + [4 * b * 4 for b in bounds] * LLAMA.layers
+    )
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
+
+    def matmul_flops(branch):
+        counter = StepCost(text, trainable.mesh, loss_and_grads.program.branch_columns,
+                           chosen_branches={EXCHANGE_KEPT: branch})  # fmt: skip
+        return counter.total().matmul_flops
+
+    active = model_flops_per_step(cfg.model, cfg.train.global_batch, moe=cfg.moe)
+    routed = cfg.train.global_batch * LLAMA.seq_len * TOP2.top_k
+    tokens_ = cfg.train.global_batch * LLAMA.seq_len
+    padding = 6 * tokens_ * LLAMA.hidden * (trainable.vocab - LLAMA.vocab_size)  # 500 -> 512
+    assert matmul_flops(0) == pytest.approx(active + padding, rel=1e-9)
+    # the performance model's bound: the next one, 10 rows per block against the even 8
+    shape, layout = shape_of(cfg.model, cfg.moe), config_layout(cfg)
+    balanced = exchange_branch(shape, layout)
+    assert bounds[balanced] == 10
+    experts = 3 * 3 * 2 * routed * LLAMA.hidden * TOP2.ffn_hidden * LLAMA.layers  # fwd + bwd
+    assert matmul_flops(balanced) == pytest.approx(active + padding + 0.25 * experts, rel=1e-9)
+    traffic = bytes_per_step(shape, layout, compute_bytes=2)
+    assert traffic["expert"] == pytest.approx(4 * LLAMA.layers * buffers[10] * 3 / 4)
