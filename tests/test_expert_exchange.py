@@ -179,6 +179,11 @@ def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
     )
     gathers = [c for c in found if c.kind == "all-gather"]
     assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
+    # the branch is the data's: every collective inside the exchange's conditionals stays in
+    # the expert x tensor group that the bound's all-reduce made its index the same over
+    branched = [c for c in found if EXCHANGE_KEPT in c.op_name]
+    assert [c.bytes for c in branched if c.kind == "all-to-all"] == exchanges
+    assert all(c.axes <= {"expert", "tensor"} for c in branched), branched
 
     def matmul_flops(branch):
         counter = StepCost(text, trainable.mesh, loss_and_grads.program.branch_columns,

@@ -178,13 +178,13 @@ def experts_ffn_exchanged(
     Dropless at a bound chosen per step: each (sender, receiver) block holds B rows, the first
     `count` real. B is the smallest of `exchange_bounds` (multiples of the even load T k /
     E_ranks, up to T k) that the step's busiest block fits, the same on every device of the
-    exchange (`bound_index`, one all-reduce of a scalar); each bound is a branch of a switch
-    compiled at its shapes (`moe_exchange.through_experts`), and the taken one runs. So the wire
-    and the experts' GEMMs carry about max/mean load times the routed tokens, not E_ranks
-    times, and a router that sends everything to one device still runs (B = T k). Every bound
-    keeps the same residual buffers, the largest bound's (`residual_switch`). With
-    `tensor_axis`, w_* hold a 1/t slice of the experts' width and the outputs are summed over
-    it.
+    exchange and its tensor group (`bound_index`, one all-reduce of a scalar); each bound is a
+    branch of a switch compiled at its shapes (`moe_exchange.through_experts`), and the taken
+    one runs. So the wire and the experts' GEMMs carry about max/mean load times the routed
+    tokens, not E_ranks times, and a router that sends everything to one device still runs
+    (B = T k). Every bound keeps the same residual buffers, the largest bound's
+    (`residual_switch`). With `tensor_axis`, w_* hold a 1/t slice of the experts' width and
+    the outputs are summed over it.
 
     `taps`: name -> zeros [E_ranks T k, out] added to that grouped GEMM's output (a split
     backward's, their cotangents are its dY). Returns (y [T, h], name -> the tapped GEMM's
@@ -198,7 +198,7 @@ def experts_ffn_exchanged(
     const = ((expert // local)[order], slot, expert[order] % local)
     diff = (x[order // k], w_in, w_out, w_gate, taps or {})
     branches = [partial(through_experts, b, ranks * choices, axis) for b in bounds]
-    index = bound_index(counts, bounds, axis)
+    index = bound_index(counts, bounds, (axis,) if tensor_axis is None else (axis, tensor_axis))
     sent, recorded = residual_switch.switch(index, branches, const, diff, EXCHANGE_KEPT)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(sent)
     combined = _combine(per_choice, routing.weights)

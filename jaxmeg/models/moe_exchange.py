@@ -58,11 +58,13 @@ def sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.A
     return order, sizes, jnp.arange(keys.shape[0]) - starts[sorted_keys]
 
 
-def bound_index(counts: jax.Array, bounds: tuple[int, ...], axis: str) -> jax.Array:
-    """The first of `bounds` that holds every block of the step's exchange over `axis`: the
-    largest of this device's `counts` [E_ranks] (its rows for each device), maxed over `axis`,
-    so every device of the exchange takes the same branch."""
-    busiest = jax.lax.pmax(jnp.max(counts), axis)
+def bound_index(counts: jax.Array, bounds: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+    """The first of `bounds` that holds every block of the step's exchange: the largest of this
+    device's `counts` [E_ranks] (its rows for each device), maxed over `axes` (the expert axis
+    and the tensor axis the experts' width is split over), so every device that meets another
+    in a branch's collectives (the exchange's all-to-alls, the backward's sum over `tensor`)
+    takes the same branch."""
+    busiest = jax.lax.pmax(jnp.max(counts), axes)
     return jnp.sum(busiest > jnp.asarray(bounds[:-1], counts.dtype)).astype(jnp.int32)
 
 
