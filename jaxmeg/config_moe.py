@@ -73,11 +73,11 @@ class MoeConfig:
     z_loss: float = 0.0
     """Coefficient of the router z-loss (ST-MoE: the mean squared log-sum-exp of the logits)."""
     grouped_gemm: str = "ragged"
-    """How a dropless layer runs its experts' grouped GEMMs on one device: `ragged`
-    (`jax.lax.ragged_dot`, which XLA's GPU compiler makes one dense GEMM over every expert) or
-    `blocked` (a loop of dense GEMMs over blocks of each expert's rows: about the routed FLOPs,
-    more memory traffic; docs/benchmarks.md). Both give the same outputs and gradients. Not yet
-    under the exchange (parallel.expert > 1), whose experts run `ragged`."""
+    """How a dropless layer runs its experts' grouped GEMMs, on one device and under the
+    exchange (parallel.expert > 1): `ragged` (`jax.lax.ragged_dot`, which XLA's GPU compiler
+    makes one dense GEMM over every expert a device holds) or `blocked` (a loop of dense GEMMs
+    over blocks of each expert's rows: about the routed FLOPs, more memory traffic;
+    docs/benchmarks.md). Both give the same outputs and gradients."""
     bias_update_rate: float = 0.0
     """DeepSeek-V3's loss-free balancing: after each step every expert's routing bias moves by
     this much toward an even load (up if the expert got fewer tokens than the mean, down if

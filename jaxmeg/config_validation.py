@@ -278,9 +278,6 @@ def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
             )
     not_yet = [
         (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
-        (moe.grouped_gemm == "blocked" and expert > 1,
-         f"moe.grouped_gemm = blocked and parallel.expert = {expert} (the exchange's experts "
-         f"run ragged)"),
         (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
         (bool(comp.data_grad_rank), f"compression.data_grad_rank = {comp.data_grad_rank} (it "
                                     f"would compress the routing bias's expert loads)"),

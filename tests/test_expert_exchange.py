@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxmeg import config as C
 from jaxmeg.config_moe import exchange_bounds
-from jaxmeg.models import moe, residual_switch
+from jaxmeg.models import grouped_gemm, moe, residual_switch
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
 from tests.helpers import put_batch, random_batch, trainable_for
@@ -56,12 +57,14 @@ def loss_of(ffn, ids):
     return loss
 
 
-def exchanged(mesh):
+def exchanged(mesh, gemm):
     expert_in, expert_out = P("expert", None, "tensor"), P("expert", "tensor", None)
 
     def local(x, ids, weights, w_in, w_out, w_gate):
         routing = moe.Routing(ids, weights, None, None)
-        y, _ = moe.experts_ffn_exchanged(x, routing, w_in, w_out, w_gate, "expert", "tensor")
+        y, _ = moe.experts_ffn_exchanged(
+            x, routing, w_in, w_out, w_gate, "expert", "tensor", gemm=gemm
+        )
         return y
 
     mapped = jax.shard_map(
@@ -71,13 +74,17 @@ def exchanged(mesh):
     return lambda x, routing, *w: mapped(x, routing.experts, routing.weights, *w)
 
 
-@pytest.mark.parametrize("route", ["even", "skewed", "one-expert"])
-def test_every_bound_gives_one_devices_outputs_and_gradients(route, monkeypatch):
+@pytest.mark.parametrize(
+    ("route", "gemm"),
+    [("even", "ragged"), ("skewed", "ragged"), ("one-expert", "ragged"), ("skewed", "blocked")],
+)
+def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, monkeypatch):
     """The busiest block of the even route holds T k / RANKS = 4 rows: the exchange runs its
     first bound, which moves exactly the routed tokens (E_ranks blocks of 4 rows hold the
     device's T k = 16 choices); the skewed one 6 rows (the third bound, 1.5x), every choice to
     one expert all T k (the last). Every device takes that bound, and the loss and every
-    gradient equal the experts run on one device."""
+    gradient equal the experts run on one device, with either grouped GEMM
+    (`moe.grouped_gemm`) in the exchange's forward and backward."""
     bounds = exchange_bounds(T * K, RANKS)
     assert bounds == (4, 5, 6, 8, 12, 16)
     expected = {"even": 0, "skewed": 2, "one-expert": len(bounds) - 1}[route]
@@ -91,7 +98,8 @@ def test_every_bound_gives_one_devices_outputs_and_gradients(route, monkeypatch)
     mesh = jax.make_mesh((RANKS, TENSOR), ("expert", "tensor"), (jax.sharding.AxisType.Auto,) * 2)
     ids = jnp.asarray(routes()[route], jnp.int32)
     p = params()
-    loss, grads = jax.jit(jax.value_and_grad(loss_of(exchanged(mesh), ids)))(p)
+    pair = grouped_gemm.grouped_gemm(C.MoeConfig(experts=E, grouped_gemm=gemm))
+    loss, grads = jax.jit(jax.value_and_grad(loss_of(exchanged(mesh, pair), ids)))(p)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, ids)))(p)
     jax.effects_barrier()
     assert taken and set(taken) == {expected}, taken

@@ -167,13 +167,14 @@ def _combine(per_choice: jax.Array, weights: jax.Array) -> jax.Array:
 def experts_ffn_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
-    taps: dict | None = None,
+    taps: dict | None = None, gemm: tuple = (ragged_matmul, None),
 ) -> tuple[jax.Array, dict]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
     [e * E_l, (e + 1) * E_l) (w_* [E_l, ...], e its index on `axis`). Each choice goes to its
     expert's device and its output comes back by two `all_to_all`s (dispatch, combine); the
-    experts run as grouped GEMMs (`jax.lax.ragged_dot`) on the rows they receive.
+    experts run as grouped GEMMs on the rows they receive (`gemm`: the GEMM and its weight
+    gradient, `grouped_gemm.grouped_gemm`).
 
     Dropless at a bound chosen per step: each (sender, receiver) block holds B rows, the first
     `count` real. B is the smallest of `exchange_bounds` (multiples of the even load T k /
@@ -197,7 +198,7 @@ def experts_ffn_exchanged(
     bounds = exchange_bounds(choices, ranks)
     const = ((expert // local)[order], slot, expert[order] % local)
     diff = (x[order // k], w_in, w_out, w_gate, taps or {})
-    branches = [partial(through_experts, b, ranks * choices, axis) for b in bounds]
+    branches = [partial(through_experts, b, ranks * choices, axis, gemm) for b in bounds]
     index = bound_index(counts, bounds, (axis,) if tensor_axis is None else (axis, tensor_axis))
     sent, recorded = residual_switch.switch(index, branches, const, diff, EXCHANGE_KEPT)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(sent)
@@ -335,7 +336,9 @@ def moe_ffn(
     elif axis is None:
         y = experts_ffn(x, routing, w_in, w_out, gate, gmm)
     else:
-        y, recorded = experts_ffn_exchanged(x, routing, w_in, w_out, gate, axis, tensor_axis, taps)
+        y, recorded = experts_ffn_exchanged(
+            x, routing, w_in, w_out, gate, axis, tensor_axis, taps, grouped_gemm(moe)
+        )
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:
         aux = aux + moe.aux_loss * sequence_balance_loss(routing, sequences, moe.router)

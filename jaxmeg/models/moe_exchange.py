@@ -18,7 +18,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.models.grouped_gemm import grouped_weight_gradient, ragged_matmul
+from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_weight_gradient
 
 EXCHANGE_KEPT = "moe_exchange"
 """The checkpoint name of the exchange's output and residuals (`residual_switch`), and the name
@@ -131,13 +131,13 @@ def _activation(a, g):
     return jax.nn.gelu(a) if g is None else jax.nn.silu(g) * a
 
 
-def _forward(plan: _Blocks, diff):
+def _forward(plan: _Blocks, diff, matmul: GroupedMatmul):
     rows_in, w_in, w_out, w_gate, taps = diff
     x = plan.dispatch(rows_in)
     n = x.shape[0]
 
     def gmm(name, rows, w):
-        y = ragged_matmul(name, rows, w, plan.sizes)
+        y = matmul(name, rows, w, plan.sizes)
         return y + taps[name][:n].astype(y.dtype) if name in taps else y
 
     a = gmm("w_in", x, w_in)
@@ -155,21 +155,22 @@ def _recorded(taps, x, act, sizes, full: int) -> dict:
     }
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def through_experts(bound: int, full: int, axis: str, const, diff):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def through_experts(bound: int, full: int, axis: str, gemm: tuple, const, diff):
     """One bound's exchange: `const` = (each sorted choice's device [T k], its slot in that
     device's block, its expert on that device), `diff` = (the choices' rows [T k, h] in that
     order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added to that grouped
-    GEMM's output, whose cotangents are its dY). (each choice's output [T k, h], name -> the
+    GEMM's output, whose cotangents are its dY); `gemm` = the experts' grouped GEMM and its
+    weight gradient (`grouped_gemm.grouped_gemm`). (each choice's output [T k, h], name -> the
     tapped GEMM's rows and group sizes padded to `full` = E_ranks T k rows)."""
     plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
-    out, x, _, _, act = _forward(plan, diff)
+    out, x, _, _, act = _forward(plan, diff, gemm[0])
     return out, _recorded(diff[4], x, act, plan.sizes, full)
 
 
-def _through_fwd(bound, full, axis, const, diff):
+def _through_fwd(bound, full, axis, gemm, const, diff):
     plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
-    out, x, a, g, act = _forward(plan, diff)
+    out, x, a, g, act = _forward(plan, diff, gemm[0])
     kept = (
         _pad_rows(x, full), _pad_rows(a, full), None if g is None else _pad_rows(g, full),
         _pad_rows(plan.by_expert, full), plan.sizes,
@@ -177,7 +178,7 @@ def _through_fwd(bound, full, axis, const, diff):
     return (out, _recorded(diff[4], x, act, plan.sizes, full)), (const, diff, kept)
 
 
-def _through_bwd(bound, full, axis, residuals, cotangents):
+def _through_bwd(bound, full, axis, gemm, residuals, cotangents):
     const, diff, (x, a, g, by_expert, sizes) = residuals
     rows_in, w_in, w_out, w_gate, taps = diff
     n = jax.lax.axis_size(axis) * bound
@@ -186,20 +187,21 @@ def _through_bwd(bound, full, axis, residuals, cotangents):
     g = None if g is None else g[:n]
     d_out, _ = cotangents  # the recorded rows take no gradient
     d_y = plan.dispatch(d_out.astype(a.dtype))  # collect's transpose
+    matmul, weight_gradient = gemm
     t = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
     act, act_vjp = jax.vjp(_activation, a, g)
-    d_act = ragged_matmul("w_out", d_y, t(w_out), sizes)
+    d_act = matmul("w_out", d_y, t(w_out), sizes)
     d_a, d_g = act_vjp(d_act.astype(act.dtype))
-    d_x = ragged_matmul("w_in", d_a, t(w_in), sizes)
+    d_x = matmul("w_in", d_a, t(w_in), sizes)
     if g is not None:
-        d_x = d_x + ragged_matmul("w_gate", d_g, t(w_gate), sizes)
+        d_x = d_x + matmul("w_gate", d_g, t(w_gate), sizes)
     d_rows_in = plan.collect(d_x.astype(rows_in.dtype))  # dispatch's transpose
     grads = {
-        "w_in": grouped_weight_gradient(x, sizes, d_a),
-        "w_out": grouped_weight_gradient(act, sizes, d_y),
+        "w_in": grouped_weight_gradient(x, sizes, d_a, weight_gradient),
+        "w_out": grouped_weight_gradient(act, sizes, d_y, weight_gradient),
     }
     if g is not None:
-        grads["w_gate"] = grouped_weight_gradient(x, sizes, d_g)
+        grads["w_gate"] = grouped_weight_gradient(x, sizes, d_g, weight_gradient)
     dy = {"w_in": d_a, "w_gate": d_g, "w_out": d_y}
     d_taps = {name: _like(_pad_rows(dy[name], full), tap) for name, tap in taps.items()}
     d_gate = None if w_gate is None else _like(grads["w_gate"], w_gate)

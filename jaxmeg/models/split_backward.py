@@ -76,7 +76,7 @@ def weight_gradients(
     grouped GEMM's input (`moe.MoeMlp`: {"rows" [N, in], "sizes" [E]} sorted by expert, or
     {"rows" [E, N, in]} each expert's own) gives each expert's X_e^T dY_e, [E, in, out]; one
     of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
-    name)`'s (`jaxmeg.parallel.experts.weight_gradient`).
+    name, grouped_gradient)`'s (`jaxmeg.parallel.experts.weight_gradient`).
     `grouped_gradient`: the ragged GEMM's weight gradient, as the forward ran it
     (`jaxmeg.models.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose."""
 
@@ -86,7 +86,7 @@ def weight_gradients(
 
     def grouped(dy, x, name):
         if "device_rows" in x:
-            return exchanged(dy, x, name)
+            return exchanged(dy, x, name, grouped_gradient)
         if "sizes" not in x:
             return jnp.einsum("eni,eno->eio", x["rows"], dy.astype(x["rows"].dtype))
         return grouped_weight_gradient(x["rows"], x["sizes"], dy, grouped_gradient)

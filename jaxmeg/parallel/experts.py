@@ -319,17 +319,17 @@ def tap_shapes(moe, sequences, x, logits, bias, *experts) -> dict:
     return jax.eval_shape(mapped, x, *experts)
 
 
-def weight_gradient(dy, recorded: dict, name: str):
+def weight_gradient(dy, recorded: dict, name: str, grouped_gradient: Callable | None = None):
     """The gradient of the expert weight `name` from `exchanged_tapped`'s recorded rows and
     group sizes and its tap's cotangent dy: each device's grouped X_e^T dY_e for its experts,
-    in a map over the layer's axes ([E, h, f] or [E, f, h], split as the weight is). The
-    exchange's experts run `jax.lax.ragged_dot` (`moe.grouped_gemm: blocked` is refused with
-    an expert axis), so this is its transpose."""
+    in a map over the layer's axes ([E, h, f] or [E, f, h], split as the weight is), by
+    `grouped_gradient` as the forward's grouped GEMM ran (`grouped_gemm.grouped_gemm`; None:
+    `jax.lax.ragged_dot`'s transpose)."""
     axes = _tap_axes(_nested_axes())
 
     def local(rows, sizes, dy_):
         return grouped_weight_gradient(
-            _unstack(rows, axes), _unstack(sizes, axes), _unstack(dy_, axes)
+            _unstack(rows, axes), _unstack(sizes, axes), _unstack(dy_, axes), grouped_gradient
         )
 
     stacked = P(*axes)
