@@ -46,13 +46,17 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
     if isinstance(default, tuple):
         if value in STAGE_LAYERS_MODES and field.name == "stage_layers":
             return value
-        if isinstance(value, (int, str)) and not isinstance(value, bool):
-            value = [value] if isinstance(value, int) else yaml.safe_load(f"[{value}]")
+        numbers = bool(default) and isinstance(default[0], float)
+        kinds = (int, float) if numbers else (int,)
+        if isinstance(value, (*kinds, str)) and not isinstance(value, bool):
+            value = yaml.safe_load(f"[{value}]") if isinstance(value, str) else [value]
         if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
+            isinstance(v, kinds) and not isinstance(v, bool) for v in value
         ):
-            raise ConfigError(f"{name} must be a list of integers, e.g. [5, 3], got {value!r}")
-        return tuple(value)
+            example = "[1.25, 2.0]" if numbers else "[5, 3]"
+            what = "numbers" if numbers else "integers"
+            raise ConfigError(f"{name} must be a list of {what}, e.g. {example}, got {value!r}")
+        return tuple(float(v) for v in value) if numbers else tuple(value)
     if isinstance(default, dict):
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a mapping, got {value!r}")

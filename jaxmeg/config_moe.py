@@ -16,12 +16,15 @@ EXCHANGE_BOUNDS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32
 (sender, receiver) block as multiples of an even load, T k / E_ranks."""
 
 
-def exchange_bounds(choices: int, ranks: int) -> tuple[int, ...]:
+def exchange_bounds(
+    choices: int, ranks: int, factors: tuple[float, ...] = EXCHANGE_BOUNDS
+) -> tuple[int, ...]:
     """The dropless exchange's block sizes for a device's `choices` (T k) over `ranks` expert
-    ranks: each `EXCHANGE_BOUNDS` factor times the even share T k / E_ranks, rounded up, below
-    T k; then T k, which any routing fits (`jaxmeg.models.moe.experts_ffn_exchanged` runs the
-    smallest that fits the step's busiest block)."""
-    sizes = {math.ceil(f * choices / ranks) for f in EXCHANGE_BOUNDS}
+    ranks: each of `factors` (`moe.exchange_bounds`) times the even share T k / E_ranks,
+    rounded up, below T k; then T k, which any routing fits
+    (`jaxmeg.models.moe.experts_ffn_exchanged` runs the smallest that fits the step's busiest
+    block)."""
+    sizes = {math.ceil(f * choices / ranks) for f in factors}
     return (*sorted(b for b in sizes if b < choices), choices)
 
 
@@ -65,13 +68,19 @@ class MoeConfig:
     capacity). The experts then run on fixed [E, C] buffers per sequence and expert
     parallelism moves only those (cf times the routed tokens' bytes). 0 = dropless (every
     choice computed, however uneven the load; the exchange then pads each device pair's block
-    to all of a device's choices)."""
+    to a bound chosen per step, `exchange_bounds`)."""
     aux_loss: float = 0.01
     """Coefficient of the load-balancing loss (Switch Transformer's E sum_e f_e P_e), taken per
     sequence and averaged, so its gradient is the same however the batch is split over
     microbatches, replicas and stages. 0 = off."""
     z_loss: float = 0.0
     """Coefficient of the router z-loss (ST-MoE: the mean squared log-sum-exp of the logits)."""
+    exchange_bounds: tuple[float, ...] = EXCHANGE_BOUNDS
+    """The bounds a dropless exchange (parallel.expert > 1) runs at, as multiples (>= 1,
+    increasing) of an even load, T k / E_ranks rows per (sender, receiver) block: each step
+    takes the smallest its busiest block fits, and all of a device's T k choices (the largest
+    bound, always there) when none does. Each bound is a branch of the step compiled at its
+    shapes: fewer bounds compile faster and move more padding; [] = always the largest."""
     grouped_gemm: str = "ragged"
     """How a dropless layer runs its experts' grouped GEMMs, on one device and under the
     exchange (parallel.expert > 1): `ragged` (`jax.lax.ragged_dot`, which XLA's GPU compiler

@@ -38,6 +38,18 @@ class ConfigError(ValueError):
     """A configuration value is unknown, malformed or inconsistent."""
 
 
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """ConfigError naming the field `name` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_positive(name: str, value: float) -> None:
+    """ConfigError naming the field `name` unless `value` > 0."""
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     block: str = "gpt"

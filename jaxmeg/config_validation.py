@@ -12,7 +12,7 @@ import dataclasses
 import math
 import warnings
 
-from jaxmeg.config_moe import GROUPED_GEMMS, MOE_ROUTERS
+from jaxmeg.config_moe_validation import validate_moe
 from jaxmeg.config_sections import (
     DTYPES,
     ERROR_FEEDBACK,
@@ -26,6 +26,8 @@ from jaxmeg.config_sections import (
     ConfigError,
     ParallelConfig,
     TrainConfig,
+    check_choice,
+    check_positive,
 )
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import LayoutError, StageLayout
@@ -123,16 +125,6 @@ def with_steps(cfg: Config, steps: int) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
-
-
 def kv_head_rules(kv_heads: int, tensor: int) -> tuple[dict, dict]:
     """(param, activation) rule overrides for `kv_heads` key/value heads on a tensor size t:
     none when t divides kv_heads (`jaxmeg.parallel.rules` splits the logical axes `kv_heads` and
@@ -152,8 +144,8 @@ def _validate_compression(comp: CompressionConfig, pipe: int, data: int, zero_st
     for name in ("pipe_grad_rank", "data_grad_rank", "warmup_steps"):
         if getattr(comp, name) < 0:
             raise ConfigError(f"compression.{name} must be >= 0, got {getattr(comp, name)}")
-    _check_choice("compression.pipe_error_feedback", comp.pipe_error_feedback, ERROR_FEEDBACK)
-    _check_choice("compression.pipe_grad_phase", comp.pipe_grad_phase, PIPE_GRAD_PHASES)
+    check_choice("compression.pipe_error_feedback", comp.pipe_error_feedback, ERROR_FEEDBACK)
+    check_choice("compression.pipe_grad_phase", comp.pipe_grad_phase, PIPE_GRAD_PHASES)
     if comp.pipe_grad_rank and pipe == 1:
         raise ConfigError(
             f"compression.pipe_grad_rank = {comp.pipe_grad_rank} compresses the gradients sent "
@@ -226,67 +218,6 @@ def _validate_context(cfg: Config, context: int) -> None:
         )
 
 
-def _validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
-    """The `moe` section: its own ranges, the expert axis, and what MoE layers do not run with
-    yet."""
-    moe, comp = cfg.moe, cfg.compression
-    if moe.experts < 0:
-        raise ConfigError(f"moe.experts must be >= 0 (0 = a dense model), got {moe.experts}")
-    if expert > 1 and moe.experts % expert:
-        raise ConfigError(
-            f"parallel.expert = {expert} splits the experts over {expert} devices: moe.experts "
-            f"({moe.experts}) must be divisible by it"
-            + (
-                " (moe.experts = 0 is a dense model, which has no experts)"
-                if not moe.experts
-                else ""
-            )
-        )
-    if moe.experts == 0:
-        return
-    _check_choice("moe.router", moe.router, MOE_ROUTERS)
-    _check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
-    if not 1 <= moe.top_k <= moe.experts:
-        raise ConfigError(
-            f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"
-        )
-    if not 0 <= moe.first_dense < cfg.model.layers:
-        raise ConfigError(
-            f"moe.first_dense (dense leading layers) must be between 0 and model.layers - 1 "
-            f"({cfg.model.layers - 1}), got {moe.first_dense}"
-        )
-    if moe.every < 1 or (cfg.model.layers - moe.first_dense) % moe.every:
-        raise ConfigError(
-            f"moe.every = {moe.every}: the layers after the dense leading ones, model.layers - "
-            f"moe.first_dense = {cfg.model.layers} - {moe.first_dense}, come in groups of "
-            f"moe.every (the last of each MoE): make it a divisor >= 1"
-        )
-    for name in ("ffn_hidden", "shared_ffn_hidden"):
-        if getattr(moe, name) != -1 and getattr(moe, name) < 1:
-            raise ConfigError(f"moe.{name} must be -1 or >= 1, got {getattr(moe, name)}")
-    for name in ("shared_experts", "capacity_factor", "aux_loss", "z_loss", "bias_update_rate"):
-        if getattr(moe, name) < 0:
-            raise ConfigError(f"moe.{name} must be >= 0, got {getattr(moe, name)}")
-    widths = {
-        "moe.ffn_hidden": moe.expert_width(cfg.model.mlp_hidden),
-        "moe.shared_ffn_hidden x moe.shared_experts": moe.shared_width(cfg.model.mlp_hidden),
-    }
-    for name, width in widths.items():  # fmt: skip
-        if width % tensor:
-            raise ConfigError(
-                f"{name} ({width}) is split over parallel.tensor ({tensor}): make it divisible"
-            )
-    not_yet = [
-        (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
-        (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
-        (bool(comp.data_grad_rank), f"compression.data_grad_rank = {comp.data_grad_rank} (it "
-                                    f"would compress the routing bias's expert loads)"),
-    ]  # fmt: skip
-    for on, what in not_yet:
-        if on:
-            raise ConfigError(f"moe.experts = {moe.experts} does not run with {what} yet")
-
-
 _SCHEDULE_FIELDS = {
     "num_stages": "parallel.pipe",
     "num_microbatches": "train.microbatches",
@@ -332,22 +263,22 @@ def validate(cfg: Config, num_devices: int) -> Config:
     Needs `model.vocab_size` to be known (set it from the dataset first).
     """
     m, par, tr, opt = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
-    _check_choice("model.block", m.block, ("gpt", "llama"))
-    _check_choice("model.compute_dtype", m.compute_dtype, DTYPES)
-    _check_choice("model.param_dtype", m.param_dtype, DTYPES)
-    _check_choice("model.remat", m.remat, REMAT_POLICIES)
-    _check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
-    _check_choice("parallel.schedule", par.schedule, schedules.NAMES)
-    _check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
-    _check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)
-    _check_choice("parallel.placement", par.placement, PLACEMENTS)
+    check_choice("model.block", m.block, ("gpt", "llama"))
+    check_choice("model.compute_dtype", m.compute_dtype, DTYPES)
+    check_choice("model.param_dtype", m.param_dtype, DTYPES)
+    check_choice("model.remat", m.remat, REMAT_POLICIES)
+    check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
+    check_choice("parallel.schedule", par.schedule, schedules.NAMES)
+    check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
+    check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)
+    check_choice("parallel.placement", par.placement, PLACEMENTS)
     if isinstance(par.stage_layers, str):
         raise ConfigError(
             f"parallel.stage_layers={par.stage_layers} is resolved by the trainer before "
             f"validation (jaxmeg.training.partitioning.resolve_stage_layers)"
         )
     for name in ("hidden", "layers", "heads", "mlp_ratio", "seq_len", "vocab_multiple"):
-        _check_positive(f"model.{name}", getattr(m, name))
+        check_positive(f"model.{name}", getattr(m, name))
     if m.vocab_size < 1:
         raise ConfigError(f"model.vocab_size must be set (>= 1), got {m.vocab_size}")
     if m.dropout != 0.0:
@@ -371,11 +302,11 @@ def validate(cfg: Config, num_devices: int) -> Config:
         raise ConfigError(
             f"model.ffn_hidden must be -1 (= mlp_ratio x hidden) or >= 1, got {m.ffn_hidden}"
         )
-    _check_positive("model.rope_theta", m.rope_theta)
+    check_positive("model.rope_theta", m.rope_theta)
 
     data, pipe, context, expert, tensor = resolve_mesh_shape(par, num_devices)
     _validate_context(cfg, context)
-    _validate_moe(cfg, context, expert, tensor)
+    validate_moe(cfg, context, expert, tensor)
     if m.heads % tensor:
         raise ConfigError(
             f"model.heads ({m.heads}) must be divisible by parallel.tensor ({tensor})"
@@ -422,26 +353,26 @@ def validate(cfg: Config, num_devices: int) -> Config:
             f"cotangents of one send direction; parallel.schedule=zbv sends both ways (its V): "
             f"use zb_h1 or interleaved_zb, or pipe_grad_rank 0"
         )
-    _check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
-    _check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
+    check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
+    check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(
             f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got "
             f"{cfg.checkpoint.every} and {cfg.checkpoint.keep}"
         )
-    _check_positive("train.steps", tr.steps)
-    _check_positive("train.log_every", tr.log_every)
+    check_positive("train.steps", tr.steps)
+    check_positive("train.log_every", tr.log_every)
     if not 0.0 <= cfg.data.eval_fraction < 0.5:
         raise ConfigError(f"data.eval_fraction must be in [0, 0.5), got {cfg.data.eval_fraction}")
     if tr.eval_every < 0:
         raise ConfigError(f"train.eval_every must be >= 0 (0 = never), got {tr.eval_every}")
-    _check_positive("train.eval_batches", tr.eval_batches)
+    check_positive("train.eval_batches", tr.eval_batches)
     if tr.eval_every and cfg.data.eval_fraction == 0.0:
         raise ConfigError(
             f"train.eval_every = {tr.eval_every} evaluates the held-out split, but "
             f"data.eval_fraction is 0 (nothing held out); set it, e.g. data.eval_fraction=0.05"
         )
-    _check_positive("optimizer.lr", opt.lr)
+    check_positive("optimizer.lr", opt.lr)
     if opt.min_lr < 0 or opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr must be in [0, lr={opt.lr}], got {opt.min_lr}")
     if opt.warmup_steps < 0:

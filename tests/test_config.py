@@ -168,6 +168,11 @@ BAD = [
         r"got parallel.schedule=interleaved_1f1b",
     ),
     (["parallel.stage_layers=[a]"], r"parallel.stage_layers must be a list of integers"),
+    (
+        ["moe.experts=4", "moe.exchange_bounds=[2,1.5]"],
+        r"moe.exchange_bounds must be increasing multiples >= 1 of an even load, got \[2.0, 1.5\]",
+    ),
+    (["moe.exchange_bounds=[x]"], r"moe.exchange_bounds must be a list of numbers, e.g. \[1.25"),
     (["parallel.stage_layers=fastest"], r"parallel.stage_layers must be a list of integers"),
     (["compression.pipe_grad_rank=-1"], r"compression.pipe_grad_rank must be >= 0, got -1"),
     (

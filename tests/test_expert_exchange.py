@@ -57,13 +57,13 @@ def loss_of(ffn, ids):
     return loss
 
 
-def exchanged(mesh, gemm):
+def exchanged(mesh, gemm, factors):
     expert_in, expert_out = P("expert", None, "tensor"), P("expert", "tensor", None)
 
     def local(x, ids, weights, w_in, w_out, w_gate):
         routing = moe.Routing(ids, weights, None, None)
         y, _ = moe.experts_ffn_exchanged(
-            x, routing, w_in, w_out, w_gate, "expert", "tensor", gemm=gemm
+            x, routing, w_in, w_out, w_gate, "expert", "tensor", gemm=gemm, factors=factors
         )
         return y
 
@@ -75,19 +75,28 @@ def exchanged(mesh, gemm):
 
 
 @pytest.mark.parametrize(
-    ("route", "gemm"),
-    [("even", "ragged"), ("skewed", "ragged"), ("one-expert", "ragged"), ("skewed", "blocked")],
-)
-def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, monkeypatch):
+    ("route", "gemm", "factors"),
+    [
+        ("even", "ragged", None), ("skewed", "ragged", None), ("one-expert", "ragged", None),
+        ("skewed", "blocked", None), ("skewed", "ragged", (2.0,)),
+    ],
+)  # fmt: skip
+def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, factors, monkeypatch):
     """The busiest block of the even route holds T k / RANKS = 4 rows: the exchange runs its
     first bound, which moves exactly the routed tokens (E_ranks blocks of 4 rows hold the
     device's T k = 16 choices); the skewed one 6 rows (the third bound, 1.5x), every choice to
     one expert all T k (the last). Every device takes that bound, and the loss and every
     gradient equal the experts run on one device, with either grouped GEMM
-    (`moe.grouped_gemm`) in the exchange's forward and backward."""
-    bounds = exchange_bounds(T * K, RANKS)
-    assert bounds == (4, 5, 6, 8, 12, 16)
+    (`moe.grouped_gemm`) in the exchange's forward and backward. With `moe.exchange_bounds`
+    [2] the bounds are 8 rows and all 16, and the skewed route takes the first."""
+    moe_cfg = C.MoeConfig(experts=E, grouped_gemm=gemm)
+    if factors is not None:
+        moe_cfg = dataclasses.replace(moe_cfg, exchange_bounds=factors)
+    bounds = exchange_bounds(T * K, RANKS, moe_cfg.exchange_bounds)
+    assert bounds == ((4, 5, 6, 8, 12, 16) if factors is None else (8, 16))
     expected = {"even": 0, "skewed": 2, "one-expert": len(bounds) - 1}[route]
+    if factors is not None:
+        expected = 0
     taken, switch = [], residual_switch.switch
 
     def spying(index, branches, const, diff, name=None):
@@ -98,8 +107,10 @@ def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, monkey
     mesh = jax.make_mesh((RANKS, TENSOR), ("expert", "tensor"), (jax.sharding.AxisType.Auto,) * 2)
     ids = jnp.asarray(routes()[route], jnp.int32)
     p = params()
-    pair = grouped_gemm.grouped_gemm(C.MoeConfig(experts=E, grouped_gemm=gemm))
-    loss, grads = jax.jit(jax.value_and_grad(loss_of(exchanged(mesh, pair), ids)))(p)
+    pair = grouped_gemm.grouped_gemm(moe_cfg)
+    loss, grads = jax.jit(
+        jax.value_and_grad(loss_of(exchanged(mesh, pair, moe_cfg.exchange_bounds), ids))
+    )(p)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, ids)))(p)
     jax.effects_barrier()
     assert taken and set(taken) == {expected}, taken

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import MOE_ROUTERS, ModelConfig, MoeConfig
-from jaxmeg.config_moe import exchange_bounds
+from jaxmeg.config_moe import EXCHANGE_BOUNDS, exchange_bounds
 from jaxmeg.models import parts, residual_switch
 from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_gemm, ragged_matmul
 from jaxmeg.models.moe_exchange import (
@@ -168,6 +168,7 @@ def experts_ffn_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
     taps: dict | None = None, gemm: tuple = (ragged_matmul, None),
+    factors: tuple[float, ...] = EXCHANGE_BOUNDS,
 ) -> tuple[jax.Array, dict]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
@@ -195,7 +196,7 @@ def experts_ffn_exchanged(
     choices = tokens * k
     expert = routing.experts.reshape(-1)  # [T k], token-major
     order, counts, slot = sorted_by(expert // local, ranks)
-    bounds = exchange_bounds(choices, ranks)
+    bounds = exchange_bounds(choices, ranks, factors)
     const = ((expert // local)[order], slot, expert[order] % local)
     diff = (x[order // k], w_in, w_out, w_gate, taps or {})
     branches = [partial(through_experts, b, ranks * choices, axis, gemm) for b in bounds]
@@ -337,7 +338,16 @@ def moe_ffn(
         y = experts_ffn(x, routing, w_in, w_out, gate, gmm)
     else:
         y, recorded = experts_ffn_exchanged(
-            x, routing, w_in, w_out, gate, axis, tensor_axis, taps, grouped_gemm(moe)
+            x,
+            routing,
+            w_in,
+            w_out,
+            gate,
+            axis,
+            tensor_axis,
+            taps,
+            grouped_gemm(moe),
+            moe.exchange_bounds,
         )
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:

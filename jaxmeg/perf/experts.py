@@ -96,7 +96,7 @@ def exchange_block(shape: Shape, layout: Layout) -> float:
     if layout.expert_exchange == "routed":
         return choices / e
     busiest = EXCHANGE_LOAD * choices / e
-    bounds = exchange_bounds(max(1, round(choices)), e)
+    bounds = exchange_bounds(max(1, round(choices)), e, shape.experts.exchange_bounds)
     return next(b for b in bounds if b >= busiest or b == bounds[-1])
 
 
@@ -107,7 +107,7 @@ def exchange_branch(shape: Shape, layout: Layout) -> int | None:
     if x is None or x.capacity_factor or layout.expert == 1:
         return None
     choices = max(1, round(tokens(shape, layout) * x.top_k))
-    bounds = exchange_bounds(choices, layout.expert)
+    bounds = exchange_bounds(choices, layout.expert, x.exchange_bounds)
     bounded = dataclasses.replace(layout, expert_exchange="bounded")
     return bounds.index(exchange_block(shape, bounded))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmeg.config import ModelConfig, MoeConfig
+from jaxmeg.config_moe import EXCHANGE_BOUNDS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,8 @@ class Experts:
     """MoE in every n-th layer after the dense leading ones (`moe.every`), the others dense: a
     stage holds groups of n layers, and its per-layer figures are a group's averages
     (`Shape.moe_share`)."""
+    exchange_bounds: tuple[float, ...] = EXCHANGE_BOUNDS
+    """The bounds of a dropless exchange (`moe.exchange_bounds`)."""
 
     @property
     def matrices(self) -> int:
@@ -107,4 +110,5 @@ def experts_of(model: ModelConfig, moe: MoeConfig | None) -> Experts | None:
         count=moe.experts, top_k=moe.top_k, width=moe.expert_width(dense),
         shared_width=moe.shared_width(dense), gated=model.block != "gpt",
         capacity_factor=moe.capacity_factor, dense_layers=moe.first_dense, every=moe.every,
+        exchange_bounds=moe.exchange_bounds,
     )  # fmt: skip

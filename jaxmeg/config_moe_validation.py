@@ -1,0 +1,75 @@
+"""Validation of the `moe` section (`jaxmeg.config_moe`): its own ranges, the expert axis, and
+what MoE layers do not run with yet. Part of `jaxmeg.config_validation.validate`; each error
+names the field and the numbers."""
+
+from __future__ import annotations
+
+from jaxmeg.config_moe import GROUPED_GEMMS, MOE_ROUTERS
+from jaxmeg.config_sections import Config, ConfigError, check_choice
+
+
+def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
+    """The `moe` section: its own ranges, the expert axis, and what MoE layers do not run with
+    yet."""
+    moe, comp = cfg.moe, cfg.compression
+    if moe.experts < 0:
+        raise ConfigError(f"moe.experts must be >= 0 (0 = a dense model), got {moe.experts}")
+    if expert > 1 and moe.experts % expert:
+        raise ConfigError(
+            f"parallel.expert = {expert} splits the experts over {expert} devices: moe.experts "
+            f"({moe.experts}) must be divisible by it"
+            + (
+                " (moe.experts = 0 is a dense model, which has no experts)"
+                if not moe.experts
+                else ""
+            )
+        )
+    if moe.experts == 0:
+        return
+    check_choice("moe.router", moe.router, MOE_ROUTERS)
+    check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
+    bounds = moe.exchange_bounds
+    if any(f < 1 for f in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ConfigError(
+            f"moe.exchange_bounds must be increasing multiples >= 1 of an even load, got "
+            f"{list(bounds)}"
+        )
+    if not 1 <= moe.top_k <= moe.experts:
+        raise ConfigError(
+            f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"
+        )
+    if not 0 <= moe.first_dense < cfg.model.layers:
+        raise ConfigError(
+            f"moe.first_dense (dense leading layers) must be between 0 and model.layers - 1 "
+            f"({cfg.model.layers - 1}), got {moe.first_dense}"
+        )
+    if moe.every < 1 or (cfg.model.layers - moe.first_dense) % moe.every:
+        raise ConfigError(
+            f"moe.every = {moe.every}: the layers after the dense leading ones, model.layers - "
+            f"moe.first_dense = {cfg.model.layers} - {moe.first_dense}, come in groups of "
+            f"moe.every (the last of each MoE): make it a divisor >= 1"
+        )
+    for name in ("ffn_hidden", "shared_ffn_hidden"):
+        if getattr(moe, name) != -1 and getattr(moe, name) < 1:
+            raise ConfigError(f"moe.{name} must be -1 or >= 1, got {getattr(moe, name)}")
+    for name in ("shared_experts", "capacity_factor", "aux_loss", "z_loss", "bias_update_rate"):
+        if getattr(moe, name) < 0:
+            raise ConfigError(f"moe.{name} must be >= 0, got {getattr(moe, name)}")
+    widths = {
+        "moe.ffn_hidden": moe.expert_width(cfg.model.mlp_hidden),
+        "moe.shared_ffn_hidden x moe.shared_experts": moe.shared_width(cfg.model.mlp_hidden),
+    }
+    for name, width in widths.items():  # fmt: skip
+        if width % tensor:
+            raise ConfigError(
+                f"{name} ({width}) is split over parallel.tensor ({tensor}): make it divisible"
+            )
+    not_yet = [
+        (context > 1, f"parallel.context = {context} (the balance loss is per whole sequence)"),
+        (bool(comp.pipe_grad_rank), f"compression.pipe_grad_rank = {comp.pipe_grad_rank}"),
+        (bool(comp.data_grad_rank), f"compression.data_grad_rank = {comp.data_grad_rank} (it "
+                                    f"would compress the routing bias's expert loads)"),
+    ]  # fmt: skip
+    for on, what in not_yet:
+        if on:
+            raise ConfigError(f"moe.experts = {moe.experts} does not run with {what} yet")
