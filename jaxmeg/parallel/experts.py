@@ -16,10 +16,11 @@ checkpoint policy keeps them by name (`moe_exchange.EXCHANGE_KEPT`, added to the
 pipeline's slots the policy (matmul outputs) does not keep them, so the B slot reruns the
 forward: keeping them by name as well hung (expert 4, pipe 2) on CPU in 2 of 3 runs (XLA:CPU
 ran F's send and B's all-to-all in different orders on different devices). With a capacity
-factor the lowering failure comes back on some meshes (data 1 x pipe 2), so there the forward
-keeps nothing and the backward always reruns it: two more all-to-alls and the experts' forward
-GEMMs per layer and microbatch. The map holds no `dot_general` that a layer's checkpoint policy
-would keep: the router's matmul stays outside.
+factor in a pipeline the lowering failure comes back on some meshes (data 1 x pipe 2), so there
+the forward keeps nothing and the backward reruns it (`_reruns`): two more all-to-alls and the
+experts' forward GEMMs per layer and microbatch; with p v = 1 it keeps the pullback too. The
+map holds no `dot_general` that a layer's checkpoint policy would keep: the router's matmul
+stays outside.
 
 For a split backward (zero-bubble schedules) `exchanged_tapped` adds zero taps to the experts'
 grouped GEMMs inside the map and returns the rows they ran on, so W computes the expert
@@ -252,10 +253,16 @@ def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
     return (d_x, d_logits, jax.lax.full_like(bias, 0), *d_experts)
 
 
+def _reruns(moe) -> bool:
+    """Whether the backward reruns the forward: with a capacity factor in a pipeline (see the
+    module docstring)."""
+    return bool(moe.capacity_factor) and jax.sharding.get_abstract_mesh().shape["pipe"] > 1
+
+
 def _exchanged_fwd(moe, sequences, x, logits, bias, *experts):
-    """Dropless (the default) keeps the pullback; with a capacity factor the backward reruns
-    the forward (see the module docstring)."""
-    if moe.capacity_factor:
+    """Keeps the pullback, but with a capacity factor in a pipeline, whose backward reruns the
+    forward (see the module docstring)."""
+    if _reruns(moe):
         return _rerunning_fwd(moe, sequences, x, logits, bias, *experts)
     (y, aux, shares, _), saved = _keeping_fwd(moe, sequences, x, logits, bias, {}, *experts)
     return (y, aux, shares), saved
@@ -265,7 +272,7 @@ def _exchanged_bwd(moe, sequences, saved, cotangents):
     g_y, g_aux, _ = cotangents  # the shares count choices: no gradient
     # the bias only moves the top-k choice: its gradient is 0 (`moe.into_backward` gives it
     # the loads, outside this function)
-    if moe.capacity_factor:
+    if _reruns(moe):
         return _rerunning_bwd(moe, sequences, saved, g_y, g_aux)
     d_x, d_logits, d_bias, _, *d_experts = _keeping_bwd(saved, g_y, g_aux)
     return (d_x, d_logits, d_bias, *d_experts)

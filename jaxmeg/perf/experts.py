@@ -15,15 +15,14 @@ of `EXCHANGE_LOAD` times the even load T k / e, so B = 1.25 T k / e: a GPU sends
 each way and its grouped GEMMs take the e B rows it receives. `"padded"` prices the largest
 bound, B = T k (a router that sends every choice to one GPU); `"routed"` the routed rows only,
 (e - 1) / e T k rows each way (a ragged all-to-all, Megatron-Core's dispatcher), which jaxmeg
-does not run. Dropless, with the whole model in one
-computation (p v = 1), the exchange keeps its residuals (the received rows and the experts'
-hidden activations) and its backward runs the two transposed all-to-alls: 2 forward, 2
-backward. In a pipeline's slots (p v > 1) the layer's checkpoint policy does not keep them, so
-the B slot reruns the forward's exchange and expert GEMMs (2 forward, 4 backward), and so does
-every exchange with a capacity factor cf (`moe.capacity_factor`), which moves fixed buffers of
-E C rows per sequence, C = ceil(cf s k / E), whatever `expert_exchange` says: (e - 1) / e of
-them per all-to-all, the experts running on E C rows per sequence, about cf times the routed
-work. With e = 1 the experts run on the GPU with no exchange.
+does not run. With the whole model in one computation (p v = 1), the exchange keeps its
+residuals (the received rows and the experts' hidden activations) and its backward runs the two
+transposed all-to-alls: 2 forward, 2 backward. In a pipeline's slots (p v > 1) the layer's
+checkpoint policy does not keep them, so the B slot reruns the forward's exchange and expert
+GEMMs (2 forward, 4 backward). With a capacity factor cf (`moe.capacity_factor`) the exchange
+moves fixed buffers of E C rows per sequence, C = ceil(cf s k / E), whatever `expert_exchange`
+says: (e - 1) / e of them per all-to-all, the experts running on E C rows per sequence, about cf
+times the routed work. With e = 1 the experts run on the GPU with no exchange.
 """
 
 from __future__ import annotations
@@ -132,9 +131,9 @@ def all_to_all_bytes(shape: Shape, layout: Layout, compute_bytes: int = 2) -> fl
 
 def reruns_exchange(shape: Shape, layout: Layout) -> bool:
     """Whether the backward reruns the exchange's forward: with e > 1, in a pipeline's slots
-    (p v > 1) or with a capacity factor."""
-    pipelined = layout.pipe * layout.chunks > 1
-    return layout.expert > 1 and (pipelined or bool(shape.experts.capacity_factor))
+    (p v > 1), dropless or with a capacity factor."""
+    del shape
+    return layout.expert > 1 and layout.pipe * layout.chunks > 1
 
 
 def all_to_alls(shape: Shape, layout: Layout) -> tuple[int, int]:
@@ -184,11 +183,16 @@ def kept_bytes_per_layer(shape: Shape, layout: Layout) -> float:
     rerun (`reruns_exchange`), the exchange's (`jaxmeg.models.moe_exchange`): the rows the
     experts received and their first GEMMs' outputs (M - 1 of them), over its largest bound's
     e T k rows (every bound keeps the same buffers), and the per-choice outputs (2 T k h);
+    with a capacity factor its buffers and hidden activations over its E C rows per sequence;
     where it is rerun nothing."""
     x, h, n = shape.experts, shape.hidden, tokens(shape, layout)
     kept = 2 * n * h + 4 * n * x.count
     if layout.expert == 1:
         kept += 2 * n * x.top_k * (h + x.matrices * x.width / layout.tensor) + 4 * n * x.top_k * h
+    elif x.capacity_factor and not reruns_exchange(shape, layout):
+        # jax's pullback of the capacity exchange: its buffers and every hidden activation
+        rows = capacity_rows(shape, layout)
+        kept += 2 * rows * (h + x.matrices * x.width / layout.tensor)
     elif not reruns_exchange(shape, layout):
         rows = layout.expert * n * x.top_k
         kept += 2 * rows * (h + (x.matrices - 1) * x.width / layout.tensor) + 2 * n * x.top_k * h
