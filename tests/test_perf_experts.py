@@ -156,6 +156,30 @@ def test_dense_leading_layers_count_as_dense_ones_and_stay_out_of_the_stages():
     assert (shape.stacked_layers, shape.moe_layers) == (2, 2)
 
 
+def test_the_first_stage_pays_for_the_dense_leading_layers():
+    """The first stage runs the `moe.first_dense` layers with the embedding and its backward
+    recomputes them: a forward, a forward and a backward of a dense layer each per microbatch.
+    Against the same 32 MoE layers on 4 stages, two dense leading layers add that to the
+    pipeline's slowest stage where it outweighs the last stage's head (the cluster model adds
+    the same to the first stage's fixed work)."""
+    from jaxmeg.perf.model import layer_seconds, leading_dense_seconds, logits_seconds
+
+    lay = Layout(tensor=1, pipe=4, data=2, expert=8, microbatches=8, recompute="selective")
+    lead = dataclasses.replace(
+        MIXTRAL, layers=34, experts=dataclasses.replace(MIXTRAL.experts, dense_layers=2)
+    )
+    assert lead.stacked_layers == MIXTRAL.stacked_layers == 32
+    dense = layer_seconds(dataclasses.replace(MIXTRAL, experts=None), lay, H100)
+    forward, backward = leading_dense_seconds(lead, lay, H100)
+    assert forward == pytest.approx(2 * dense.forward)
+    assert backward == pytest.approx(2 * (dense.forward + dense.backward))
+    logits = logits_seconds(MIXTRAL, lay, H100)
+    assert forward + backward > 3 * logits  # here the first stage is the slowest end
+    before, after = step_time(MIXTRAL, lay, H100), step_time(lead, lay, H100)
+    assert after.forward - before.forward == pytest.approx(forward - logits)
+    assert after.backward - before.backward == pytest.approx(backward - 2 * logits)
+
+
 def test_moe_every_other_layer_is_priced_halfway_between_dense_and_all_moe():
     """Half the layers MoE: parameters, FLOPs, the experts' all-to-all bytes and a stage's
     layer time halfway between the dense model's and the all-MoE one's; the stages split

@@ -44,6 +44,7 @@ from jaxmeg.perf.model import (
     hardware_link,
     layer_parameters,
     layer_seconds,
+    leading_dense_seconds,
     logits_seconds,
     optimizer_seconds,
     pipe_message_seconds,
@@ -268,7 +269,10 @@ def stage_times(
             ls = layer_seconds(shape, layout, hw)
             layer = max(layer, ls.forward + ls.backward + ls.recompute(layout.recompute))
             head = 3 * logits_seconds(shape, layout, hw) if s == p - 1 else 0.0
-            embed = embedding_seconds(shape, layout, hw) if s == 0 else 0.0
+            embed = 0.0
+            if s == 0:  # the embedding, and the dense leading layers run with it
+                embed = embedding_seconds(shape, layout, hw)
+                embed += sum(leading_dense_seconds(shape, layout, hw))
             fixed = max(fixed, head + embed)
             update = max(update, optimizer_seconds(params, layout, hw))
             shared_update = max(shared_update, optimizer_seconds(shared, layout, hw))

@@ -354,20 +354,36 @@ def optimizer_seconds(
     return 16 * updated * 2 / (hw.hbm_tb_per_s * 1e12)
 
 
+def leading_dense_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of the dense leading layers (`moe.first_dense`) for one
+    microbatch: the first stage runs them with the embedding, and its backward recomputes
+    them (a forward more) before their backward. (0, 0) without."""
+    if not shape.dense_layers:
+        return 0.0, 0.0
+    dense = layer_seconds(dataclasses.replace(shape, experts=None), layout, hw)
+    return shape.dense_layers * dense.forward, shape.dense_layers * (dense.forward + dense.backward)
+
+
 def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     """Megatron's pipeline: (m + (p - 1) / v) microbatch slots of the busiest stage's forward +
     backward; the backward reruns what the remat choice did not keep (`LayerSeconds.recompute`:
-    a forward for full). The last stage's logits and the pipeline sends are on the critical
-    path; the data-parallel traffic (`data_parallel_seconds`) and the optimizer step (on the
-    1/d shard with ZeRO) follow the flush."""
+    a forward for full). The heavier of the ends' own work (the last stage's logits, the first
+    stage's dense leading layers) and the pipeline sends are on the critical path; the
+    data-parallel traffic (`data_parallel_seconds`) and the optimizer step (on the 1/d shard
+    with ZeRO) follow the flush."""
     p, v, m = layout.pipe, layout.chunks, layout.microbatches
     layer = layer_seconds(shape, layout, hw)
     layers = busiest_stage_layers(shape, layout)
     logits_f = logits_seconds(shape, layout, hw)
-    # The last stage also runs the output projection; lockstep or not, the pipeline moves at
-    # the pace of its slowest stage, counted as the busiest one plus the head.
-    forward = layers * layer.forward + logits_f
-    backward = layers * (layer.backward + layer.recompute(layout.recompute)) + 2 * logits_f
+    # The last stage also runs the output projection, the first the dense leading layers;
+    # lockstep or not, the pipeline moves at the pace of its slowest stage, counted as the
+    # busiest one plus the heavier end's own work.
+    end_f, end_b = logits_f, 2 * logits_f
+    dense_f, dense_b = leading_dense_seconds(shape, layout, hw)
+    if dense_f + dense_b > end_f + end_b:
+        end_f, end_b = dense_f, dense_b
+    forward = layers * layer.forward + end_f
+    backward = layers * (layer.backward + layer.recompute(layout.recompute)) + end_b
     bubble = timing.bubble_fraction(layout.schedule, p, m, v)
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
