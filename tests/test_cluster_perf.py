@@ -133,6 +133,25 @@ def test_stage_costs_for_a_validated_config():
         stage_costs_for_config(cfg, cluster, groups[:3])
 
 
+def test_stage_costs_of_an_moe_config_price_its_experts():
+    """An MoE config's stage costs are its Shape's, experts and expert ranks included (they
+    were the dense model's): each GPU's MoE layers, its share of the experts' parameters."""
+    cfg = config.load(
+        ROOT / "configs" / "moe_tiny.yaml",
+        ["parallel.pipe=2", "parallel.expert=2", "parallel.data=2", "model.vocab_size=4096"],
+    )
+    cfg = config.validate(cfg, 8)
+    cluster, groups = load_cluster("holmes_ib_roce"), ["ib", "roce"]
+    par, train = cfg.parallel, cfg.train
+    got = stage_costs_for_config(cfg, cluster, groups)
+    sizes = (par.data, par.tensor, train.microbatches, train.microbatch_size)
+    want = stage_costs(shape_of(cfg.model, cfg.moe), cluster, groups, *sizes,
+                       recompute=cfg.model.remat, expert=2)  # fmt: skip
+    dense = stage_costs(cfg.model, cluster, groups, *sizes, recompute=cfg.model.remat)
+    assert got == want
+    assert all(g.per_layer_s != d.per_layer_s for g, d in zip(got, dense, strict=True))
+
+
 def test_a_data_group_across_nic_types_runs_at_the_link_speed():
     # Megatron's order with data outermost puts IB and RoCE nodes in every data group; the
     # NIC-aware placement keeps each inside one group, on that group's NIC.

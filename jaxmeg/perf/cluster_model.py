@@ -42,7 +42,7 @@ from jaxmeg.perf.model import (
     Shape,
     flops_per_iteration,
     hardware_link,
-    layer_parameters,
+    layer_parameters_per_gpu,
     layer_seconds,
     leading_dense_seconds,
     logits_seconds,
@@ -259,7 +259,7 @@ def stage_times(
     """Per stage, its compute and optimizer step at its group's speed (the slowest of its
     groups) and its reduction over `data_links`."""
     p = len(stage_groups)
-    params = layer_parameters(shape) / layout.tensor
+    params = layer_parameters_per_gpu(shape, layout)
     shared = shared_parameters_per_gpu(shape, layout.tensor)
     out = []
     for s, (joined, link) in enumerate(zip(stage_groups, data_links, strict=True)):
@@ -309,6 +309,7 @@ def stage_costs(
     zero_stage: int = 0,
     schedule: str = "1f1b",
     placement: Placement | None = None,
+    expert: int = 1,
 ) -> list[StageCost]:
     """Each stage's cost for `jaxmeg.perf.partition.balance`: per layer, (m + p - 1) x one
     layer's forward + backward on its group's GPU at tensor t (m microbatches and the fill and
@@ -317,13 +318,16 @@ def stage_costs(
     reduction's latency and the embedding's optimizer step. `stage_groups`: each stage's node
     group (`Placement.stage_groups()`, 'a+b' for a stage over two). `recompute`: default the
     config's `model.remat`, or `full` for a Shape. With `placement` the data links come from
-    its device grid, else as `place(mode="auto")` lays stages out (`assumed_data_links`)."""
+    its device grid, else as `place(mode="auto")` lays stages out (`assumed_data_links`).
+    `expert`: the expert ranks of an MoE model (a Shape with experts): a GPU holds 1/e of the
+    experts and of the microbatch's rows."""
     shape, recompute = _shape_and_recompute(model, recompute)
     layout = Layout(
         tensor=tensor,
         pipe=len(stage_groups),
         data=data,
-        microbatch=microbatch_size,
+        expert=expert,
+        microbatch=microbatch_size // expert,
         microbatches=microbatches,
         recompute=recompute,
         sequence_parallel=sequence_parallel,
@@ -356,7 +360,7 @@ def stage_costs_for_config(
             f"{len(stage_groups)} stage groups for parallel.pipe = {par.pipe}: {list(stage_groups)}"
         )
     return stage_costs(
-        cfg.model,
+        shape_of(cfg.model, cfg.moe),
         cluster,
         stage_groups,
         par.data,
@@ -368,6 +372,7 @@ def stage_costs_for_config(
         zero_stage=par.zero_stage,
         schedule=par.schedule,
         placement=placement,
+        expert=par.expert,
     )
 
 
