@@ -222,3 +222,29 @@ def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
     assert matmul_flops(balanced) == pytest.approx(active + padding + 0.25 * experts, rel=1e-9)
     traffic = bytes_per_step(shape, layout, compute_bytes=2)
     assert traffic["expert"] == pytest.approx(4 * LLAMA.layers * buffers[10] * 3 / 4)
+
+
+def test_a_split_backward_leaves_the_experts_weight_gradients_to_w():
+    """ZB-H1 with expert 2: the I slot's exchange branches run the forward again (a pipeline's
+    B reruns it) and the rows' gradient, one grouped GEMM each per expert matrix, and no weight
+    gradient (W computes those from the taps' cotangents, `experts.weight_gradient`): twice the
+    forward slot's GEMMs, not three times."""
+    import re
+
+    from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
+
+    cfg = config((1, 2, 1), TOP2, LLAMA, "zb_h1", expert=2)
+    trainable = trainable_for(cfg)
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+        text = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile().as_text()
+    gemms: dict[str, int] = {}  # per slot body (f_first, i_middle, ...)
+    for line in text.splitlines():
+        found = re.search(r'= \S+ (dot|ragged-dot)\(.*op_name="([^"]*)"', line)
+        slot = found and re.search(r"closed_call/([fi]_[a-z]+)/", found.group(2))
+        if slot and EXCHANGE_KEPT in found.group(2):
+            gemms[slot.group(1)] = gemms.get(slot.group(1), 0) + 1
+    forward = {n for k, n in gemms.items() if k.startswith("f_")}
+    backward = {n for k, n in gemms.items() if k.startswith("i_")}
+    assert len(forward) == 1 and backward == {2 * forward.pop()}, gemms

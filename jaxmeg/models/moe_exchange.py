@@ -196,12 +196,14 @@ def _through_bwd(bound, full, axis, gemm, residuals, cotangents):
     if g is not None:
         d_x = d_x + matmul("w_gate", d_g, t(w_gate), sizes)
     d_rows_in = plan.collect(d_x.astype(rows_in.dtype))  # dispatch's transpose
+    weights = {"w_in": (w_in, x, d_a), "w_out": (w_out, act, d_y), "w_gate": (w_gate, x, d_g)}
     grads = {
-        "w_in": grouped_weight_gradient(x, sizes, d_a, weight_gradient),
-        "w_out": grouped_weight_gradient(act, sizes, d_y, weight_gradient),
+        # tapped, a split backward computes the weights' gradients in W from the taps'
+        # cotangents: none here (inside the branch XLA would not drop them)
+        name: jnp.zeros_like(w) if taps else grouped_weight_gradient(x_, sizes, d, weight_gradient)
+        for name, (w, x_, d) in weights.items()
+        if w is not None
     }
-    if g is not None:
-        grads["w_gate"] = grouped_weight_gradient(x, sizes, d_g, weight_gradient)
     dy = {"w_in": d_a, "w_gate": d_g, "w_out": d_y}
     d_taps = {name: _like(_pad_rows(dy[name], full), tap) for name, tap in taps.items()}
     d_gate = None if w_gate is None else _like(grads["w_gate"], w_gate)
