@@ -13,6 +13,16 @@ import yaml
 from jaxmeg.config_sections import SECTION_TYPES, STAGE_LAYERS_MODES, Config, ConfigError
 
 
+def _as_number(v):
+    """A list entry of a numbers field: a string such as "1e3" as its float, else as is."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
 def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
     default = getattr(SECTION_TYPES[section](), field.name)
     name = f"{section}.{field.name}"
@@ -50,6 +60,8 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
         kinds = (int, float) if numbers else (int,)
         if isinstance(value, (*kinds, str)) and not isinstance(value, bool):
             value = yaml.safe_load(f"[{value}]") if isinstance(value, str) else [value]
+        if numbers and isinstance(value, (list, tuple)):  # YAML 1.1 reads 1e3 as a string
+            value = [_as_number(v) for v in value]
         if not isinstance(value, (list, tuple)) or not all(
             isinstance(v, kinds) and not isinstance(v, bool) for v in value
         ):

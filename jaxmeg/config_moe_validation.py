@@ -4,6 +4,8 @@ names the field and the numbers."""
 
 from __future__ import annotations
 
+import math
+
 from jaxmeg.config_moe import GROUPED_GEMMS, MOE_ROUTERS
 from jaxmeg.config_sections import Config, ConfigError, check_choice
 
@@ -29,7 +31,8 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
     check_choice("moe.router", moe.router, MOE_ROUTERS)
     check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
     bounds = moe.exchange_bounds
-    if any(f < 1 for f in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+    increasing = all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
+    if not (all(math.isfinite(f) and f >= 1 for f in bounds) and increasing):
         raise ConfigError(
             f"moe.exchange_bounds must be increasing multiples >= 1 of an even load, got "
             f"{list(bounds)}"

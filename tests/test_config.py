@@ -50,6 +50,9 @@ def test_overrides_parse_yaml_values():
     assert cfg.parallel.sequence_parallel is True
     assert cfg.optimizer.lr == pytest.approx(2e-4)
     assert cfg.train.steps == 7
+    lists = C.apply_overrides(C.Config(), ["moe.exchange_bounds=[1.5, 2, 1e3]"])
+    assert lists.moe.exchange_bounds == (1.5, 2.0, 1000.0)
+    assert C.apply_overrides(C.Config(), ["moe.exchange_bounds=[]"]).moe.exchange_bounds == ()
 
 
 def test_scatter_gather_resolves_from_tensor_and_sequence_parallel():
@@ -173,6 +176,10 @@ BAD = [
         r"moe.exchange_bounds must be increasing multiples >= 1 of an even load, got \[2.0, 1.5\]",
     ),
     (["moe.exchange_bounds=[x]"], r"moe.exchange_bounds must be a list of numbers, e.g. \[1.25"),
+    (
+        ["moe.experts=4", "moe.exchange_bounds=[1.5,.inf]"],
+        r"moe.exchange_bounds must be increasing multiples >= 1 of an even load, got \[1.5, inf\]",
+    ),
     (["parallel.stage_layers=fastest"], r"parallel.stage_layers must be a list of integers"),
     (["compression.pipe_grad_rank=-1"], r"compression.pipe_grad_rank must be >= 0, got -1"),
     (

@@ -160,8 +160,8 @@ def test_the_first_stage_pays_for_the_dense_leading_layers():
     """The first stage runs the `moe.first_dense` layers with the embedding and its backward
     recomputes them: a forward, a forward and a backward of a dense layer each per microbatch.
     Against the same 32 MoE layers on 4 stages, two dense leading layers add that to the
-    pipeline's slowest stage where it outweighs the last stage's head (the cluster model adds
-    the same to the first stage's fixed work)."""
+    pipeline's slowest stage where it outweighs the last stage's head, and to a single stage's
+    head (the cluster model adds the same to the first stage's fixed work)."""
     from jaxmeg.perf.model import layer_seconds, leading_dense_seconds, logits_seconds
 
     lay = Layout(tensor=1, pipe=4, data=2, expert=8, microbatches=8, recompute="selective")
@@ -178,6 +178,12 @@ def test_the_first_stage_pays_for_the_dense_leading_layers():
     before, after = step_time(MIXTRAL, lay, H100), step_time(lead, lay, H100)
     assert after.forward - before.forward == pytest.approx(forward - logits)
     assert after.backward - before.backward == pytest.approx(backward - 2 * logits)
+    # one stage is both ends: it runs the dense layers and the head
+    one = dataclasses.replace(lay, pipe=1, data=8)
+    forward, backward = leading_dense_seconds(lead, one, H100)
+    before, after = step_time(MIXTRAL, one, H100), step_time(lead, one, H100)
+    assert after.forward - before.forward == pytest.approx(forward)
+    assert after.backward - before.backward == pytest.approx(backward)
 
 
 def test_moe_every_other_layer_is_priced_halfway_between_dense_and_all_moe():

@@ -488,7 +488,7 @@ class MoeMlp(nn.Module):
         one: its input sown (the rows, and the group sizes of a ragged one, `MATMUL_INPUTS`)
         and its output tapped (`TAPS`), so a split backward computes the expert weights'
         gradients in W (`jaxmeg.models.split_backward.weight_gradients`). With the experts
-        split over devices the exchange's custom backward computes them in I."""
+        split over devices the exchange's taps do the same (`_exchanged_tapped`)."""
         grouped = {"rows": rows} if sizes is None else {"rows": rows, "sizes": sizes}
         keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
         self.sow(parts.MATMUL_INPUTS, name, grouped, **keep)

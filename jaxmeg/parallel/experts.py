@@ -256,7 +256,7 @@ def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
 def _reruns(moe) -> bool:
     """Whether the backward reruns the forward: with a capacity factor in a pipeline (see the
     module docstring)."""
-    return bool(moe.capacity_factor) and jax.sharding.get_abstract_mesh().shape["pipe"] > 1
+    return bool(moe.capacity_factor) and jax.sharding.get_abstract_mesh().shape.get("pipe", 1) > 1
 
 
 def _exchanged_fwd(moe, sequences, x, logits, bias, *experts):

@@ -41,7 +41,7 @@ EXCHANGE_LOAD = 1.25
 """The busiest (sender, receiver) block of a bounded exchange as a multiple of the even load,
 as priced: balanced routing (max / mean expert load below 1.3, docs/moe.md)."""
 BUFFER_PASSES = 6
-"""Memory passes over the exchange's e T k x h buffers per forward (zero fill, scatter into the
+"""Memory passes over the exchange's e B x h buffers per forward (zero fill, scatter into the
 send blocks, sort by expert, unsort, gather back, combine), priced at HBM bandwidth."""
 
 
@@ -211,8 +211,14 @@ def dense_mlp_kept_bytes(shape: Shape, layout: Layout) -> float:
 def working_bytes(shape: Shape, layout: Layout) -> float:
     """The exchange's buffers while one MoE block runs (e > 1): the send, received, sorted,
     output and returned blocks, e B h each (`expert_rows`), and the experts' hidden
-    activations, M e B f / t, all 16-bit."""
+    activations, M e B f / t, all 16-bit; where the backward reruns the exchange
+    (`reruns_exchange`), also the rerun's residuals, kept at the largest bound's e T k rows
+    until the layer's backward is done (`kept_bytes_per_layer`'s)."""
     if layout.expert == 1:
         return 0.0
     x, rows = shape.experts, expert_rows(shape, layout)
-    return 2 * rows * (5 * shape.hidden + x.matrices * x.width / layout.tensor)
+    working = 2 * rows * (5 * shape.hidden + x.matrices * x.width / layout.tensor)
+    if reruns_exchange(shape, layout) and not x.capacity_factor:
+        largest = layout.expert * tokens(shape, layout) * x.top_k
+        working += 2 * largest * (shape.hidden + (x.matrices - 1) * x.width / layout.tensor)
+    return working

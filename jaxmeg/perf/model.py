@@ -368,7 +368,8 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     """Megatron's pipeline: (m + (p - 1) / v) microbatch slots of the busiest stage's forward +
     backward; the backward reruns what the remat choice did not keep (`LayerSeconds.recompute`:
     a forward for full). The heavier of the ends' own work (the last stage's logits, the first
-    stage's dense leading layers) and the pipeline sends are on the critical path; the
+    stage's dense leading layers; both with one stage) and the pipeline sends are on the
+    critical path; the
     data-parallel traffic (`data_parallel_seconds`) and the optimizer step (on the 1/d shard
     with ZeRO) follow the flush."""
     p, v, m = layout.pipe, layout.chunks, layout.microbatches
@@ -380,7 +381,9 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     # busiest one plus the heavier end's own work.
     end_f, end_b = logits_f, 2 * logits_f
     dense_f, dense_b = leading_dense_seconds(shape, layout, hw)
-    if dense_f + dense_b > end_f + end_b:
+    if p == 1:  # one stage is both ends
+        end_f, end_b = end_f + dense_f, end_b + dense_b
+    elif dense_f + dense_b > end_f + end_b:
         end_f, end_b = dense_f, dense_b
     forward = layers * layer.forward + end_f
     backward = layers * (layer.backward + layer.recompute(layout.recompute)) + end_b
