@@ -123,16 +123,23 @@ def _blocked_fwd(rows, w, sizes):
 def _blocked_bwd(saved, dy):
     rows, w, sizes = saved
     d_rows = _block_rows(dy.astype(rows.dtype), jnp.swapaxes(w, 1, 2), sizes)
-    d_w = blocked_weight_gradient(rows, sizes, dy).astype(w.dtype)
-    return _summed_like(d_rows, rows), _summed_like(d_w, w), None
+    d_w = blocked_weight_gradient(rows, sizes, dy)
+    return cotangent_like(d_rows, rows), cotangent_like(d_w, w), None
 
 
-def _summed_like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
-    """A cotangent summed over the manual axes it varies over and its primal does not (the
-    transpose of the primal's implicit broadcast, as jax's own rules give)."""
-    extra = set(jax.typeof(cotangent).manual_axis_type.varying)
-    extra -= set(jax.typeof(primal).manual_axis_type.varying)
-    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+def cotangent_like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """A custom VJP's cotangent typed as its primal: summed over the manual axes it varies over
+    and the primal does not (the transpose of the primal's implicit broadcast, as jax's own
+    rules give), cast to varying over those the primal varies over and it does not, in the
+    primal's dtype."""
+    varying = lambda a: set(jax.typeof(a).manual_axis_type.varying)  # noqa: E731
+    extra = tuple(sorted(varying(cotangent) - varying(primal)))
+    if extra:
+        cotangent = jax.lax.psum(cotangent, extra)
+    missing = tuple(sorted(varying(primal) - varying(cotangent)))
+    if missing:
+        cotangent = jax.lax.pcast(cotangent, missing, to="varying")
+    return cotangent.astype(primal.dtype)
 
 
 blocked_ragged_dot.defvjp(_blocked_fwd, _blocked_bwd)

@@ -18,7 +18,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_weight_gradient
+from jaxmeg.models.grouped_gemm import GroupedMatmul, cotangent_like, grouped_weight_gradient
 
 EXCHANGE_KEPT = "moe_exchange"
 """The checkpoint name of the exchange's output and residuals (`residual_switch`), and the name
@@ -66,23 +66,6 @@ def bound_index(counts: jax.Array, bounds: tuple[int, ...], axes: tuple[str, ...
     takes the same branch."""
     busiest = jax.lax.pmax(jnp.max(counts), axes)
     return jnp.sum(busiest > jnp.asarray(bounds[:-1], counts.dtype)).astype(jnp.int32)
-
-
-def _varying(x) -> frozenset:
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def _like(ct: jax.Array, primal: jax.Array) -> jax.Array:
-    """A cotangent typed as its primal: summed over the manual axes it varies over and the
-    primal does not (the transpose of jax's implicit broadcast), cast to varying over the ones
-    the primal varies over and it does not."""
-    extra = tuple(sorted(_varying(ct) - _varying(primal)))
-    if extra:
-        ct = jax.lax.psum(ct, extra)
-    missing = tuple(sorted(_varying(primal) - _varying(ct)))
-    if missing:
-        ct = jax.lax.pcast(ct, missing, to="varying")
-    return ct.astype(primal.dtype)
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -205,13 +188,10 @@ def _through_bwd(bound, full, axis, gemm, residuals, cotangents):
         if w is not None
     }
     dy = {"w_in": d_a, "w_gate": d_g, "w_out": d_y}
-    d_taps = {name: _like(_pad_rows(dy[name], full), tap) for name, tap in taps.items()}
-    d_gate = None if w_gate is None else _like(grads["w_gate"], w_gate)
-    d_diff = (
-        _like(d_rows_in, rows_in), _like(grads["w_in"], w_in), _like(grads["w_out"], w_out),
-        d_gate, d_taps,
-    )  # fmt: skip
-    return None, d_diff
+    d_taps = {name: cotangent_like(_pad_rows(dy[name], full), tap) for name, tap in taps.items()}
+    typed = {name: cotangent_like(d, weights[name][0]) for name, d in grads.items()}
+    d_rows_in = cotangent_like(d_rows_in, rows_in)
+    return None, (d_rows_in, typed["w_in"], typed["w_out"], typed.get("w_gate"), d_taps)
 
 
 through_experts.defvjp(_through_fwd, _through_bwd)
