@@ -374,3 +374,32 @@ def test_preprocess_of_nothing_is_an_error_and_a_short_vocabulary_is_said(tmp_pa
     assert (tmp_path / "out" / "tokens.bin").is_file()  # a directory prefix: files inside it
     assert "the BPE stopped at" in result.stderr and "of the --vocab-size 32000" in result.stderr
     assert result.stdout.count("\n") == 1, result.stdout
+
+
+def test_without_the_cuda_plugin_the_target_commands_print_the_install_hint(monkeypatch):
+    """A fresh machine (no `jax_plugins` package at all: `find_spec` of the dotted name
+    raised there, and that traceback was all `--target` printed): the plugin counts as not
+    installed, and train.py and bench.py print the install command in one line, exit 2."""
+    import importlib.util as util
+
+    from jaxmeg.parallel import gpu_target
+
+    real = util.find_spec
+
+    def no_plugins(name, *args, **kwargs):
+        if name.split(".")[0] == "jax_plugins":
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(util, "find_spec", no_plugins)
+    assert gpu_target.plugin_installed() is False
+    hint = gpu_target.install_command()
+    for name, args in (
+        ("train", ("--compile-only", "--no-progress")),
+        ("bench", ("--cost-report",)),
+    ):
+        ran = in_process(name, "--config", "configs/gpt_tiny.yaml", *args, "--target", "h100",
+                         "--gpus", "1")  # fmt: skip
+        lines = ran.stderr.strip().splitlines()
+        assert ran.returncode == 2 and len(lines) == 1, (name, ran.stderr)
+        assert lines[0].startswith("error: ") and hint in lines[0], (name, lines)

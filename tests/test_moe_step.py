@@ -167,6 +167,14 @@ CASES = {
     "e2t2-first_dense-sequence_parallel-gpt": (
         (1, 1, 2), FIRST_DENSE, GPT, "1f1b", 1, {"expert": 2, "sequence_parallel": True}
     ),
+    # the embedding's lookup under sequence parallelism in a pipeline: XLA partitioned it with
+    # a collective-permute across the expert axis in the first stage's slot (the step hung)
+    "e2p2t2-sequence_parallel-shared-gpt": (
+        (1, 2, 2), SHARED, GPT, "1f1b", 1, {"expert": 2, "sequence_parallel": True}
+    ),
+    # dropless top-1: a B slot's bound all-reduce and F's send, which no data ordered, met in
+    # different orders on different devices (the step hung; `slots.ordered_tick`)
+    "e4p2-top1": ((1, 2, 1), dataclasses.replace(TOP2, top_k=1), LLAMA, "1f1b", 1, {"expert": 4}),
 }  # fmt: skip
 
 
@@ -300,6 +308,34 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
     monkeypatch.setattr(carry.Stage, "batch", block_of_rows)
     found = hazards()
     assert found and all(line.startswith("collective-permute over ['expert']") for line in found)
+
+
+def test_a_tick_whose_collectives_no_data_orders_is_a_named_hazard(monkeypatch):
+    """(expert 4, pipe 2) dropless top-1: F's send (a conditional over `pipe`) and the B slot
+    (a loop whose exchange all-reduces the bound over `expert`) had no data between them, and
+    XLA:CPU may start the loop's collectives while the send waits: 4 of 8 devices waited in the
+    send and 4 in the bound's all-reduce (the rendezvous aborted). The executor orders a CPU
+    tick's loops and sends (`slots.ordered_tick`); without that `deadlock_hazards` names the
+    pair, and `compile_step` refuses the step."""
+    import contextlib
+
+    from jaxmeg.parallel import hlo_module
+    from jaxmeg.pipeline.executor import slots
+    from jaxmeg.training import compilation
+
+    trainable = trainable_for(
+        config((1, 2, 1), dataclasses.replace(TOP2, top_k=1), LLAMA, expert=4)
+    )
+    monkeypatch.setattr(slots, "ordered_tick", lambda on=True: contextlib.nullcontext())
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+        step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
+    found = hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
+    assert found and all("no data orders" in line for line in found), found
+    assert any("send_x" in line for line in found), found
+    with pytest.raises(compilation.DeadlockHazard, match=r"expert 4 x pipe 2, 1f1b\): "):
+        compilation.check_hazards(step, trainable)
 
 
 @pytest.mark.parametrize("every", [1, 2])
@@ -474,3 +510,33 @@ def test_the_expert_load_plot_reads_metrics_and_names_a_file_without_them(tmp_pa
     dense.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     assert plot.main([str(dense), "--out", str(tmp_path / "x.png")]) == 2
     assert "has no moe_load_spread records" in capsys.readouterr().err
+
+
+def test_train_py_refuses_a_step_that_could_hang_before_its_first_step(
+    monkeypatch, tmp_path, small_corpus
+):
+    """train.py compiles, checks the step (`compilation.check_hazards`) and, where it could
+    hang, exits 2 with one line naming the layout and the settings to change, having run and
+    written no step. Shown with the tick's ordering switched off (the code before it), which
+    otherwise hangs or aborts this layout (`test_a_tick_whose_collectives_no_data_orders_...`)."""
+    import contextlib
+
+    from jaxmeg.pipeline.executor import slots
+    from tests.helpers import run_script_main
+
+    monkeypatch.setattr(slots, "ordered_tick", lambda on=True: contextlib.nullcontext())
+    ran = run_script_main(
+        "train", "--config", "configs/moe_tiny.yaml", "--out", str(tmp_path / "run"),
+        "--steps", "1", "--no-progress", *small_corpus,
+        "--set", "parallel.expert=4", "--set", "parallel.pipe=2", "--set", "moe.top_k=1",
+        "--set", "model.layers=2", "--set", "model.seq_len=32", "--set", "model.hidden=32",
+        "--set", "moe.shared_experts=0", "--set", "train.global_batch=8",
+    )  # fmt: skip
+    assert ran.returncode == 2, ran.stderr[-2000:]
+    errors = [line for line in ran.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "could hang on this layout (expert 4 x pipe 2" in errors[0]
+    assert "change parallel." in errors[0]
+    assert (
+        not (tmp_path / "run" / "metrics.jsonl").exists()
+        or not (tmp_path / "run" / "metrics.jsonl").read_text().strip()
+    )

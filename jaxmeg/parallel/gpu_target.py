@@ -77,8 +77,13 @@ def install_command() -> str:
 
 
 def plugin_installed() -> bool:
-    """Whether jax's CUDA plugin (and with it XLA's GPU compiler) is installed."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    """Whether jax's CUDA plugin (and with it XLA's GPU compiler) is installed. `find_spec` of
+    a dotted name imports its parent and raises when the parent (`jax_plugins`, a namespace
+    the plugin brings) is missing: that, too, is "not installed"."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def keep_cuda_off() -> None:

@@ -43,6 +43,7 @@ from jaxmeg.parallel.hlo import (
     replica_groups,
 )
 from jaxmeg.pipeline.executor.columns import SLOT_KINDS
+from jaxmeg.pipeline.executor.slots import ORDERED_SCOPE
 
 _INSTRUCTION_RE = re.compile(
     r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
@@ -331,6 +332,8 @@ class StepCost:
             column = self.columns.get(parts[-2]) if len(parts) >= 2 else None
             if trips:
                 n = int(trips.group(1))
+            elif len(parts) >= 2 and parts[-2] == ORDERED_SCOPE:  # a send's loop of one trip
+                n = 1
             elif column is not None:  # trips per tick of the loop it sits in
                 n = float(np.asarray(column)[:, stage].mean())
             else:

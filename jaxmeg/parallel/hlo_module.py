@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import re
 
-from jaxmeg.parallel.hlo import _COMPUTATION_RE, Collective, collectives
+from jaxmeg.parallel.hlo import (
+    _COMPUTATION_RE,
+    _KIND_RE,
+    Collective,
+    _group_axes,
+    collectives,
+    replica_groups,
+)
 
 _CALLED_RE = re.compile(
     r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
@@ -150,16 +157,81 @@ def pipe_collectives_in_stage_branches(hlo_text: str, mesh) -> list[Collective]:
     ]
 
 
+_CONTROL_RE = re.compile(r"\s(?:while|conditional|call)\(")
+
+
+def _meets_devices(line: str, mesh) -> bool:
+    """Whether a collective instruction line waits for another device (a group of two or
+    more devices, or a permute with a pair between two)."""
+    groups = replica_groups(line)
+    if "collective-permute" in line.split(", metadata=")[0]:
+        return any(a != b for pair in groups for a, b in [pair])
+    return bool(_group_axes(groups, mesh))
+
+
+def unordered_collectives(hlo_text: str, mesh, within: str | None = None) -> list[tuple[str, str]]:
+    """Pairs of instructions of one computation (`within`: that one only) that each wait for
+    other devices (a collective, or a loop, conditional or call that holds one), that no data
+    orders, and of which the first in the program's order is a loop, conditional or call:
+    (op name, op name). XLA:CPU starts the collectives of a computation in the program's
+    order (one waits for the one before it to start, not to end) and a loop or conditional
+    may still run its collectives on another thread when the next one starts, while a plain
+    collective returns when it is done: so after a nested collective one device may enter the
+    next collective while another still waits in the nested one for it, and the step hangs
+    (`jaxmeg.ordering`). A GPU runs the one order its scheduler chose on every device."""
+    comps = computations(hlo_text)
+    waits: dict[str, bool] = {}
+
+    def holds(name: str) -> bool:
+        if name not in waits:
+            waits[name] = False  # a cycle (none in HLO) counts as nothing
+            waits[name] = any(_waiting(line) for line in comps.get(name, []))
+        return waits[name]
+
+    def _waiting(line: str) -> bool:
+        head = line.split(", metadata=")[0]
+        if _KIND_RE.match(line):
+            return _meets_devices(line, mesh)
+        return bool(_CONTROL_RE.search(head)) and any(holds(c) for c in called(line))
+
+    found = []
+    for name, lines in comps.items():
+        if within is not None and name != within:
+            continue
+        waiting = [line for line in lines if _waiting(line)]
+        control = [bool(_CONTROL_RE.search(w.split(", metadata=")[0])) for w in waiting]
+        if len(waiting) < 2 or not any(control[:-1]):
+            continue
+        before = {defined(w): upstream(lines, w) for w in waiting}
+        for i, a in enumerate(waiting):
+            if not control[i]:
+                continue
+            for b in waiting[i + 1 :]:
+                if defined(a) not in before[defined(b)]:
+                    found.append((_op_name(a), _op_name(b)))
+    return found
+
+
+def _op_name(line: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', line)
+    return m.group(1) if m else defined(line)
+
+
 def deadlock_hazards(hlo_text: str, mesh) -> list[str]:
     """What could hang a step, one line each (empty when safe):
     - a collective over `pipe` in a stage-dependent slot or branch of the tick loop
       (`pipe_collectives_in_stage_branches`; a table of one tick runs no loop, XLA removes it);
     - a CPU LAPACK call (`jnp.linalg` on CPU) anywhere in the step: it spreads a batch over
       the thread pool and waits for it, while other devices hold those threads waiting in a
-      collective (PowerSGD's QR hung a 2 x 2 x 2 step this way)."""
+      collective (PowerSGD's QR hung a 2 x 2 x 2 step this way);
+    - on CPU devices, two collectives of a tick that no data orders, the first inside a loop,
+      conditional or call (`unordered_collectives` of the tick loop's body: the executor
+      orders them, `slots.ordered_tick`). A GPU runs the one order its scheduler chose.
+    Costs a few hundred milliseconds of HLO text reading on a pipeline step."""
     comps = computations(hlo_text)
     found = []
-    if any(_TICK_LOOP_RE.search(line) for lines in comps.values() for line in lines):
+    found_loop = any(_TICK_LOOP_RE.search(line) for lines in comps.values() for line in lines)
+    if found_loop:
         found = [
             f"{c.kind} over {sorted(c.axes)} in a stage branch: {c.op_name}"
             for c in pipe_collectives_in_stage_branches(hlo_text, mesh)
@@ -171,4 +243,10 @@ def deadlock_hazards(hlo_text: str, mesh) -> list[str]:
                 op_name = re.search(r'op_name="([^"]*)"', line)
                 where = op_name.group(1) if op_name else ""
                 found.append(f"{call.group(1)} in the step: {where}")
+    if found_loop and mesh.devices.flat[0].platform == "cpu":
+        found += [
+            f"collectives that no data orders, the first nested (a device may enter the "
+            f"second while another waits in the first): {a} | {b}"
+            for a, b in unordered_collectives(hlo_text, mesh, tick_loop_body(hlo_text))
+        ]
     return found

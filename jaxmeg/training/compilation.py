@@ -23,9 +23,53 @@ def memory_report(compiled) -> dict[str, int]:
     }
 
 
+class DeadlockHazard(ValueError):
+    """A compiled step holds what could hang it (`hlo_module.deadlock_hazards`)."""
+
+
+_KNOBS = {
+    "expert": "parallel.expert",
+    "tensor": "parallel.tensor",
+    "data": "parallel.data",
+    "context": "parallel.context",
+    "pipe": "parallel.pipe",
+}
+
+
+def layout_words(cfg) -> str:
+    """`expert 2 x pipe 2 x tensor 2, sequence_parallel, 1f1b`: the layout a message names."""
+    par = cfg.parallel
+    sizes = [f"{axis} {getattr(par, axis)}" for axis in _KNOBS if getattr(par, axis, 1) > 1]
+    words = [" x ".join(sizes) or "one device"]
+    if par.sequence_parallel:
+        words.append("sequence_parallel")
+    return ", ".join([*words, par.schedule])
+
+
+def check_hazards(compiled, trainable: Trainable, what: str = "train step") -> None:
+    """Raises `DeadlockHazard` (one line: the first hazard, how many, the layout and the
+    settings to change) where the compiled program could hang (`hlo_module.deadlock_hazards`:
+    reading its HLO text costs about a second on a small pipeline step)."""
+    from jaxmeg.parallel import hlo_module
+
+    found = hlo_module.deadlock_hazards(compiled.as_text(), trainable.mesh)
+    if not found:
+        return
+    first = found[0]
+    axes = [axis for axis in _KNOBS if f"'{axis}'" in first.split(" in ")[0]]
+    knobs = [_KNOBS[a] for a in axes if a != "pipe"] or ["parallel.schedule", "parallel.pipe"]
+    if trainable.cfg.parallel.sequence_parallel and "tensor" in axes:
+        knobs.append("parallel.sequence_parallel")
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise DeadlockHazard(
+        f"the compiled {what} could hang on this layout ({layout_words(trainable.cfg)}): "
+        f"{first}{more}; change {' or '.join(knobs)}"
+    )
+
+
 def compile_step(trainable: Trainable, loss_and_grads: Callable | None = None):
-    """AOT-compiles the train step (for the mesh's devices: compile-only GPUs too); returns
-    (compiled, seconds)."""
+    """AOT-compiles the train step (for the mesh's devices: compile-only GPUs too), refusing a
+    step that could hang (`check_hazards`); returns (compiled, seconds)."""
     step = make_train_step(trainable, loss_and_grads)
     batch = jax.ShapeDtypeStruct(
         (trainable.cfg.train.global_batch, trainable.cfg.model.seq_len),
@@ -36,4 +80,6 @@ def compile_step(trainable: Trainable, loss_and_grads: Callable | None = None):
     start = time.perf_counter()
     with jax.set_mesh(trainable.mesh):
         compiled = step.lower(state, batch, batch).compile()
-    return compiled, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    check_hazards(compiled, trainable)
+    return compiled, seconds

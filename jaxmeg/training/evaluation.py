@@ -26,6 +26,7 @@ from jaxmeg.config import RUN_CONFIG, Config
 from jaxmeg.models import GPT, cross_entropy
 from jaxmeg.parallel import activation_rules, make_constrain
 from jaxmeg.training.batches import global_batch_arrays
+from jaxmeg.training.compilation import check_hazards
 from jaxmeg.training.state import Trainable, state_shardings, to_canonical_layout
 
 
@@ -76,6 +77,7 @@ class Evaluator:
         self.trainable, self.batches = trainable, batches
         self.num_batches = min(num_batches, batches.num_batches)
         self._loss = make_eval_loss(trainable)
+        self._compiled = None
 
     def __call__(self, params) -> dict[str, Any]:
         """{"loss": mean token loss, "perplexity": exp(loss), "batches", "tokens"}."""
@@ -84,7 +86,10 @@ class Evaluator:
         with jax.set_mesh(self.trainable.mesh):
             for k in range(self.num_batches):
                 tokens, targets = global_batch_arrays(self.batches, k, sharding)
-                losses.append(self._loss(params, tokens, targets))
+                if self._compiled is None:  # what could hang it is refused before it runs
+                    self._compiled = self._loss.lower(params, tokens, targets).compile()
+                    check_hazards(self._compiled, self.trainable, "evaluation step")
+                losses.append(self._compiled(params, tokens, targets))
         loss = sum(float(x.addressable_data(0)) for x in losses) / self.num_batches
         tokens = self.num_batches * self.batches.global_batch * self.batches.seq_len
         return {

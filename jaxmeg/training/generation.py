@@ -26,6 +26,7 @@ import numpy as np
 from jaxmeg.models import GPT
 from jaxmeg.models.gpt import KV_CACHE_AXES, kv_cache_shape
 from jaxmeg.parallel import activation_rules, make_constrain
+from jaxmeg.training.compilation import check_hazards
 from jaxmeg.training.state import Trainable, to_canonical_layout
 
 
@@ -157,7 +158,10 @@ def generate(
         temperature=temperature, top_k=top_k, use_cache=use_cache,
     )  # fmt: skip
     with jax.set_mesh(trainable.mesh):
-        new_BxN = run(params, jnp.asarray(prompt_BxP), seed)
+        args = (params, jnp.asarray(prompt_BxP), seed)
+        compiled = run.lower(*args).compile()
+        check_hazards(compiled, trainable, "generation step")
+        new_BxN = compiled(*args)
     new_BxN = np.asarray(jax.device_get(new_BxN))
     return new_BxN[0] if prompt.ndim == 1 else new_BxN
 

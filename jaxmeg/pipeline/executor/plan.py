@@ -58,6 +58,11 @@ class Plan:
     late_cotangents: a B slot's cotangent leaves at the start of the next tick and arrives
         before that tick's B slot (`overlap_sends` without pipe compression)
     fused: the shared gradients reduced by `gradients.fused_sync`
+    ordered: each loop and send of a tick runs after the one before (`slots.ordered_tick`):
+        on CPU devices, whose runtime may start two collectives that no
+        data orders in another order on another device (a send on one, a slot's exchange on
+        another: the step hangs). A GPU runs the one order its scheduler chose on every
+        device, and overlaps them
     manual / replica_axes: the map's manual axes, and those a replica spans
     """
 
@@ -80,6 +85,7 @@ class Plan:
     v_shape: bool
     late_cotangents: bool
     fused: bool
+    ordered: bool
     manual: tuple[str, ...]
     replica_axes: tuple[str, ...]
     zero: Zero
@@ -237,6 +243,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         v_shape=table.placement == "v",
         late_cotangents=late_cotangents,
         fused=fused,
+        ordered=mesh.devices.flat[0].platform == "cpu",
         manual=manual,
         replica_axes=gradients.replica_axes(manual),
         zero=zero,

@@ -61,7 +61,13 @@ def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
     in-loop reduction starts, F runs and sends, B (or I, then W) runs, what F sent arrives, B's
     cotangent is sent and arrives, the reduction is written back. With late cotangents the
     previous tick's B cotangent leaves first and arrives after F, so that each send has a slot
-    to overlap: B's with F, F's with B."""
+    to overlap: B's with F, F's with B. On CPU devices each runs after the one before on every
+    device (`Plan.ordered`, `slots.ordered_tick`)."""
+    with slots.ordered_tick(plan.ordered):
+        return _tick(plan, st, t, c, step)
+
+
+def _tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
     row = st.row(t)
     if plan.gathering:
         c = beside.take_prefetched(plan, st, c, row)

@@ -20,6 +20,7 @@ over `data` and `pipe`, automatic over `tensor`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxmeg.ordering import chained
 from jaxmeg.pipeline.gradients import inside_manual_axes
 
 
@@ -50,19 +52,69 @@ def switch(index, branches: Sequence[Callable]):
     return jax.lax.switch(index, typed)
 
 
+ORDERED_SCOPE = "ordered"
+"""The name scope of the one-trip loop a send runs in on an ordered tick (`ordered_tick`)."""
+
+
+class _Chain:
+    """The ordering token of the tick being traced (`ordered_tick`), or None."""
+
+    token = None
+
+
+_CHAIN = _Chain()
+
+
+@contextlib.contextmanager
+def ordered_tick(on: bool = True):
+    """While one tick is traced (`on`: CPU devices, `Plan.ordered`): every `run_if` and
+    `send` of the tick, in the order they are traced, reads its trip count from a token that
+    the one before returns when its collectives have run (`jaxmeg.ordering`), so every device
+    runs them in that order. Slot bodies are traced with the chain off: inside a slot data
+    orders them, and `hlo_module.unordered_collectives` checks it."""
+    if not on:
+        yield
+        return
+    _CHAIN.token = jnp.zeros((), jnp.int32)
+    try:
+        yield
+    finally:
+        _CHAIN.token = None
+
+
+@contextlib.contextmanager
+def _chain_off():
+    token, _CHAIN.token = _CHAIN.token, None
+    try:
+        yield
+    finally:
+        _CHAIN.token = token
+
+
 def run_if(active, fn: Callable, state, scope: str, reads=()):
     """fn(state, *reads) where `active`, else `state` unchanged, as a loop of 0 or 1 trips
     named `scope` (what `jaxmeg.parallel.hlo_cost` weights it by). The state and `reads` pass
     an optimization barrier with the trip index, so XLA cannot hoist the slot's work out of the
-    loop (and run it on every tick)."""
+    loop (and run it on every tick). On an ordered tick it runs after the tick's loop before
+    it (`ordered_tick`)."""
     state = varying_everywhere(state)
+    token = _CHAIN.token
 
-    def body(i, st):
+    def body(i, carry):
+        st, tok = carry
         _, (st, read) = jax.lax.optimization_barrier((i, (st, reads)))
-        return varying_everywhere(fn(st, *read))
+        with _chain_off():
+            st = fn(st, *read)
+        return varying_everywhere(st), (None if tok is None else chained(tok, i))
 
+    trips = active.astype(jnp.int32)
     with jax.named_scope(scope):
-        return jax.lax.fori_loop(0, active.astype(jnp.int32), body, state)
+        if token is None:
+            return jax.lax.fori_loop(0, trips, body, (state, None))[0]
+        state, _CHAIN.token = jax.lax.fori_loop(
+            0, trips + token, body, (state, varying_everywhere(token))
+        )
+        return state
 
 
 def send(x, index, patterns, scope: str, split: bool = False, every_tick: bool = False):
@@ -72,6 +124,10 @@ def send(x, index, patterns, scope: str, split: bool = False, every_tick: bool =
     the sequence, and what arrives is split over `tensor` (`receive` gathers it)."""
     if not patterns:
         return jax.tree.map(jnp.zeros_like, x)
+    if _CHAIN.token is not None:  # in a loop of one trip, ordered against the tick's others
+        once = lambda _, x_: send(x_, index, patterns, scope, split, every_tick)  # noqa: E731
+        zeros = varying_everywhere(jax.tree.map(jnp.zeros_like, x))
+        return run_if(jnp.ones((), jnp.int32), once, zeros, ORDERED_SCOPE, (x,))
     permute = _every_tick if every_tick else _when_needed
 
     with jax.named_scope(scope):
