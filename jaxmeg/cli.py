@@ -162,7 +162,8 @@ def run_directory_problem(args: argparse.Namespace) -> str | None:
 
 def run_reporting_errors(action: Callable[[], object], report=None) -> int:
     """Runs `action`; a config error, a bad value, a missing file or an unusable checkpoint
-    becomes one line on stderr (through `report`, default print) and exit code 2."""
+    becomes one line on stderr (through `report`, default print) and exit code 2. Else the
+    exit code `action` returns (None: 0)."""
     from jaxmeg.config import ConfigError
     from jaxmeg.parallel.gpu_target import TargetError
     from jaxmeg.training.checkpoint import UnreadableCheckpoint
@@ -170,7 +171,7 @@ def run_reporting_errors(action: Callable[[], object], report=None) -> int:
 
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        action()
+        code = action()
     except ConfigError as err:
         report(f"config error: {err}")
         return 2
@@ -183,4 +184,4 @@ def run_reporting_errors(action: Callable[[], object], report=None) -> int:
     ) as err:
         report(f"error: {err}")
         return 2
-    return 0
+    return code if isinstance(code, int) else 0

@@ -150,4 +150,17 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     from jaxmeg.yaml_files import read_yaml
 
     cfg = from_dict(read_yaml(path, "config file", ConfigError))
-    return apply_overrides(cfg, overrides or [])
+    return apply_overrides(_beside(cfg, path.parent), overrides or [])
+
+
+def _beside(cfg: Config, directory: Path) -> Config:
+    """A relative `data.tokenizer` that names a file beside the config file (a run's own
+    tokenizer, which an import names relative to the run) as that file's absolute path."""
+    tokenizer = cfg.data.tokenizer
+    if tokenizer in ("", "none") or Path(tokenizer).expanduser().is_absolute():
+        return cfg
+    beside = directory / tokenizer
+    if not beside.is_file():
+        return cfg
+    data = dataclasses.replace(cfg.data, tokenizer=str(beside.absolute()))
+    return dataclasses.replace(cfg, data=data)

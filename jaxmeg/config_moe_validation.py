@@ -16,15 +16,15 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
     moe, comp = cfg.moe, cfg.compression
     if moe.experts < 0:
         raise ConfigError(f"moe.experts must be >= 0 (0 = a dense model), got {moe.experts}")
+    if expert > 1 and not moe.experts:
+        raise ConfigError(
+            f"parallel.expert = {expert} splits a mixture of experts over {expert} devices, but "
+            f"the model is dense (moe.experts = 0): set parallel.expert = 1, or give it experts"
+        )
     if expert > 1 and moe.experts % expert:
         raise ConfigError(
             f"parallel.expert = {expert} splits the experts over {expert} devices: moe.experts "
             f"({moe.experts}) must be divisible by it"
-            + (
-                " (moe.experts = 0 is a dense model, which has no experts)"
-                if not moe.experts
-                else ""
-            )
         )
     if moe.experts == 0:
         return

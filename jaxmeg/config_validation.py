@@ -247,8 +247,6 @@ def _validate_schedule_layout(par: ParallelConfig, pipe: int) -> None:
             f"parallel.chunks = {par.chunks} needs parallel.schedule="
             f"{', '.join(chunked[:-1])} or {chunked[-1]}, got {par.schedule}"
         )
-    if spec.split_backward and pipe < 2:
-        raise ConfigError(f"parallel.schedule={par.schedule} needs parallel.pipe >= 2, got {pipe}")
     if par.stage_layers and not spec.uneven_stages:
         uneven = [name for name, row in schedules.SPECS.items() if row.uneven_stages]
         raise ConfigError(

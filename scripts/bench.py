@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmeg.cli import run_reporting_errors
     from jaxmeg.training.benchmark import benchmark, compare_with_plain
 
-    def run() -> None:
+    def run() -> int | None:
         cfg = config.load(args.config, args.overrides)
         if args.cost_report:
             from jaxmeg.training.cost_report import cost_report, format_report
@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             devices = target.devices if target else None
             report = cost_report(prepare(cfg, dataset=None, devices=devices), target)
             print(json.dumps(report) if args.json else format_report(report))
+            if target is not None and not report["memory"]["fits"]:
+                from jaxmeg.training.fit import NOT_FIT_EXIT
+
+                return NOT_FIT_EXIT  # as train.py --compile-only --target
         elif args.compare_plain:
             print(json.dumps(compare_with_plain(cfg, steps=args.steps, rounds=args.rounds)))
         else:

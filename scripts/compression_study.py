@@ -13,6 +13,11 @@ Studies:
          model on (2, 4, 1) uncompressed is the same mathematics summed in another order: its
          distance to (1, 4, 1) is the noise floor.
   small  the first study (2026-11-24): mesh (2, 2, 2), rank 4, `lazy_flush`.
+  ladder the defaults together on (2, 2, 2) (compressed backpropagation at rank 8 on the
+         epilogue sends without error feedback, PowerSGD rank 32 on stage 0, the fused
+         embedding sync), with PowerSGD's warm-up (`compression.warmup_steps`, plain reductions
+         first, as torch's hook's `start_powerSGD_iter`) at 0, 10 and 30 steps; run with
+         --steps 60.
 
 Each run is `scripts/train.py` in its own process (metrics in OUT/<variant>-s<seed>.jsonl; a
 finished run is not repeated). Seeds are paired: seed k sets the init and the data order of
@@ -66,6 +71,16 @@ STUDIES = {
                                          "compression.data_grad_stages=1"],
     },
 }  # fmt: skip
+MESH_222 = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2"]
+LADDER = [*MESH_222, "compression.pipe_grad_rank=8", *EPILOGUE,
+          "compression.pipe_error_feedback=none", "compression.data_grad_rank=32",
+          "compression.data_grad_stages=1", "compression.fused_embedding_sync=true"]  # fmt: skip
+STUDIES["ladder"] = {
+    "baseline": MESH_222,
+    "ladder": LADDER,
+    "ladder_warmup10": [*LADDER, "compression.warmup_steps=10"],
+    "ladder_warmup30": [*LADDER, "compression.warmup_steps=30"],
+}
 for _name, _sets in STUDIES["small"].items():
     if _name != "baseline":
         _sets[:0] = STUDIES["small"]["baseline"]

@@ -138,11 +138,13 @@ def import_checkpoint(
     base = C.Config(model=hf.model_config(hf_config), moe=moe)
     cfg = C.apply_overrides(base, list(overrides))
     has_tokenizer = (Path(hf_dir) / "tokenizer.json").is_file()
+    own = not cfg.data.tokenizer and has_tokenizer
     if not cfg.data.tokenizer:  # the model's own tokenizer, copied below, or none
-        tokenizer = (run_dir / "tokenizer.json").absolute() if has_tokenizer else "none"
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tokenizer)))
+        # named relative to the run (beside its config.yaml): the run directory can move
+        tokenizer = OWN_TOKENIZER if has_tokenizer else "none"
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     model = hf.model_config(hf_config, cfg.model.seq_len)
-    _check_tokenizer(cfg.data.tokenizer, run_dir, hf_dir, model.vocab_size)
+    _check_tokenizer(cfg.data.tokenizer, hf_dir, model.vocab_size, own)
     fixed = [
         (f"model.{n}", getattr(model, n), getattr(cfg.model, n)) for n in hf.CONFIG_JSON_FIELDS
     ]
@@ -188,7 +190,12 @@ def import_checkpoint(
     return config_path
 
 
-def _check_tokenizer(tokenizer: str, run_dir: Path, hf_dir, vocab_size: int) -> None:
+OWN_TOKENIZER = "tokenizer.json"
+"""An import's `data.tokenizer`: the model's own, copied into the run, named relative to its
+config.yaml (`config.load` reads it beside the file)."""
+
+
+def _check_tokenizer(tokenizer: str, hf_dir, vocab_size: int, own: bool) -> None:
     """Refuses, before anything is written, a data.tokenizer that does not exist or whose ids
     do not fit the model's vocabulary (every id past it would fail at the first batch)."""
     from jaxmeg import config as C
@@ -197,7 +204,7 @@ def _check_tokenizer(tokenizer: str, run_dir: Path, hf_dir, vocab_size: int) -> 
     if tokenizer == "none":
         return
     path = Path(tokenizer)
-    if path == (run_dir / "tokenizer.json").absolute():  # the model's own, copied at the end
+    if own:  # the model's own, copied at the end
         path = Path(hf_dir) / "tokenizer.json"
     elif not path.exists():
         raise C.ConfigError(f"data.tokenizer {tokenizer} does not exist")
@@ -319,7 +326,8 @@ def _undone_on_error(directory: Path, flag: str, parts: Sequence[Path] = ()):
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
-        problem = paths.os_error(err, directory, flag) if isinstance(err, OSError) else None
+        # an OS error, or one a library wrapped (safetensors' SafetensorError names the errno)
+        problem = paths.os_error(err, directory, flag)
         if problem is None:
             raise
         raise problem from err

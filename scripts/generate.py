@@ -62,6 +62,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> list[int]:
     from jaxmeg.data import load_tokenizer
+    from jaxmeg.parallel.mesh import mesh_words
     from jaxmeg.training import evaluation, generation
     from jaxmeg.training.run_log import say
 
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> list[int]:
     generation.check_request(trainable, len(prompt), args.max_new_tokens,
                              args.temperature, args.top_k)  # fmt: skip
     step, params = evaluation.restore_params(trainable, args.out)
-    say(f"step {step} of {args.out} on tensor = {trainable.mesh.shape['tensor']}")
+    say(f"step {step} of {args.out} on mesh {mesh_words(trainable.mesh)}")
     new = generation.generate(
         trainable, params, prompt, args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, seed=args.seed,

@@ -39,6 +39,9 @@ def plot(schedule: schedules.Schedule, out: str) -> None:
     plt.close(fig)
 
 
+FLAGS = {"num_stages": "--stages", "num_microbatches": "--microbatches", "num_chunks": "--chunks"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -79,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as err:  # a disk that filled or turned read-only while drawing
             raise paths.os_error(err, args.out, "--out") or err from err
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        message = str(err)
+        for word, flag in FLAGS.items():  # schedules' own words, as this script's flags
+            message = message.replace(word, flag)
+        print(f"error: {message}", file=sys.stderr)
         return 2
     print(args.out)
     return 0

@@ -358,6 +358,17 @@ def test_steps_at_the_checkpoint_say_so_and_compile_nothing(tmp_path, small_corp
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
+def test_preprocess_refuses_a_csv_rather_than_read_it_as_one_document(tmp_path):
+    """A .csv (or .json, .parquet, a compressed file) was tokenized as one plain-text document,
+    commas and header included, without a word."""
+    table = tmp_path / "corpus.csv"
+    table.write_text("id,text\n1,hello world\n2,more text\n")
+    result = in_process("preprocess_data", "--input", str(table), "--output-prefix",
+                        str(tmp_path / "c"), "--no-progress")  # fmt: skip
+    assert_clean_error(result, f"input file {str(table)!r}: a .csv file would be read as one")
+    assert ".jsonl" in result.stderr and not list(tmp_path.glob("c.*"))
+
+
 def test_preprocess_of_nothing_is_an_error_and_a_short_vocabulary_is_said(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

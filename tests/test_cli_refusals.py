@@ -19,7 +19,7 @@ PLAN = ["--config", "configs/gpt_1.3b.yaml", "--gpus", "8", "--batch", "64"]
     "args,message",
     [
         (["--tensor", "3"], "--tensor 3: model.heads (16) must be divisible by parallel.tensor"),
-        (["--schedule", "zb_h1", "--pipe", "1"], "--schedule=zb_h1 needs --pipe >= 2, got 1"),
+        (["--schedule", "zb_h1", "--pipe", "1"], "--pipe: zb_h1 needs --pipe >= 2, got 1"),
         (["--schedule", "zbv", "--chunks", "3"], "--chunks: zbv runs 2 chunks per stage"),
         (["--context", "16"], "--context 16 needs at least 16 GPUs, got --gpus 8"),
         (["--top", "0"], "--top must be >= 1, got 0"),
@@ -139,3 +139,13 @@ def test_plot_schedule_names_an_unusable_out(tmp_path):
     assert_clean_error(result, f"error: --out {missing}: directory {missing.parent} does not exist")
     result = script_cli("plot_schedule", *args, "--out", str(tmp_path))
     assert_clean_error(result, f"error: --out {tmp_path} is a directory")
+
+
+def test_plot_schedule_refuses_a_zero_bubble_schedule_on_one_stage(tmp_path):
+    """zb_h1 on one stage was drawn (training refuses it): `schedules.check`, the one home of
+    the rule, refuses it in the script's own flags."""
+    out = tmp_path / "s.png"
+    result = script_cli("plot_schedule", "--schedule", "zb_h1", "--stages", "1",
+                        "--microbatches", "4", "--out", str(out))  # fmt: skip
+    assert_clean_error(result, "error: zb_h1 needs --stages >= 2, got 1")
+    assert not out.exists()

@@ -261,6 +261,29 @@ def test_export_never_replaces_a_models_files_or_writes_into_the_run(imported_ru
     assert not (imported_run / "config.json").exists()
 
 
+def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(imported_run, tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (the errno in its text), not
+    an OSError: that was a traceback; now the one line every other full disk gives."""
+    from safetensors import SafetensorError
+
+    from jaxmeg.models import hf
+    from tests.test_cli_errors import in_process
+
+    def full(*args, **kwargs):
+        raise SafetensorError(
+            "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+            '"No space left on device" })'
+        )
+
+    monkeypatch.setattr(hf, "save_file", full)
+    target = tmp_path / "model"
+    result = in_process("convert_hf", "export", "--run", str(imported_run), "--to", str(target))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith(f"error: --to {target}: No space left on device"), lines
+    assert not target.exists()
+
+
 def test_exporting_the_same_run_again_replaces_its_own_export(imported_run, tmp_path):
     """What jaxmeg wrote for this run is no user's file: a second export of the run goes where
     the first did without --overwrite; another run's export there is kept."""

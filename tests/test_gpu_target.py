@@ -230,19 +230,24 @@ def test_a_data_mean_due_beside_a_backward_overlaps_it_on_four_h100():
     assert report["collective_overlap"]["data"] == 0.5, report["collective_overlap"]
 
 
-def test_train_py_says_when_a_step_does_not_fit_and_exits_3():
-    """A batch whose logits alone exceed 80 GB: compiled, measured, refused with exit 3."""
+@pytest.mark.parametrize(
+    "script", [["scripts/train.py", "--compile-only"], ["scripts/bench.py", "--cost-report"]]
+)
+def test_scripts_say_when_a_step_does_not_fit_and_exit_3(script):
+    """A batch whose logits alone exceed 80 GB: compiled, measured, refused with exit 3, by
+    train.py and by bench.py's cost report alike (which said it and exited 0)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, "scripts/train.py", "--compile-only", "--target", "h100", "--gpus",
+        [sys.executable, *script, "--target", "h100", "--gpus",
          "1", "--set", "model.vocab_size=65536", "--set", "model.compute_dtype=bfloat16",
          "--set", "model.layers=1",
          "--set", "train.global_batch=4096", "--set", "train.microbatches=1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "does not fit" in proc.stderr
-    assert "1 x NVIDIA H100 80GB HBM3" in proc.stderr
+    assert "does not fit" in proc.stderr + proc.stdout
+    if script[0].endswith("train.py"):
+        assert "1 x NVIDIA H100 80GB HBM3" in proc.stderr
 
 
 def test_unknown_or_specless_targets_are_named():

@@ -510,3 +510,27 @@ def test_import_needs_no_dataset_and_keeps_a_model_without_tokenizer_ids_only(
     assert len(new) == 2 and all(0 <= i < 256 for i in new), new
     # no text to decode: the ids are all it prints after the import's own line
     assert capsys.readouterr().out.strip().splitlines()[-1] == json.dumps({"ids": new})
+
+
+def test_an_imported_run_names_its_tokenizer_relative_to_it_and_can_move(tmp_path):
+    """The import's config.yaml names the copied tokenizer as `tokenizer.json` (it stored an
+    absolute, unnormalised path, so the run could not move): read beside the config file,
+    it is the moved run's own."""
+    import shutil
+
+    import yaml
+
+    from jaxmeg.training.generation import tokenizer_path
+
+    hf_dir, run = tiny_tokenizer_dir("gpt2", tmp_path), tmp_path / "run"
+    run_script("convert_hf", "import", "--from", str(hf_dir), "--run", str(run),
+               "--set", "model.seq_len=16", "--set", "train.global_batch=4")  # fmt: skip
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["tokenizer"] == (
+        "tokenizer.json"
+    )
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    shutil.move(run, moved)
+    cfg = C.load(moved / "config.yaml")
+    assert cfg.data.tokenizer == str((moved / "tokenizer.json").absolute())
+    assert tokenizer_path(cfg) == moved / "tokenizer.json"

@@ -197,6 +197,18 @@ def test_moe_step_equals_one_device(name, monkeypatch):
     assert sorted(set(traced)) == (["w_gate", "w_in", "w_out"] if exchanged_in_w else [])
 
 
+def test_the_layouts_docs_name_are_the_ones_tested():
+    """docs/architecture.md lists the equivalence cases by name: each is in `CASES` (it named
+    a (2,2,2) case with a shared expert that none was), and every case is listed."""
+    import re
+
+    text = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
+    start = text.index("`tests/test_moe_step.py` checks loss and every gradient")
+    paragraph = text[start : text.index("\n\n", start)]
+    named = set(re.findall(r"`([a-z0-9_\-]+)`", paragraph))
+    assert named == set(CASES), (named - set(CASES), set(CASES) - named)
+
+
 def test_every_token_to_one_expert_leaves_the_others_at_zero():
     """A routing bias that makes expert 0 every token's only choice, with the experts split
     over 2 devices: the device of experts 2 and 3 receives no token, the other experts get no
@@ -394,6 +406,12 @@ BAD = [
     ({"experts": 4, "every": 0}, "moe.every = 0: the layers after the dense leading ones"),
     ({"experts": 4, "grouped_gemm": "dense"}, "moe.grouped_gemm"),
     ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
+    # a dense model passed the divisibility check (0 % e = 0) and trained on without a word
+    (
+        {"experts": 0},
+        "parallel.expert = 4 splits a mixture of experts over 4 devices, but the "
+        "model is dense (moe.experts = 0)",
+    ),
 ]
 
 
@@ -447,6 +465,26 @@ def test_moe_refuses_what_it_does_not_run_yet_by_name():
     context = dataclasses.replace(config((1, 1, 1), TOP2), parallel=C.ParallelConfig(context=2))
     with pytest.raises(C.ConfigError, match="does not run with parallel.context = 2"):
         C.validate(context, 2)
+
+
+def test_a_resume_with_other_routing_says_so_and_the_banner_names_the_expert_axis():
+    """Another moe.top_k (or router, normalisation, capacity) fits the checkpoint's arrays, so
+    it is not refused, as another moe.experts is: the resume names it. The start-up line and
+    generate.py's name every axis that splits anything, `expert` included."""
+    from jaxmeg import config as C
+    from jaxmeg.config import to_dict
+    from jaxmeg.parallel import make_mesh
+    from jaxmeg.parallel.mesh import mesh_words
+    from jaxmeg.training.checkpoint_meta import routing_changes
+
+    saved = config((1, 2, 1), TOP2, expert=4)
+    meta = {"config": to_dict(saved)}
+    top1 = dataclasses.replace(saved, moe=dataclasses.replace(TOP2, top_k=1))
+    assert routing_changes(meta, saved) == []
+    assert routing_changes(meta, top1) == ["moe.top_k 2 -> 1"]
+    assert routing_changes(meta, dataclasses.replace(saved, moe=C.MoeConfig())) == []  # dense
+    mesh = make_mesh(C.ParallelConfig(pipe=2, expert=4), jax.devices())
+    assert mesh_words(mesh) == "data=1 pipe=2 expert=4 tensor=1"
 
 
 def test_the_fit_check_does_not_price_moe_steps_as_dense_ones():

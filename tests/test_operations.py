@@ -337,7 +337,8 @@ def test_sigterm_announcement_is_not_lost_when_the_run_ends_first(monkeypatch):
     with S.StopSignals(checkpointing=False) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         wait_for(lambda: stop.received is not None, timeout=10, interval=0.001)
-    assert said and said[0].startswith("SIGTERM: finishing this step, then exiting (no --out)")
+    assert said and said[0].startswith("SIGTERM: finishing the steps already started")
+    assert "then exiting (no --out)" in said[0]
     assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the handlers were put back
     assert not stop._watcher.is_alive()  # the watcher ended at the pipe's end-of-file
 
@@ -357,7 +358,7 @@ def test_second_sigterm_stops_at_once(tmp_path, small_corpus):
     assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), stderr.text()[-2000:]
     # The first signal reached the run's handling (a process without it would also die of the
     # signal); the second ended it without the checkpoint-and-exit path.
-    assert "SIGTERM: finishing this step" in stderr.text(), stderr.text()[-2000:]
+    assert "SIGTERM: finishing the steps already started" in stderr.text(), stderr.text()[-2000:]
     assert "stopped by SIGTERM" not in stderr.text()
 
 
@@ -455,6 +456,41 @@ def test_nonfinite_step_is_skipped_and_counted():
     stop = C.Config(train=C.TrainConfig(nonfinite="stop"))
     with pytest.raises(TrainingStopped, match="train.nonfinite=stop"):
         check_finite(stop, 1, {"loss": float("inf"), "grad_norm": 1.0}, in_row=1)
+
+
+def test_a_stop_signal_finishes_the_steps_started_records_them_and_saves_the_last(
+    tmp_path, small_corpus
+):
+    """The loop starts each step before it reads the one before (the host does not wait for
+    the devices between steps): a signal while step k runs lets k and the step queued behind
+    it finish, at most 2 steps past the last recorded when it came. Each is in metrics.jsonl,
+    and the checkpoint is of the last."""
+    import signal as signal_module
+
+    from jaxmeg import config
+    from jaxmeg.training import Trainer
+    from jaxmeg.training.signals import StopSignals
+
+    overrides = [small_corpus[i + 1] for i in range(0, len(small_corpus), 2)]
+    sets = ["model.layers=2", "parallel.data=8", "train.global_batch=8", "train.steps=50"]
+    cfg = config.load(ROOT / "configs" / "gpt_tiny.yaml", [*overrides, *sets])
+    out = tmp_path / "run"
+    with StopSignals(checkpointing=True) as signals:
+        trainer = Trainer(cfg, out_dir=str(out), show_progress=False, signals=signals)
+        recorded_at_signal = []
+
+        def signal_at_3(info):
+            if info.step == 3:
+                recorded_at_signal.append(info.step)
+                os.kill(os.getpid(), signal_module.SIGTERM)
+
+        trainer.add_hook(signal_at_3)
+        summary = trainer.run()
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert summary["stopped_by"] == "SIGTERM" and recorded_at_signal == [3]
+    assert steps == list(range(1, steps[-1] + 1)) and 3 < steps[-1] <= 3 + 2, steps
+    assert summary["checkpoints"] == [steps[-1]] == [summary["last_step"]]
+    assert checkpoint_names(out) == [str(steps[-1])]
 
 
 def test_trainer_as_a_library_steps_with_hooks(tmp_path, small_corpus):

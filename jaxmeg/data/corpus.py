@@ -43,6 +43,12 @@ def default_corpus_files(max_bytes: int) -> list[Path]:
     return chosen
 
 
+STRUCTURED_SUFFIXES = frozenset(
+    {".csv", ".tsv", ".json", ".parquet", ".arrow", ".xlsx", ".gz", ".zst", ".bz2", ".xz", ".zip"}
+)
+"""Inputs that are not text nor JSONL: refused by name rather than tokenized as one document."""
+
+
 def _read_texts(paths: list[Path], text_key: str = "text") -> Iterator[str]:
     for path in paths:
         if path.suffix == ".jsonl":
@@ -84,6 +90,12 @@ def prepare_dataset(
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+        if path.suffix.lower() in STRUCTURED_SUFFIXES:
+            raise ValueError(
+                f"input file {str(path)!r}: a {path.suffix} file would be read as one "
+                f"plain-text document, its structure as text; give .txt files (a document "
+                f"each) or .jsonl (a document per line, in the --text-key field)"
+            )
     out_prefix = output_prefix(out_prefix)
     if not any(_read_texts(paths, text_key)):
         raise ValueError(f"the inputs {[str(p) for p in paths]} hold no text (no document)")

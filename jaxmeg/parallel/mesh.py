@@ -43,6 +43,16 @@ def simulate_cpu_devices(count: int) -> None:
             ) from err
 
 
+def mesh_words(mesh: Mesh) -> str:
+    """`data=1 pipe=2 expert=4 tensor=1`: every axis of the mesh, `context` and `expert` where
+    they split anything (what start-up lines print)."""
+    return " ".join(
+        f"{axis}={size}"
+        for axis, size in mesh.shape.items()
+        if axis not in ("context", "expert") or size > 1
+    )
+
+
 def make_mesh(par: ParallelConfig, devices: list | None = None, placement=None) -> Mesh:
     """Builds the mesh for `par` (with `-1` axes inferred) over `devices` (default: all), in
     Megatron's device order, or in `placement`'s (a `jaxmeg.parallel.placement.Placement`)."""

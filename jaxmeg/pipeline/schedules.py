@@ -195,6 +195,8 @@ def check(name: str, p: int, m: int, v: int) -> None:
             raise ScheduleCheckError(f"{field} must be >= 1, got {value}", field)
     if v > 1 and p == 1:
         raise ScheduleCheckError(f"num_chunks = {v} needs num_stages > 1, got 1", "num_chunks")
+    if row.split_backward and p < 2:  # its W slots fill the bubbles of a pipeline
+        raise ScheduleCheckError(f"{name} needs num_stages >= 2, got {p}", "num_stages")
     if row.max_chunks is not None and v > row.max_chunks:
         runs = "one chunk" if row.max_chunks == 1 else f"{row.max_chunks} chunks"
         message = f"{name} runs {runs} per stage, got num_chunks = {v}"

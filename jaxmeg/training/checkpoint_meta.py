@@ -32,6 +32,8 @@ SHAPE_FIELDS = (
     "moe.first_dense",
 )
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_steps")
+# Fields that change what a mixture of experts computes with the same arrays: a resume says so.
+ROUTING_FIELDS = ("moe.top_k", "moe.router", "moe.normalize", "moe.capacity_factor")
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -51,6 +53,19 @@ def schedule_changes(meta: dict, cfg: Config) -> list[str]:
         f"optimizer.{name} {saved[name]} -> {now[name]}"
         for name in SCHEDULE_FIELDS
         if name in saved and saved[name] != now[name]
+    ]
+
+
+def routing_changes(meta: dict, cfg: Config) -> list[str]:
+    """'moe.FIELD saved -> now' for each routing field of an MoE model that differs from the
+    checkpoint's (the arrays fit either way; the model computes something else)."""
+    if not cfg.moe.experts:
+        return []
+    saved, now = meta.get("config", {}), to_dict(cfg)
+    return [
+        f"{name} {_field(saved, name)} -> {_field(now, name)}"
+        for name in ROUTING_FIELDS
+        if _field(saved, name) is not None and _field(saved, name) != _field(now, name)
     ]
 
 

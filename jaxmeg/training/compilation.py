@@ -52,12 +52,16 @@ def check_hazards(compiled, trainable: Trainable, what: str = "train step") -> N
     reading its HLO text costs about a second on a small pipeline step)."""
     from jaxmeg.parallel import hlo_module
 
+    if trainable.mesh.size == 1:  # no other device to wait for
+        return
     found = hlo_module.deadlock_hazards(compiled.as_text(), trainable.mesh)
     if not found:
         return
     first = found[0]
     axes = [axis for axis in _KNOBS if f"'{axis}'" in first.split(" in ")[0]]
     knobs = [_KNOBS[a] for a in axes if a != "pipe"] or ["parallel.schedule", "parallel.pipe"]
+    if first.startswith("lapack"):  # a CPU LAPACK call: PowerSGD's QR
+        knobs = ["compression.data_grad_rank"]
     if trainable.cfg.parallel.sequence_parallel and "tensor" in axes:
         knobs.append("parallel.sequence_parallel")
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""

@@ -104,8 +104,9 @@ def _exit_on_second_signal(read_fd: int, checkpointing: bool) -> None:
         if seen == 1:
             then = "checkpointing and exiting" if checkpointing else "exiting (no --out)"
             say(
-                f"{signal.Signals(byte[0]).name}: finishing this step, then {then}; send it "
-                f"again to stop at once"
+                f"{signal.Signals(byte[0]).name}: finishing the steps already started (the "
+                f"running one and the one queued behind it), then {then}; send it again to "
+                f"stop at once"
             )
         if seen >= 2:
             name = signal.Signals(byte[0]).name

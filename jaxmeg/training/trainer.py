@@ -24,6 +24,7 @@ import numpy as np
 from jaxmeg.config import Config, to_dict
 from jaxmeg.config_validation import check_attention_runs_here
 from jaxmeg.parallel import distributed, make_mesh
+from jaxmeg.parallel.mesh import mesh_words
 from jaxmeg.training import partitioning
 from jaxmeg.training.batches import (
     DEFAULT_CORPUS,
@@ -108,11 +109,10 @@ class _Progress:
 
 def _describe(trainable: Trainable, dataset) -> None:
     cfg = trainable.cfg
-    d, p, c, t = (trainable.mesh.shape[a] for a in ("data", "pipe", "context", "tensor"))
-    ctx = f" context={c}" if c > 1 else ""
+    d, p = trainable.mesh.shape["data"], trainable.mesh.shape["pipe"]
     say(
         f"{jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} "
-        f"process(es), mesh data={d} pipe={p}{ctx} tensor={t}, vocab {cfg.model.vocab_size} "
+        f"process(es), mesh {mesh_words(trainable.mesh)}, vocab {cfg.model.vocab_size} "
         f"(padded {trainable.vocab}), batch {cfg.train.global_batch} = {d} x "
         f"{cfg.train.microbatches} x {cfg.train.microbatch_size}, {dataset.num_tokens:,} tokens"
     )
@@ -153,7 +153,7 @@ def _open_checkpointer(out_dir: str, trainable: Trainable, resume: bool):
 
 def _resume(checkpointer, trainable: Trainable, loader, progress: _Progress):
     """The restored train state (None when there is no checkpoint); sets loader and counters."""
-    from jaxmeg.training.checkpoint_meta import schedule_changes
+    from jaxmeg.training.checkpoint_meta import routing_changes, schedule_changes
 
     restored = checkpointer.restore_latest()
     if restored is None:
@@ -171,6 +171,13 @@ def _resume(checkpointer, trainable: Trainable, loader, progress: _Progress):
     if changes:
         say(
             "warning: the learning-rate schedule differs from the checkpoint's ("
+            + ", ".join(changes)
+            + "); continuing with this run's"
+        )
+    changes = routing_changes(meta, trainable.cfg)
+    if changes:
+        say(
+            "warning: the experts' routing differs from the checkpoint's ("
             + ", ".join(changes)
             + "); continuing with this run's"
         )
