@@ -42,6 +42,18 @@ def _never_read(shape, dtype):
 carry.RING_FILL = _never_read
 
 
+@pytest.fixture
+def unordered_ticks(monkeypatch):
+    """The executor without its CPU tick ordering (`slots.ordered_tick`): the program a GPU
+    runs, or the code before the ordering. Only for steps traced inside the test (a step a
+    cached helper compiled before keeps its ordering)."""
+    import contextlib
+
+    from jaxmeg.pipeline.executor import slots
+
+    monkeypatch.setattr(slots, "ordered_tick", lambda on=True: contextlib.nullcontext())
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
     """scripts/train.py overrides that point the default corpus at a small, test-local cache."""

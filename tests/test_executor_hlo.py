@@ -78,18 +78,14 @@ def test_tick_loop_copies_no_gradient_accumulator(mesh, schedule, chunks):
     assert not copied & shapes, copied & shapes
 
 
-def test_data_mean_runs_beside_the_slots(monkeypatch):
+def test_data_mean_runs_beside_the_slots(monkeypatch, unordered_ticks):
     """data = 2: a chunk's gradient mean over `data` (an all-reduce in the `reduce_chunk` loop,
     the tick after the chunk's last backward) neither waits for that tick's slots nor holds
     them up; `reduce_write` puts it back after the B slot. In the program a GPU runs: on CPU
     devices a tick's loops run one after another (`slots.ordered_tick`), which this compile
     switches off (and with it the check that then names the pair)."""
-    import contextlib
-
-    from jaxmeg.pipeline.executor import slots
     from jaxmeg.training import compilation
 
-    monkeypatch.setattr(slots, "ordered_tick", lambda on=True: contextlib.nullcontext())
     monkeypatch.setattr(compilation, "check_hazards", lambda *args, **kwargs: None)
     trainable, text, comps, name = compiled_module((2, 1, 2))
     body = comps[name]

@@ -322,23 +322,19 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
     assert found and all(line.startswith("collective-permute over ['expert']") for line in found)
 
 
-def test_a_tick_whose_collectives_no_data_orders_is_a_named_hazard(monkeypatch):
+def test_a_tick_whose_collectives_no_data_orders_is_a_named_hazard(unordered_ticks):
     """(expert 4, pipe 2) dropless top-1: F's send (a conditional over `pipe`) and the B slot
     (a loop whose exchange all-reduces the bound over `expert`) had no data between them, and
     XLA:CPU may start the loop's collectives while the send waits: 4 of 8 devices waited in the
     send and 4 in the bound's all-reduce (the rendezvous aborted). The executor orders a CPU
     tick's loops and sends (`slots.ordered_tick`); without that `deadlock_hazards` names the
     pair, and `compile_step` refuses the step."""
-    import contextlib
-
     from jaxmeg.parallel import hlo_module
-    from jaxmeg.pipeline.executor import slots
     from jaxmeg.training import compilation
 
     trainable = trainable_for(
         config((1, 2, 1), dataclasses.replace(TOP2, top_k=1), LLAMA, expert=4)
     )
-    monkeypatch.setattr(slots, "ordered_tick", lambda on=True: contextlib.nullcontext())
     with jax.set_mesh(trainable.mesh):
         params = init_state(trainable, seed=0)["params"]
         tokens = put_batch(trainable, random_batch(trainable.cfg))
@@ -551,18 +547,14 @@ def test_the_expert_load_plot_reads_metrics_and_names_a_file_without_them(tmp_pa
 
 
 def test_train_py_refuses_a_step_that_could_hang_before_its_first_step(
-    monkeypatch, tmp_path, small_corpus
+    unordered_ticks, tmp_path, small_corpus
 ):
     """train.py compiles, checks the step (`compilation.check_hazards`) and, where it could
     hang, exits 2 with one line naming the layout and the settings to change, having run and
     written no step. Shown with the tick's ordering switched off (the code before it), which
     otherwise hangs or aborts this layout (`test_a_tick_whose_collectives_no_data_orders_...`)."""
-    import contextlib
-
-    from jaxmeg.pipeline.executor import slots
     from tests.helpers import run_script_main
 
-    monkeypatch.setattr(slots, "ordered_tick", lambda on=True: contextlib.nullcontext())
     ran = run_script_main(
         "train", "--config", "configs/moe_tiny.yaml", "--out", str(tmp_path / "run"),
         "--steps", "1", "--no-progress", *small_corpus,
