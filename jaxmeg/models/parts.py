@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxmeg import ordering
 from jaxmeg.config import ModelConfig
 
 Array = jax.Array
@@ -99,3 +100,27 @@ class Mlp(nn.Module):
             b_out = param(self, "b_out", (d,), ("embed",), nn.initializers.zeros)
             y_BxSxD = y_BxSxD + b_out.astype(compute)
         return y_BxSxD
+
+
+@jax.custom_vjp
+def lookup(table_VxD: Array, ids: Array) -> Array:
+    """Rows `ids` of the table (`jnp.take`), whose backward moves the ids only once their
+    cotangent exists: a split table's gradient gathers the ids from the devices that share it,
+    and that collective, free to run at any time of a backward, could meet another device's
+    in another order (a stage slot's expert exchange)."""
+    return jnp.take(table_VxD, ids, axis=0)
+
+
+def _lookup_fwd(table_VxD, ids):
+    return jnp.take(table_VxD, ids, axis=0), (table_VxD, ids)
+
+
+def _lookup_bwd(residuals, g):
+    table_VxD, ids = residuals
+    # the ids read after their cotangent: one word of each row's cotangent [b, s] (split as
+    # the ids are), so whatever collective moves them runs after the backward that made g
+    ids = ids + ordering.zeros_from(g[..., 0]).astype(ids.dtype)
+    return jnp.zeros_like(table_VxD).at[ids].add(g.astype(table_VxD.dtype)), None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)

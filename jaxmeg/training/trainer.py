@@ -167,20 +167,15 @@ def _resume(checkpointer, trainable: Trainable, loader, progress: _Progress):
     progress.skipped_steps = int(meta.get("skipped_steps", 0))
     progress.skipped_in_row = int(meta.get("skipped_in_row", 0))
     say(f"resumed from step {step} in {checkpointer.directory}")
-    changes = schedule_changes(meta, trainable.cfg)
-    if changes:
-        say(
-            "warning: the learning-rate schedule differs from the checkpoint's ("
-            + ", ".join(changes)
-            + "); continuing with this run's"
-        )
-    changes = routing_changes(meta, trainable.cfg)
-    if changes:
-        say(
-            "warning: the experts' routing differs from the checkpoint's ("
-            + ", ".join(changes)
-            + "); continuing with this run's"
-        )
+    for what, changes in (
+        ("the learning-rate schedule", schedule_changes(meta, trainable.cfg)),
+        ("the experts' routing", routing_changes(meta, trainable.cfg)),
+    ):
+        if changes:
+            say(
+                f"warning: {what} differs from the checkpoint's ({', '.join(changes)}); "
+                f"continuing with this run's"
+            )
     return state
 
 
