@@ -238,7 +238,7 @@ def test_scripts_say_when_a_step_does_not_fit_and_exit_3(script):
     train.py and by bench.py's cost report alike (which said it and exited 0)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, *script, "--target", "h100", "--gpus",
+        [sys.executable, *script, "--config", "configs/gpt_tiny.yaml", "--target", "h100", "--gpus",
          "1", "--set", "model.vocab_size=65536", "--set", "model.compute_dtype=bfloat16",
          "--set", "model.layers=1",
          "--set", "train.global_batch=4096", "--set", "train.microbatches=1"],
