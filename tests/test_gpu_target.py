@@ -102,6 +102,17 @@ def assert_planner_memory_within_15_percent(report) -> None:
     assert abs(memory["planner"] - memory["device"]) <= 0.15 * memory["device"], memory
 
 
+def assert_bounds_read_off_the_kernel_classes(report, copy_share=0.02) -> None:
+    """The roofline is its kernel classes' sum (`hlo_gpu.kernel_class`) plus the exposed
+    collectives; the schedule bound, which adds the ticks a stage idles, is never below it;
+    copy kernels move at most `copy_share` of the kernel bytes."""
+    classes = report["kernel_classes"]
+    assert sum(classes.values()) == pytest.approx(report["roofline_seconds"], rel=1e-9), classes
+    assert classes["gemm"] > 0 and classes["elementwise"] > 0, classes
+    assert report["schedule_bound_seconds"] >= report["roofline_seconds"] * (1 - 1e-9)
+    assert report["copy_share"] <= copy_share, report["copy_share"]
+
+
 def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     trainable, report = one_gpu()
     assert report["target"].startswith("1 x NVIDIA H100")
@@ -114,6 +125,10 @@ def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     assert report["memory"]["fits"]
     assert_cudnn_once_per_layer_and_microbatch(trainable, report)
     assert_planner_memory_within_15_percent(report)
+    assert_bounds_read_off_the_kernel_classes(report)
+    # one stage: the bound with the bubble is the roofline
+    assert report["schedule_bound_seconds"] == pytest.approx(report["roofline_seconds"])
+    assert report["kernel_classes"]["loss"] > 0 and report["kernel_classes"]["optimizer"] > 0
 
 
 def test_data_two_keeps_cudnn_once_per_layer_and_reduces_beside_the_backward():
@@ -173,6 +188,9 @@ def test_every_pipe_send_overlaps_a_gemm_on_four_h100(schedule, chunks):
     parallel = dataclasses.replace(cfg.parallel, schedule=schedule, chunks=chunks)
     _, report = report_for(dataclasses.replace(cfg, parallel=parallel))
     assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
+    assert_bounds_read_off_the_kernel_classes(report)
+    # each stage idles in some ticks (4 microbatches on 4 stages): the bubble costs time
+    assert report["schedule_bound_seconds"] > 1.1 * report["roofline_seconds"], report
 
 
 def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_on_8_h100():
@@ -193,6 +211,7 @@ def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_o
     overlap = report["collective_overlap"]
     assert overlap["pipe"] == 1.0, overlap
     assert overlap["data"] == 0.5, overlap
+    assert_bounds_read_off_the_kernel_classes(report)
 
 
 @pytest.mark.parametrize("schedule,zero", [("1f1b", 0), ("zb_h1", 0), ("1f1b", 1)])

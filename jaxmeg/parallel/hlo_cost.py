@@ -33,7 +33,7 @@ from collections.abc import Mapping
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxmeg.parallel import hlo_gpu, hlo_module
+from jaxmeg.parallel import hlo_gpu, hlo_module, hlo_ticks
 from jaxmeg.parallel.hlo import (
     _BYTES,
     _COMPUTATION_RE,
@@ -42,6 +42,7 @@ from jaxmeg.parallel.hlo import (
     _result_bytes,
     replica_groups,
 )
+from jaxmeg.parallel.hlo_ticks import TickLoop
 from jaxmeg.pipeline.executor.columns import SLOT_KINDS
 from jaxmeg.pipeline.executor.slots import ORDERED_SCOPE
 
@@ -50,7 +51,6 @@ _INSTRUCTION_RE = re.compile(
 )
 _ARRAY_RE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _LAYOUT_RE = re.compile(r"\{[\d,]*\}")
-_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 ELEMENTWISE = frozenset(
     "add subtract multiply divide exponential exponential-minus-one log log-plus-one tanh "
@@ -136,6 +136,9 @@ class Cost:
     roofline_seconds: float = 0.0
     """Per kernel the larger of its GEMM/attention FLOPs at the device's peak and its bytes at
     its memory bandwidth (with `StepCost(roofline=...)`); collectives not included."""
+    roofline_by_class: Counter = dataclasses.field(default_factory=Counter)
+    """`roofline_seconds` by kernel class (`hlo_gpu.kernel_class`)."""
+    kernel_bytes_by_class: Counter = dataclasses.field(default_factory=Counter)
     collective_bytes: Counter = dataclasses.field(default_factory=Counter)
     overlapped_bytes: Counter = dataclasses.field(default_factory=Counter)
     """Of `collective_bytes`, those of async collectives with a GEMM between start and done."""
@@ -146,12 +149,10 @@ class Cost:
     def add(self, other: Cost, weight: float = 1.0) -> None:
         for f in _SCALARS:
             setattr(self, f, getattr(self, f) + weight * getattr(other, f))
-        for key, value in other.collective_bytes.items():
-            self.collective_bytes[key] += weight * value
-        for key, value in other.overlapped_bytes.items():
-            self.overlapped_bytes[key] += weight * value
-        for key, value in other.elementwise_by_shape.items():
-            self.elementwise_by_shape[key] += weight * value
+        for name in _COUNTERS:
+            mine = getattr(self, name)
+            for key, value in getattr(other, name).items():
+                mine[key] += weight * value
         self.unweighted |= other.unweighted
 
     @property
@@ -163,6 +164,13 @@ class Cost:
         return sum(b for (_, axes), b in self.collective_bytes.items() if axes == (axis,))
 
 
+_COUNTERS = (
+    "roofline_by_class",
+    "kernel_bytes_by_class",
+    "collective_bytes",
+    "overlapped_bytes",
+    "elementwise_by_shape",
+)
 _SCALARS = (
     "matmul_flops",
     "elementwise_flops",
@@ -242,26 +250,41 @@ class StepCost:
         coords = np.unravel_index(device, self.mesh.devices.shape)
         return int(coords[self.pipe_dim])
 
-    def _fractions(self, scope: str, stage: int, branches: int) -> np.ndarray | None:
+    def _fractions(
+        self, scope: str, stage: int, branches: int, tick: int | None = None
+    ) -> np.ndarray | None:
         column = self.columns.get(scope)
         if column is None:
             return None
+        if tick is not None:
+            return np.eye(branches)[min(int(column[tick, stage]), branches - 1)]
         counts = np.bincount(np.asarray(column)[:, stage], minlength=branches)[:branches]
         return counts / column.shape[0]
 
     @functools.cache  # noqa: B019 - one walker per compiled module
-    def cost(self, comp: str, stage: int) -> Cost:
+    def cost(self, comp: str, stage: int, tick: int | None = None) -> Cost:
+        """What `comp` executes on a device of `stage`: its slots weighted by the share of
+        ticks that run them, or with `tick` as that tick of the table runs them (in the tick
+        loop's body, unrolled k times by XLA's double buffering, that tick's copy of the slots
+        and 1/k of the rest)."""
+        if tick is not None and not self._per_tick(comp):
+            return self.cost(comp, stage)
+        loop = self.tick_loop() if tick is not None else None
+        unrolled = loop is not None and comp == loop.body and loop.unroll > 1
         total = Cost()
         shapes = self._shapes[comp]
         spans = self._spans(comp)
         for ins in self.comps[comp]:
-            before = Counter(total.collective_bytes)
-            self._instruction(ins, shapes, stage, total)
+            part = Cost() if unrolled else total
+            before = Counter(part.collective_bytes)
+            self._instruction(ins, shapes, stage, part, tick)
             if comp not in self.fused:
-                self._kernel(ins, shapes, total)
+                self._kernel(ins, shapes, part)
             span = spans.get(ins.name)
             if span is not None and span.gemm:  # what this start added overlaps compute
-                total.overlapped_bytes.update(total.collective_bytes - before)
+                part.overlapped_bytes.update(part.collective_bytes - before)
+            if unrolled:
+                total.add(part, loop.weight(ins, tick, self._runs_per_tick(ins)))
         return total
 
     def _spans(self, comp: str) -> dict[str, hlo_gpu.AsyncSpan]:
@@ -292,48 +315,75 @@ class StepCost:
     def _comp_runs_gemm(self, comp: str) -> bool:
         return any(self._runs_gemm(ins) for ins in self.comps.get(comp, []))
 
+    def _scope(self, ins: Instruction) -> str:
+        parts = ins.op_name.split("/")
+        return parts[-2] if len(parts) >= 2 else ""
+
+    @functools.cache  # noqa: B019 - one walker per compiled module
+    def _per_tick(self, comp: str) -> bool:
+        """Whether what `comp` executes differs between ticks: it holds (or calls something
+        holding) a loop or conditional that the columns weight."""
+        return any(
+            (ins.op in ("while", "conditional") and self._scope(ins) in self.columns)
+            or any(self._per_tick(c) for c in hlo_module.called(ins.attributes))
+            for ins in self.comps.get(comp, [])
+        )
+
+    def _runs_per_tick(self, ins: Instruction) -> bool:
+        """Whether what `ins` executes differs between ticks (see `_per_tick`)."""
+        if ins.op in ("while", "conditional") and self._scope(ins) in self.columns:
+            return True
+        return any(self._per_tick(c) for c in hlo_module.called(ins.attributes))
+
+    @functools.cache  # noqa: B019 - one walker per compiled module
+    def tick_loop(self) -> TickLoop | None:
+        """The executor's tick loop (`hlo_ticks.find`); None without columns."""
+        if not self.columns:
+            return None
+        ticks = len(next(iter(self.columns.values())))
+        return hlo_ticks.find(self.comps, ticks, self._per_tick)
+
+    def tick_costs(self, stage: int) -> list[Cost]:
+        """What one device of `stage` executes in each tick of the tick loop (empty without
+        one): the executor's slots as the table runs them in that tick."""
+        loop = self.tick_loop()
+        if loop is None:
+            return []
+        return [self.cost(loop.body, stage, t) for t in range(loop.ticks)]
+
     def _kernel(self, ins: Instruction, shapes: dict, total: Cost) -> None:
-        """A GPU kernel's bytes (and its roofline time) where `ins` launches one."""
+        """A GPU kernel's bytes (and its roofline time) where `ins` launches one, by class."""
         if not hlo_gpu.is_kernel(ins.op) or ins.op in COLLECTIVES or ins.op == "async-start":
             return
+        fused_name = (hlo_module.called(ins.attributes)[:1] or [""])[0]
+        fused = self.comps.get(fused_name, []) if ins.op == "fusion" else []
+        fused_flops = self.cost(fused_name, 0).matmul_flops if fused else 0.0
         operands = [shapes.get(o, "") for o in ins.operands]
-        flops = 0.0
-        if ins.op == "fusion":
-            (fused_name,) = hlo_module.called(ins.attributes)[:1] or [""]
-            fused = self.comps.get(fused_name, [])
-            moved = hlo_gpu.fusion_bytes(operands, ins.shape, fused)
-            flops = self.cost(fused_name, 0).matmul_flops
-            if fused and fused[-1].op in ("copy", "transpose"):
-                total.copy_kernel_bytes += hlo_gpu.nbytes(ins.shape)
-        elif ins.op == "custom-call":
-            target = hlo_gpu.call_target(ins.attributes)
-            moved = sum(hlo_gpu.nbytes(o) for o in operands) + hlo_gpu.first_array_bytes(ins.shape)
-            if target in hlo_gpu.GEMM_TARGETS:
-                lhs = operands[0] if operands else ""
-                flops = hlo_gpu.gemm_flops(ins.shape, lhs, ins.attributes)
-            elif target.startswith(hlo_gpu.ATTENTION_PREFIX):
-                flops = hlo_gpu.attention_call(target, operands, ins.attributes).executed
-        elif ins.op == "dynamic-update-slice":
-            moved = 2 * _result_bytes(shapes.get(ins.operands[1], ""))
-        else:
-            moved = sum(hlo_gpu.nbytes(o) for o in operands) + hlo_gpu.nbytes(ins.shape)
-            if ins.op == "copy":
-                total.copy_kernel_bytes += hlo_gpu.nbytes(ins.shape)
+        kind, moved, flops = hlo_gpu.kernel(ins, operands, fused, fused_flops)
+        if kind == "copy":
+            total.copy_kernel_bytes += hlo_gpu.nbytes(ins.shape)
         total.kernel_bytes += moved
+        total.kernel_bytes_by_class[kind] += moved
         if self.roofline is not None:
             peak, bandwidth = self.roofline
-            total.roofline_seconds += max(flops / peak, moved / bandwidth)
+            seconds = max(flops / peak, moved / bandwidth)
+            total.roofline_seconds += seconds
+            total.roofline_by_class[kind] += seconds
 
-    def _instruction(self, ins: Instruction, shapes: dict, stage: int, total: Cost) -> None:
+    def _instruction(
+        self, ins: Instruction, shapes: dict, stage: int, total: Cost, tick: int | None = None
+    ) -> None:
         op, attrs = ins.op, ins.attributes
         if op == "while":
-            trips = _TRIP_RE.search(attrs)
+            trips = hlo_ticks.TRIP_RE.search(attrs)
             parts = ins.op_name.split("/")
             column = self.columns.get(parts[-2]) if len(parts) >= 2 else None
             if trips:
                 n = int(trips.group(1))
             elif len(parts) >= 2 and parts[-2] == ORDERED_SCOPE:  # a send's loop of one trip
                 n = 1
+            elif column is not None and tick is not None:  # that tick's trips
+                n = float(np.asarray(column)[tick, stage])
             elif column is not None:  # trips per tick of the loop it sits in
                 n = float(np.asarray(column)[:, stage].mean())
             else:
@@ -341,15 +391,15 @@ class StepCost:
                 total.unweighted.add(f"{ins.op_name} (a loop without a known trip count, once)")
             for key in ("body", "condition"):
                 m = re.search(rf"\b{key}=%?([\w.\-]+)", attrs)
-                total.add(self.cost(m.group(1), stage), n)
+                total.add(self.cost(m.group(1), stage, tick), n)
             return
         if op == "conditional":
-            self._conditional(ins, stage, total)
+            self._conditional(ins, stage, total, tick)
             return
         if op == "custom-call":
             self._custom_call(ins, shapes, total)
         for called in re.findall(r"\bcalls=%?([\w.\-]+)", attrs):
-            total.add(self.cost(called, stage))
+            total.add(self.cost(called, stage, tick))
         if op == "dot":
             lhs = shapes.get(ins.operands[0], "")
             dims = [int(d) for d in _ARRAY_RE.search(lhs).group(2).split(",") if d] if lhs else []
@@ -392,7 +442,7 @@ class StepCost:
                 total.attention_forward_calls += 1
             total.attention_flops += call.flops
 
-    def _conditional(self, ins: Instruction, stage: int, total: Cost) -> None:
+    def _conditional(self, ins: Instruction, stage: int, total: Cost, tick: int | None) -> None:
         m = re.search(r"branch_computations=\{([^}]*)\}", ins.attributes)
         if m:
             branches = re.findall(r"%?([\w.\-]+)", m.group(1))
@@ -403,12 +453,12 @@ class StepCost:
             ]
         parts = ins.op_name.split("/")
         scope = parts[-2] if len(parts) >= 2 else ""
-        costs = [self.cost(b, stage) for b in branches]
+        costs = [self.cost(b, stage, tick) for b in branches]
         chosen = self.chosen.get(re.sub(r"^(?:[\w\-]+\()*([^()]*)\)*$", r"\1", scope))
         if chosen is not None:
             total.add(costs[min(chosen, len(costs) - 1)])
             return
-        fractions = self._fractions(scope, stage, len(branches))
+        fractions = self._fractions(scope, stage, len(branches), tick)
         if fractions is None:
             worst = max(costs, key=lambda c: (c.matmul_flops, c.written_bytes))
             total.add(worst)

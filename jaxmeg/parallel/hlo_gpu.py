@@ -43,6 +43,12 @@ DECOMPOSED_PERMUTE = "_xla_send_recv_source_target_pairs="
 (`xla_gpu_collective_permute_decomposer_threshold`): a receive posted early, its wait at
 recv-done, on a stream of their own."""
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+KERNEL_CLASSES = ("gemm", "attention", "elementwise", "copy", "loss", "optimizer")
+"""What `kernel_class` sorts a kernel into, in the cost report's order."""
+_SCOPES = {
+    name: re.compile(rf"(?:^|/)(?:[\w\-]+\()*{name}\)*(?:/|$)") for name in ("loss", "optimizer")
+}
+COPY_ROOTS = frozenset({"copy", "transpose"})
 
 
 def arrays(shape_text: str) -> list[tuple[str, list[int]]]:
@@ -127,6 +133,47 @@ def attention_call(target: str, operand_shapes: list[str], attributes: str) -> A
     return AttentionCall(False, 2 * product, 2 * product * causal)
 
 
+def kernel_class(target: str, root: str, runs_dot: bool, op_name: str) -> str:
+    """A kernel's class: `gemm` (a cuBLAS call, or a fusion around a dot), `attention` (cuDNN),
+    `copy` (it only copies or transposes: a copy, or a fusion whose root is one), `loss` and
+    `optimizer` (the rest of what runs under the loss's or the optimizer update's name scope),
+    else `elementwise` (fusions of elementwise ops, normalisations, reductions, slices and
+    in-place writes). `target`: a custom-call's; `root`: the op, or a fusion's root op."""
+    if target in GEMM_TARGETS or runs_dot:
+        return "gemm"
+    if target.startswith(ATTENTION_PREFIX):
+        return "attention"
+    if root in COPY_ROOTS:
+        return "copy"
+    for name, pattern in _SCOPES.items():
+        if pattern.search(op_name):
+            return name
+    return "elementwise"
+
+
+def kernel(ins, operands: list[str], fused: list, fused_flops: float) -> tuple[str, float, float]:
+    """(class, bytes read and written, FLOPs at the device's peak) of the kernel an instruction
+    (`hlo_cost.Instruction`) launches: `operands` its operands' shapes, `fused` a fusion's
+    instructions (root last) and `fused_flops` the dots among them."""
+    flops, target, root = 0.0, "", ins.op
+    if ins.op == "fusion":
+        moved = fusion_bytes(operands, ins.shape, fused)
+        flops, root = fused_flops, fused[-1].op if fused else ""
+    elif ins.op == "custom-call":
+        target = call_target(ins.attributes)
+        moved = sum(nbytes(o) for o in operands) + first_array_bytes(ins.shape)
+        if target in GEMM_TARGETS:
+            flops = gemm_flops(ins.shape, operands[0] if operands else "", ins.attributes)
+        elif target.startswith(ATTENTION_PREFIX):
+            flops = attention_call(target, operands, ins.attributes).executed
+    elif ins.op == "dynamic-update-slice":
+        moved = 2 * first_array_bytes(operands[1] if len(operands) > 1 else "")
+    else:
+        moved = sum(nbytes(o) for o in operands) + nbytes(ins.shape)
+    kind = kernel_class(target, root, ins.op == "fusion" and flops > 0, ins.op_name)
+    return kind, moved, flops
+
+
 def is_kernel(op: str) -> bool:
     return op not in NOT_KERNELS and not op.endswith("-done")
 
@@ -144,10 +191,11 @@ def fusion_bytes(operand_shapes: list[str], result_shape: str, fused: list) -> f
     read = 0.0
     for i, shape in enumerate(operand_shapes):
         uses = users.get(params.get(i, ""), [])
-        if uses and all(u.op in SLICING and pos == 0 for u, pos in uses):
-            read += sum(nbytes(u.shape) for u, _ in uses)
-        elif uses and all(u.op == "dynamic-update-slice" and pos == 0 for u, pos in uses):
-            continue  # the buffer written in place
+        sliced = [u for u, pos in uses if u.op in SLICING and pos == 0]
+        in_place = [u for u, pos in uses if u.op == "dynamic-update-slice" and pos == 0]
+        if uses and len(sliced) + len(in_place) == len(uses):
+            # slices read as slices; the buffer a dynamic-update-slice writes in place is not read
+            read += sum(nbytes(u.shape) for u in sliced)
         else:
             read += nbytes(shape)
     root = fused[-1] if fused else None

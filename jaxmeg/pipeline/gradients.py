@@ -33,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.pipeline import powersgd
+from jaxmeg.pipeline import powersgd, rings
 
 
 def zeros_f32(tree):
@@ -50,7 +50,7 @@ def accumulate_at(acc, index, delta):
     """acc[index] += delta along the leading (chunk) dim, in place in the loop carry; `delta`
     may also be a list of per-layer trees (`stack_layers`)."""
     delta = stack_layers(delta)
-    return jax.tree.map(lambda a, d: a.at[index].add(d.astype(a.dtype)), acc, delta)
+    return jax.tree.map(lambda a, d: rings.add(a, index, d), acc, delta)
 
 
 def stack_layers(delta):
@@ -164,7 +164,7 @@ def reduce_chunk_compressed(part, chunk, state, dc):
     """(reduced part, new state): one chunk's gradients `part` reduced over `data` by PowerSGD
     (`powersgd.reduce`) with the chunk's slice of `state` (leaves [v, ...]), updated in place."""
     reduced, new = powersgd.reduce(part, jax.tree.map(lambda a: a[chunk], state), dc)
-    return reduced, jax.tree.map(lambda a, n: a.at[chunk].set(n), state, new)
+    return reduced, jax.tree.map(lambda a, n: rings.write(a, chunk, n), state, new)
 
 
 def broadcast_rounds(p: int) -> list[list[tuple[int, int]]]:

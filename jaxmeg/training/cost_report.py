@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxmeg.models.moe import EXCHANGE_KEPT
+from jaxmeg.parallel import hlo_gpu
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
 from jaxmeg.perf.experts import exchange_block, exchange_branch
@@ -159,7 +160,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
         **memory_report(compiled),
     }
     if target is not None:
-        report.update(gpu_figures(trainable, compiled, target, total, stages, model_flops))
+        report.update(gpu_figures(trainable, compiled, target, counter, model_flops))
         report["compile_seconds"] = round(seconds, 3)
     return report
 
@@ -190,21 +191,34 @@ def _exposed_seconds(cost, trainable: Trainable, hw) -> float:
     return seconds
 
 
-def gpu_figures(trainable, compiled, target, total, stages, model_flops) -> dict[str, Any]:
+def gpu_figures(trainable, compiled, target, counter: StepCost, model_flops) -> dict[str, Any]:
     """What the GPU program shows: per-device memory and whether it fits (`fit`), GEMM and
     cuDNN attention FLOPs and calls, kernel and copy bytes, how much of each link's bytes
-    overlaps a GEMM, and the roofline: per device the sum over kernels of the larger of FLOPs
-    at peak and bytes at memory bandwidth, plus the collectives not overlapped at their links'
-    bandwidth, for the busiest device: a lower bound on the step time, and the MFU it bounds."""
+    overlaps a GEMM, and two bounds on the step time, with the MFU each allows:
+      roofline        per device the sum over its kernels of the larger of FLOPs at peak and
+                      bytes at memory bandwidth, plus the collectives not overlapped at their
+                      links' bandwidth, for the busiest device (`kernel_classes` splits it)
+      schedule bound  the stages move in lockstep: per tick the slowest stage's slots at that
+                      roofline, summed over the tick table, plus the slowest stage's work
+                      outside the tick loop: the roofline with the schedule's bubble."""
     from jaxmeg.training.fit import fit_report
 
     hw = target.hardware
     memory = memory_report(compiled)
     fit = fit_report(trainable, compiled, target)
-    seconds = [c.roofline_seconds + _exposed_seconds(c, trainable, hw) for c in stages]
-    roofline = max(seconds)
+    total, stages = counter.total(), counter.per_stage()
+
+    def seconds(cost) -> float:
+        return cost.roofline_seconds + _exposed_seconds(cost, trainable, hw)
+
+    per_stage = [seconds(c) for c in stages]
+    busiest = int(np.argmax(per_stage))
     devices = trainable.mesh.size
     per_replica = devices // len(stages)
+    peak = hw.peak_tflops * 1e12
+    bound = schedule_bound(counter, stages, seconds)
+    classes = {k: stages[busiest].roofline_by_class.get(k, 0.0) for k in hlo_gpu.KERNEL_CLASSES}
+    classes["collectives_exposed"] = _exposed_seconds(stages[busiest], trainable, hw)
     return {
         "target": fit["target"],
         "memory": {
@@ -222,10 +236,28 @@ def gpu_figures(trainable, compiled, target, total, stages, model_flops) -> dict
         },
         "kernel_bytes": total.kernel_bytes,
         "copy_kernel_bytes": total.copy_kernel_bytes,
+        "copy_share": total.copy_kernel_bytes / total.kernel_bytes if total.kernel_bytes else 0,
+        "kernel_bytes_by_class": dict(total.kernel_bytes_by_class),
         "collective_overlap": _overlap(total),
-        "roofline_seconds": roofline,
-        "roofline_mfu": model_flops / devices / roofline / (hw.peak_tflops * 1e12),
+        "roofline_seconds": per_stage[busiest],
+        "roofline_mfu": model_flops / devices / per_stage[busiest] / peak,
+        "roofline_stage": busiest,
+        "kernel_classes": classes,
+        "model_flops_at_peak_seconds": model_flops / devices / peak,
+        "schedule_bound_seconds": bound,
+        "schedule_bound_mfu": model_flops / devices / bound / peak,
     }
+
+
+def schedule_bound(counter: StepCost, stages, seconds) -> float:
+    """The step's bound with the schedule's bubble (`gpu_figures`): `stages` the cost of one
+    device of each stage, `seconds` a cost's time at the roofline."""
+    ticks = [counter.tick_costs(s) for s in range(len(stages))]
+    if not ticks[0]:
+        return max(seconds(c) for c in stages)
+    per_tick = np.array([[seconds(c) for c in stage] for stage in ticks])  # [p, ticks]
+    outside = max(seconds(c) - row.sum() for c, row in zip(stages, per_tick, strict=True))
+    return float(outside + per_tick.max(axis=0).sum())
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -295,8 +327,16 @@ def _format_gpu(r: dict[str, Any], gb, gf) -> list[str]:
         f"  GEMM FLOPs          {gf(r['gemm_flops'])}   attention {gf(att['flops'])} in "
         f"{att['forward_per_replica']:.0f} forward + {att['backward_per_replica']:.0f} backward "
         "cuDNN calls per replica",
-        f"  kernel bytes        {gb(r['kernel_bytes'])}   copies {gb(r['copy_kernel_bytes'])}",
+        f"  kernel bytes        {gb(r['kernel_bytes'])}   copies {gb(r['copy_kernel_bytes'])} "
+        f"({r['copy_share']:.1%})",
         f"  overlapped with GEMMs: {overlap or 'no collectives'}",
         f"  roofline {r['roofline_seconds'] * 1e3:.2f} ms per step: MFU at most "
-        f"{r['roofline_mfu']:.1%}",
+        f"{r['roofline_mfu']:.1%}; with the schedule's bubble "
+        f"{r['schedule_bound_seconds'] * 1e3:.2f} ms, MFU at most {r['schedule_bound_mfu']:.1%}",
+        f"  the roofline by kernel class (stage {r['roofline_stage']}; the model's FLOPs at peak "
+        f"take {r['model_flops_at_peak_seconds'] * 1e3:.2f} ms):",
+        *(
+            f"    {name.replace('_', ' '):20} {seconds * 1e3:10.2f} ms"
+            for name, seconds in r["kernel_classes"].items()
+        ),
     ]

@@ -10,7 +10,6 @@ collectives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +42,19 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         loss, grads, *links = loss_and_grads(state["params"], tokens, targets, *links, **step_arg)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         grads, loads, kept = expert_balance.take_loads(grads)  # [] without MoE layers
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        with jax.named_scope("optimizer"):  # the cost report's kernel class
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
         if moe.bias_update_rate:
             params = expert_balance.move_biases(params, loads, moe.bias_update_rate)
         # A non-finite loss or gradient leaves params and optimizer state as they were.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+
+        def keep(new, old):
+            with jax.named_scope("optimizer"):
+                return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

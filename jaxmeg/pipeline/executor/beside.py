@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.pipeline import compression, gradients
+from jaxmeg.pipeline import compression, gradients, rings
 from jaxmeg.pipeline.executor import slots
 from jaxmeg.pipeline.executor.carry import Stage
 from jaxmeg.pipeline.executor.columns import (
@@ -134,7 +134,7 @@ def scatter_final(plan: Plan, c: dict, row: dict) -> dict:
         layers = jax.tree.map(lambda dim: slice(None if dim == 0 else first), dims)
         part = jax.tree.map(lambda a, n: a[at, n], s[1], layers)
         part = gradients.reduce_scatter(part, dims, ("data",))
-        return jax.tree.map(lambda a, r, n: a.at[at, n].set(r), s[0], part, layers), s[1]
+        return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], part), s[1]
 
     g_reduced, g_stage = slots.run_if(
         chunk >= 0, scatter, (c["g_reduced"], c["g_stage"]), REDUCE_CHUNK.scope
@@ -173,8 +173,7 @@ def finish_reduction(plan: Plan, c: dict, row: dict) -> dict:
 
     def write(s):
         at = jnp.maximum(chunk, 0)
-        pending = plan.pending_layers
-        return jax.tree.map(lambda a, r: a.at[at, :pending].set(r), s[0], s[1]), s[1]
+        return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], s[1]), s[1]
 
     g_stage, pending = slots.run_if(
         chunk >= 0, write, (c["g_stage"], c["pending"]), REDUCE_WRITE.scope

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.pipeline import gradients
+from jaxmeg.pipeline import gradients, rings
 from jaxmeg.pipeline.executor import residuals, slots
 from jaxmeg.pipeline.executor.carry import Stage
 from jaxmeg.pipeline.executor.columns import (
@@ -101,9 +101,7 @@ def _keep(plan: Plan, at: At, r: dict, stored) -> dict:
     backward the matmul inputs)."""
 
     def write(bufs, leaves):
-        return jax.tree.map(
-            lambda buf, leaf: buf.at[at.slot].set(leaf.astype(buf.dtype)), bufs, leaves
-        )
+        return jax.tree.map(lambda buf, leaf: rings.write(buf, at.slot, leaf), bufs, leaves)
 
     if plan.table.unit and plan.store:
         stored, inputs = stored
@@ -114,14 +112,14 @@ def _keep(plan: Plan, at: At, r: dict, stored) -> dict:
 
 def f_embed(plan, st, at, r, tokens, targets):
     x = plan.fns.embed(st.shared, tokens).astype(st.x_abstract.dtype)
-    return {**r, "inputs": r["inputs"].at[at.slot].set(x)}
+    return {**r, "inputs": rings.write(r["inputs"], at.slot, x)}
 
 
 def f_first(plan, st, at, r, tokens, targets):
     dtype = st.x_abstract.dtype
     x = plan.fns.embed(st.shared, tokens).astype(dtype)
     y, stored = _run_chunk(plan, st, at, x)
-    inputs = r["inputs"].at[at.slot].set(x)
+    inputs = rings.write(r["inputs"], at.slot, x)
     return {**r, "inputs": inputs, **_keep(plan, at, r, stored), "y": y.astype(dtype)}
 
 
@@ -142,7 +140,7 @@ def f_last(plan, st, at, r, tokens, targets):
     return {
         **r,
         **_keep(plan, at, r, stored),
-        "cots": r["cots"].at[cot_slot].set((d_y * scale).astype(dtype)),
+        "cots": rings.write(r["cots"], cot_slot, (d_y * scale).astype(dtype)),
         "g_shared": gradients.accumulate(r["g_shared"], d_shared),
         "loss": r["loss"] + (loss * scale).astype(jnp.float32),
     }
@@ -193,7 +191,7 @@ def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dic
     if not plan.sharded:
         sums, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params)
         chunk = gradients.stack_layers([sums[0], *reduced])
-        return {"g_stage": jax.tree.map(lambda g, r: g.at[index].set(r), a["g_stage"], chunk)}
+        return {"g_stage": jax.tree.map(lambda g, r: rings.write(g, index, r), a["g_stage"], chunk)}
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
     def scatter(layer):
@@ -204,10 +202,10 @@ def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dic
 
     sums, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params, scatter)
     g_stage = jax.tree.map(
-        lambda g, s: g.at[index].set(s), a["g_stage"], gradients.stack_layers(sums)
+        lambda g, s: rings.write(g, index, s), a["g_stage"], gradients.stack_layers(sums)
     )
     g_reduced = jax.tree.map(
-        lambda g, r, dim: g if dim == 0 else g.at[index, 1:].set(r),
+        lambda g, r, dim: g if dim == 0 else rings.write(g, index, r, start=1),
         a["g_reduced"], gradients.stack_layers(reduced), dims,
     )  # fmt: skip
     return {"g_stage": g_stage, "g_reduced": g_reduced}
@@ -266,7 +264,7 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: dict):
         d_rest, d_x, d_taps = pullback(cot)
     w_slot = jnp.maximum(at.row["b_w_slot"], 0)
     wstore = jax.tree.map(
-        lambda buf, leaf: buf.at[w_slot].set(leaf.astype(buf.dtype)),
+        lambda buf, leaf: rings.write(buf, w_slot, leaf),
         a["wstore"], {"inputs": inputs, "dys": d_taps},
     )  # fmt: skip
     g_weights, g_rest = sf.split_weights(a["g_stage"], taps)

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.ordering import chained
+from jaxmeg.pipeline import rings
 from jaxmeg.pipeline.gradients import inside_manual_axes
 
 
@@ -121,12 +122,16 @@ def send(x, index, patterns, scope: str, split: bool = False, every_tick: bool =
     """ppermute `x` over the pairs of `patterns[index - 1]`, zeros where index is 0 or where
     nothing arrives (`every_tick`: one ppermute on all the patterns' pairs, see the module
     docstring). With `split` (scatter/gather), x [b, s, h] goes as each tensor rank's slice of
-    the sequence, and what arrives is split over `tensor` (`receive` gathers it)."""
+    its b s rows, and what arrives, [b s, h], is split over `tensor` (`receive` gathers it
+    along its major dim: the ring's layout as it is, where a split of the sequence dim made
+    XLA transpose the ring)."""
     if not patterns:
         return jax.tree.map(jnp.zeros_like, x)
     if _CHAIN.token is not None:  # in a loop of one trip, ordered against the tick's others
         once = lambda _, x_: send(x_, index, patterns, scope, split, every_tick)  # noqa: E731
-        zeros = varying_everywhere(jax.tree.map(jnp.zeros_like, x))
+        with _chain_off():
+            sent = jax.eval_shape(once, None, x)  # split: [b s, h]
+        zeros = varying_everywhere(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sent))
         return run_if(jnp.ones((), jnp.int32), once, zeros, ORDERED_SCOPE, (x,))
     permute = _every_tick if every_tick else _when_needed
 
@@ -138,15 +143,16 @@ def send(x, index, patterns, scope: str, split: bool = False, every_tick: bool =
         # map's type check would count against out_specs.
         def per_rank(x_, i_):
             rank, parts = jax.lax.axis_index("tensor"), jax.lax.axis_size("tensor")
-            size = x_.shape[1] // parts
-            piece = jax.lax.dynamic_slice_in_dim(x_, rank * size, size, axis=1)
+            rows = x_.reshape(-1, x_.shape[-1])  # [b s, h]
+            size = rows.shape[0] // parts
+            piece = jax.lax.dynamic_slice_in_dim(rows, rank * size, size, axis=0)
             with jax.named_scope(scope):
                 return permute(piece, i_, patterns, jax.lax.switch)
 
         return jax.shard_map(
             per_rank,
             in_specs=(P(), P()),
-            out_specs=P(None, "tensor"),
+            out_specs=P("tensor"),
             axis_names=frozenset({"tensor"}),
             check_vma=False,
         )(x, index)
@@ -172,11 +178,12 @@ def _every_tick(x, index, patterns, _switch_fn):
 
 def receive(buffer, slot, value, scope: str, gather: bool = False):
     """buffer[slot] = value in the ticks where something arrives (slot >= 0); with `gather`
-    the value, split over `tensor`, is made whole there."""
+    the value (`send`'s rows, split over `tensor`) is made whole there."""
 
     def write(buf, val):
         if gather:
             val = jax.lax.with_sharding_constraint(val, P(*([None] * val.ndim)))
-        return buf.at[jnp.maximum(slot, 0)].set(val.astype(buf.dtype))
+            val = val.reshape(buf.shape[1:])
+        return rings.write(buf, jnp.maximum(slot, 0), val)
 
     return run_if(slot >= 0, write, buffer, scope, (value,))
