@@ -239,10 +239,16 @@ class SlotColumns:
         return len(self.columns["f_mb"])
 
 
-def _pad(columns: dict[str, np.ndarray], before: int, after: int) -> dict[str, np.ndarray]:
-    """Idle ticks around the table: nothing runs, sends or arrives in them."""
+def _pad(
+    columns: dict[str, np.ndarray], before: int, after: int, branches: bool = False
+) -> dict[str, np.ndarray]:
+    """Idle ticks around the table: nothing runs, sends or arrives in them. `branches`: the
+    branch columns, whose idle value is 0 (no trip, the first branch) whatever their name (the
+    W slot's scope is also a table field's, `w_chunk`, whose idle value is -1)."""
     idle = {name: -1 if name in (*FIELDS, REDUCE_CHUNK.scope) and name != "b_split" else 0
             for name in columns}  # fmt: skip
+    if branches:
+        idle = dict.fromkeys(columns, 0)
     pad = ((before, after), (0, 0))
     return {
         name: np.pad(np.asarray(col, np.int32), pad, constant_values=idle[name])
@@ -318,7 +324,7 @@ def slot_columns(
         branches[COMPRESS_LINK.scope] = columns["pipe_compress"]
     deferred = reduce_in_loop and not sharded_reduction
     before, after = int(gathering), int(deferred)
-    columns, branches = _pad(columns, before, after), _pad(branches, before, after)
+    columns, branches = _pad(columns, before, after), _pad(branches, before, after, True)
     if gathering:
         _gather_ahead(columns, branches)
     if reduce_in_loop:
