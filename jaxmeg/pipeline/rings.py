@@ -16,6 +16,8 @@ def write(buf: jax.Array, index, value: jax.Array, start: int = 0) -> jax.Array:
     """buf[index] = value, or with `start` buf[index, start:start + len(value)] = value; value
     cast to buf's dtype."""
     value = value.astype(buf.dtype)
+    if buf.shape[0] == 1 and not start and value.shape == buf.shape[1:]:
+        return value[None]  # the only slot: the whole buffer
     if not start and value.ndim == buf.ndim - 1:
         return jax.lax.dynamic_update_index_in_dim(buf, value, index, 0)
     starts = (index, start, *(0,) * (buf.ndim - 2))
@@ -23,6 +25,11 @@ def write(buf: jax.Array, index, value: jax.Array, start: int = 0) -> jax.Array:
 
 
 def add(buf: jax.Array, index, value: jax.Array) -> jax.Array:
-    """buf[index] += value (cast to buf's dtype)."""
+    """buf[index] += value (cast to buf's dtype). With one slot (one chunk per stage, the
+    gradient accumulators' usual case) an elementwise add, which XLA fuses with the cast and
+    runs in place: as a slice, an add and an update it was three passes over the stage's
+    gradients per microbatch."""
+    if buf.shape[0] == 1:
+        return buf + value.astype(buf.dtype)[None]
     old = jax.lax.dynamic_index_in_dim(buf, index, 0, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buf, old + value.astype(buf.dtype), index, 0)
