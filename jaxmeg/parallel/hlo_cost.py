@@ -315,22 +315,20 @@ class StepCost:
     def _comp_runs_gemm(self, comp: str) -> bool:
         return any(self._runs_gemm(ins) for ins in self.comps.get(comp, []))
 
-    def _scope(self, ins: Instruction) -> str:
+    @staticmethod
+    def _scope(ins: Instruction) -> str:
+        """The JAX name scope a loop or conditional was traced under."""
         parts = ins.op_name.split("/")
         return parts[-2] if len(parts) >= 2 else ""
 
     @functools.cache  # noqa: B019 - one walker per compiled module
     def _per_tick(self, comp: str) -> bool:
-        """Whether what `comp` executes differs between ticks: it holds (or calls something
-        holding) a loop or conditional that the columns weight."""
-        return any(
-            (ins.op in ("while", "conditional") and self._scope(ins) in self.columns)
-            or any(self._per_tick(c) for c in hlo_module.called(ins.attributes))
-            for ins in self.comps.get(comp, [])
-        )
+        """Whether what `comp` executes differs between ticks (`_runs_per_tick`)."""
+        return any(self._runs_per_tick(ins) for ins in self.comps.get(comp, []))
 
     def _runs_per_tick(self, ins: Instruction) -> bool:
-        """Whether what `ins` executes differs between ticks (see `_per_tick`)."""
+        """Whether `ins` is (or calls something holding) a loop or conditional that the
+        columns weight."""
         if ins.op in ("while", "conditional") and self._scope(ins) in self.columns:
             return True
         return any(self._per_tick(c) for c in hlo_module.called(ins.attributes))
@@ -355,9 +353,10 @@ class StepCost:
         """A GPU kernel's bytes (and its roofline time) where `ins` launches one, by class."""
         if not hlo_gpu.is_kernel(ins.op) or ins.op in COLLECTIVES or ins.op == "async-start":
             return
-        fused_name = (hlo_module.called(ins.attributes)[:1] or [""])[0]
-        fused = self.comps.get(fused_name, []) if ins.op == "fusion" else []
-        fused_flops = self.cost(fused_name, 0).matmul_flops if fused else 0.0
+        fused, fused_flops = [], 0.0
+        if ins.op == "fusion":
+            (name,) = hlo_module.called(ins.attributes)[:1] or [""]
+            fused, fused_flops = self.comps.get(name, []), self.cost(name, 0).matmul_flops
         operands = [shapes.get(o, "") for o in ins.operands]
         kind, moved, flops = hlo_gpu.kernel(ins, operands, fused, fused_flops)
         if kind == "copy":
@@ -376,11 +375,11 @@ class StepCost:
         op, attrs = ins.op, ins.attributes
         if op == "while":
             trips = hlo_ticks.TRIP_RE.search(attrs)
-            parts = ins.op_name.split("/")
-            column = self.columns.get(parts[-2]) if len(parts) >= 2 else None
+            scope = self._scope(ins)
+            column = self.columns.get(scope)
             if trips:
                 n = int(trips.group(1))
-            elif len(parts) >= 2 and parts[-2] == ORDERED_SCOPE:  # a send's loop of one trip
+            elif scope == ORDERED_SCOPE:  # a send's loop of one trip
                 n = 1
             elif column is not None and tick is not None:  # that tick's trips
                 n = float(np.asarray(column)[tick, stage])
@@ -443,16 +442,8 @@ class StepCost:
             total.attention_flops += call.flops
 
     def _conditional(self, ins: Instruction, stage: int, total: Cost, tick: int | None) -> None:
-        m = re.search(r"branch_computations=\{([^}]*)\}", ins.attributes)
-        if m:
-            branches = re.findall(r"%?([\w.\-]+)", m.group(1))
-        else:  # a predicate: false first, as JAX orders a cond's branches
-            branches = [
-                re.search(rf"\b{k}_computation=%?([\w.\-]+)", ins.attributes).group(1)
-                for k in ("false", "true")
-            ]
-        parts = ins.op_name.split("/")
-        scope = parts[-2] if len(parts) >= 2 else ""
+        branches = hlo_module.branches(ins.attributes)
+        scope = self._scope(ins)
         costs = [self.cost(b, stage, tick) for b in branches]
         chosen = self.chosen.get(re.sub(r"^(?:[\w\-]+\()*([^()]*)\)*$", r"\1", scope))
         if chosen is not None:

@@ -17,10 +17,9 @@ from jaxmeg.parallel.hlo import (
     replica_groups,
 )
 
-_CALLED_RE = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
-)
+_CALLED_RE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
+_PREDICATED_RE = {k: re.compile(rf"\b{k}_computation=%?([\w.\-]+)") for k in ("false", "true")}
 _SHAPE_RE = re.compile(r"=\s*(\w+\[[\d,]*\])")
 _TICK_LOOP_RE = re.compile(r'op_name="jit\([^)]*\)/shard_map/while"')
 """The executor's `lax.fori_loop` over ticks, directly inside the jitted step's shard_map."""
@@ -41,9 +40,12 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
 
 
 def branches(line: str) -> list[str]:
-    """The branch computations of a `conditional` instruction, in branch-index order."""
+    """The branch computations of a `conditional` instruction, in branch-index order (of a
+    predicated one, false first, as JAX orders a cond's branches)."""
     m = _BRANCHES_RE.search(line)
-    return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
+    if m:
+        return re.findall(r"%?([\w.\-]+)", m.group(1))
+    return [m.group(1) for k in ("false", "true") if (m := _PREDICATED_RE[k].search(line))]
 
 
 def called(line: str) -> list[str]:

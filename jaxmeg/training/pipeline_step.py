@@ -65,8 +65,8 @@ def sends_point_to_point(trainable: Trainable, program=None) -> bool:
 
 def unrolls_layers(trainable: Trainable) -> bool:
     """Whether a chunk runs its layers one after another rather than as a scan: short chunks
-    (`StageLayout.unrolled`), and on GPUs (cuDNN attention) every even chunk, at a compile-time
-    cost (24 layers compile several times slower). Unrolled, each layer's residuals are
+    (`StageLayout.unrolled`), and on GPUs (cuDNN attention) every chunk, however long, at a
+    compile-time cost (24 layers compile several times slower). Unrolled, each layer's residuals are
     buffers of their own; a scan writes them into stacked buffers, one more pass over every
     residual (gpt_1.3b on 1 H100: roofline 941 -> 786 ms, temp 20 -> 26 GB). With data or
     pipe > 1 it is also needed: jax 0.10 gives the residuals of the attention's nested map

@@ -245,10 +245,8 @@ def _pad(
     """Idle ticks around the table: nothing runs, sends or arrives in them. `branches`: the
     branch columns, whose idle value is 0 (no trip, the first branch) whatever their name (the
     W slot's scope is also a table field's, `w_chunk`, whose idle value is -1)."""
-    idle = {name: -1 if name in (*FIELDS, REDUCE_CHUNK.scope) and name != "b_split" else 0
-            for name in columns}  # fmt: skip
-    if branches:
-        idle = dict.fromkeys(columns, 0)
+    negative = () if branches else (*FIELDS, REDUCE_CHUNK.scope)
+    idle = {name: -1 if name in negative and name != "b_split" else 0 for name in columns}
     pad = ((before, after), (0, 0))
     return {
         name: np.pad(np.asarray(col, np.int32), pad, constant_values=idle[name])
