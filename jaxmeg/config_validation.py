@@ -345,11 +345,11 @@ def validate(cfg: Config, num_devices: int) -> Config:
     except LayoutError as err:
         raise ConfigError(str(err)) from None
     _validate_compression(cfg.compression, pipe, data, cfg.parallel.zero_stage)
-    if par.schedule == "zbv" and cfg.compression.pipe_grad_rank:
+    if schedules.placement_of(par.schedule) == "v" and cfg.compression.pipe_grad_rank:
         raise ConfigError(
             f"compression.pipe_grad_rank = {cfg.compression.pipe_grad_rank} compresses the "
-            f"cotangents of one send direction; parallel.schedule=zbv sends both ways (its V): "
-            f"use zb_h1 or interleaved_zb, or pipe_grad_rank 0"
+            f"cotangents of one send direction; parallel.schedule={par.schedule} sends both "
+            f"ways (its V): use zb_h1 or interleaved_zb, or pipe_grad_rank 0"
         )
     check_choice("train.nonfinite", tr.nonfinite, ("skip", "stop"))
     check_positive("train.max_nonfinite_in_row", tr.max_nonfinite_in_row)
@@ -412,7 +412,7 @@ def pinned_layout_problem(
         p = pipe if pipe is not None else 2
         try:
             _validate_schedule_layout(par, p)
-            _check_schedule(par, p, p)  # the microbatches are the planner's to choose
+            _check_schedule(par, p, 2 * p)  # the microbatches are the planner's to choose
         except ConfigError as err:
             flags = {"parallel.schedule": "--schedule", "parallel.pipe": "--pipe",
                      "parallel.chunks": "--chunks"}  # fmt: skip

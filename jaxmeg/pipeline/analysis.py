@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from jaxmeg.pipeline.schedules import Schedule, build, stage_and_chunk
-from jaxmeg.pipeline.tick_table import TickTable, build_tick_table
+from jaxmeg.pipeline.tick_table import ONE_ACTION, TWO_SLOTS, TickTable, build_tick_table
 from jaxmeg.pipeline.timing import action_cost, async_efficiency, bubble_fraction, ideal_time
 
 
@@ -170,11 +170,21 @@ class _Replay:
             slot = int(table.w_slot[t, s])
             _replay_slot(self.wstore[s], slot, (c, mb), f"tick {t} stage {s} W{mb}.{c}")
             del self.wstore[s][slot]
-        if table.unit:
-            for s in range(self.p):
-                count = sum(int(col[t, s] >= 0) for col in (table.f_mb, table.b_mb, table.w_mb))
-                if count > 1:
-                    _fail(f"tick {t} stage {s}: {count} actions in one unit tick")
+        if table.ticks == TWO_SLOTS:
+            return
+        paired = table.paired
+        for s in range(self.p):
+            count = sum(int(col[t, s] >= 0) for col in (table.f_mb, table.b_mb, table.w_mb))
+            if count > 1 + bool(paired[t, s]):
+                _fail(f"tick {t} stage {s}: {count} actions in one {table.ticks} tick")
+            if table.ticks == ONE_ACTION or not paired[t, s]:
+                continue
+            listed = self.schedule.paired[s] if self.schedule.paired else ()
+            if table.b_split[t, s] or len(self.ran[s]) - 2 not in listed:
+                _fail(
+                    f"tick {t} stage {s}: F and B share the tick but the order does not "
+                    f"pair them ({self.ran[s][-2:]})"
+                )
 
     def finish(self) -> None:
         """Every stage ran its order and ended with empty rings that fit the table's slots."""
@@ -245,7 +255,8 @@ def lockstep_time(
     split: tuple[float, float] | None = None,
 ):
     """Sum over ticks of (max F-slot cost + max B-slot cost), one forward of a stage = 1; in
-    unit ticks (one action per stage), of the max over stages of the action's cost
+    ONE_ACTION and PAIRS ticks, of the max over stages of the tick's actions' cost (one action,
+    or an F&B pair at F + B: the model counts no overlap of the pair's compute)
     (`timing.action_cost`: I and W half a backward each, or `split` = their measured costs)."""
     table = table if table is not None else build_tick_table(schedule)
     v = schedule.num_chunks
@@ -257,7 +268,7 @@ def lockstep_time(
     backward_kind = np.where(table.b_split > 0, cost("I"), cost("B"))
     backward = np.where(table.b_mb >= 0, backward_kind, 0.0)
     weight = np.where(table.w_mb >= 0, cost("W"), 0.0)
-    if table.unit:
+    if table.ticks != TWO_SLOTS:
         return float((forward + backward + weight).max(axis=1).sum())
     return float(forward.max(axis=1).sum() + backward.max(axis=1).sum())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jaxmeg.pipeline.analysis import validate
 from jaxmeg.pipeline.schedules import Schedule
-from jaxmeg.pipeline.tick_table import build_tick_table
+from jaxmeg.pipeline.tick_table import TWO_SLOTS, build_tick_table
 
 
 def _draw_slot(
@@ -28,8 +28,9 @@ def _draw_slot(
 def draw(schedule: Schedule):
     """The schedule's tick table (validated first) as a matplotlib Figure: rows are stages,
     columns ticks, each tick split into its F slot (light) and B slot (dark, hatched), or in
-    unit ticks (split backwards) one cell of F (light), I (dark, hatched) or W (medium,
-    dotted), cells coloured by microbatch and labelled microbatch(.chunk); the title gives the
+    one-action ticks (split backwards) one cell of F (light), B or I (dark, hatched) or W
+    (medium, dotted), an F&B pair (DualPipeV) as two halves of its tick, cells coloured by
+    microbatch and labelled (kind) microbatch(.chunk); the title gives the
     asynchronous bubble, the lockstep efficiency and the asynchronous bound."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -41,27 +42,34 @@ def draw(schedule: Schedule):
     cells = [("F", table.f_mb, table.f_chunk, 0.45, None),
              ("I", table.b_mb, table.b_chunk, 1.0, "///"),
              ("W", table.w_mb, table.w_chunk, 0.7, "..")]  # fmt: skip
-    width = 1.0 if table.unit else 0.5
+    two_slots, paired = table.ticks == TWO_SLOTS, table.paired
     for t in range(ticks):
         for s in range(p):
+            halves = two_slots or paired[t, s]
+            width = 0.5 if halves else 1.0
             for half, (kind, mbs, chunks, alpha, hatch) in enumerate(cells):
                 mb = int(mbs[t, s])
                 if mb < 0:
                     continue
-                x, y = t + (0 if table.unit else 0.5 * half), p - 1 - s
+                x, y = t + (0.5 * half if halves else 0), p - 1 - s
                 label = f"{mb}" if schedule.num_chunks == 1 else f"{mb}.{int(chunks[t, s])}"
-                label = f"{kind}{label}" if table.unit else label
+                if not two_slots:
+                    kind = "B" if kind == "I" and not table.b_split[t, s] else kind
+                    label = f"{kind}{label}"
                 _draw_slot(ax, (x, y), colours(mb % 10), alpha, hatch, label, width)
     ax.set_xlim(0, ticks)
     ax.set_ylim(0, p)
     ax.set_yticks([p - 0.5 - s for s in range(p)], [f"stage {s}" for s in range(p)])
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     label = "microbatch" if schedule.num_chunks == 1 else "microbatch.chunk"
-    slots = ("one action: F (light), I (dark, hatched), W (dotted)" if table.unit
-             else "F slot (light) | B slot (dark, hatched)")  # fmt: skip
+    slots = (
+        "F slot (light) | B slot (dark, hatched)"
+        if two_slots
+        else "one action: F (light), B or I (dark, hatched), W (dotted); F&B pairs halved"
+    )
     ax.set_xlabel(f"tick: {slots}; cells: {label}")
     variant = {"1f1b": schedule.warmup, "interleaved_1f1b": "Megatron order"}.get(
-        schedule.name, "PyTorch's order" if table.unit else "order"
+        schedule.name, "order" if two_slots else "PyTorch's order"
     )
     ax.set_title(
         f"{schedule.name} ({variant}) p={p} v={schedule.num_chunks} "

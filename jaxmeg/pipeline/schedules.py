@@ -38,11 +38,18 @@ Zero bubble (Qi et al., 2024; the orders of PyTorch's `torch.distributed.pipelin
   interleaved_zb    the same over v >= 2 chunks (`ScheduleInterleavedZeroBubble`).
   zbv               ZB-V: v = 2 in a V placement, loss on stage 0 (`ScheduleZBVZeroBubble`).
 
+DualPipeV (DeepSeek-V3, `dual_pipe.py`; the order of PyTorch's `ScheduleDualPipeV`):
+  dualpipev         v = 2 in zbv's V; in the steady state a forward of one chunk runs
+                    overlapped with a whole backward (B) of the other, the pair listed forward
+                    first (`Schedule.paired`); the step's first and last backwards are split
+                    (I, W). m >= 2p.
+
 Each schedule is one row of `SPECS` (its orders, placement, chunk and microbatch rules), which
 every other module reads instead of testing names; `check` holds the rules. `timing.py` runs
-the orders event-driven (no ticks, zero latency). The package imports in one direction: this
-module (orders, pure data) <- `timing.py` <- `tick_table.py` (the lockstep table the executor
-runs) <- `analysis.py` (replays and times a table) <- `executor`.
+the orders event-driven (no ticks, zero latency). The package imports in one direction:
+`zero_bubble` and `dual_pipe` (orders) <- this module (orders, pure data) <- `timing.py` <-
+`tick_table.py` (the lockstep table the executor runs) <- `analysis.py` (replays and times a
+table) <- `executor`.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jaxmeg.pipeline.dual_pipe as dual_pipe
 import jaxmeg.pipeline.zero_bubble as zero_bubble
 
 Action = tuple[str, int, int]
@@ -71,8 +79,10 @@ class ScheduleSpec:
     interleaved: its chunks take turns on a stage (the planner gives it v >= 2)
     split_backward: backwards run as I then W (zero-bubble)
     steady_rings: its rings stop growing with m (`tick_table.build_tick_table`)
-    microbatches: "any", "multiple_of_stages" (Megatron's interleaving) or "rounds"
-        (`zero_bubble.rounds`)
+    microbatches: "any", "multiple_of_stages" (Megatron's interleaving), "rounds"
+        (`zero_bubble.rounds`) or "twice_stages" (m >= 2p, `dual_pipe.check_microbatches`)
+    pairs(p, s, m) -> the positions in stage s's order of the forwards that run overlapped
+        with the backward listed right after them (None: none do)
     uneven_stages: it runs `parallel.stage_layers` (one chunk per stage)
     one_chunk_form: the schedule it becomes with one chunk, for the error that says so
     """
@@ -88,6 +98,7 @@ class ScheduleSpec:
     microbatches: str = "any"
     uneven_stages: bool = False
     one_chunk_form: str | None = None
+    pairs: Callable[[int, int, int], tuple[int, ...]] | None = None
 
     @property
     def chunked(self) -> bool:
@@ -121,6 +132,10 @@ def _zbv(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
     return zero_bubble.v_order(p, s, m)
 
 
+def _dualpipev(p: int, s: int, m: int, v: int, warmup: str) -> tuple[Action, ...]:
+    return dual_pipe.v_order(p, s, m)
+
+
 SPECS: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
@@ -143,6 +158,10 @@ SPECS: dict[str, ScheduleSpec] = {
         ScheduleSpec(
             "zbv", _zbv, placement="v", min_chunks=2, max_chunks=2, interleaved=True,
             split_backward=True, steady_rings=True, microbatches="rounds",
+        ),
+        ScheduleSpec(
+            "dualpipev", _dualpipev, placement="v", min_chunks=2, max_chunks=2, interleaved=True,
+            split_backward=True, microbatches="twice_stages", pairs=dual_pipe.pairs,
         ),
     )
 }  # fmt: skip
@@ -212,6 +231,11 @@ def check(name: str, p: int, m: int, v: int) -> None:
             f"{name} needs num_microbatches ({m}) to be a multiple of num_stages ({p})",
             "num_microbatches",
         )
+    if row.microbatches == "twice_stages":
+        try:
+            dual_pipe.check_microbatches(p, m)
+        except ValueError as err:
+            raise ScheduleCheckError(str(err), "num_microbatches") from None
     if row.microbatches == "rounds":
         try:
             zero_bubble.rounds(p, m)
@@ -224,7 +248,8 @@ class Schedule:
     """The per-stage action orders of one schedule; `.order(stage)` is what a stage runs.
 
     Every stage's order holds, for each (microbatch, chunk) once, F and then B, or F, I, W in
-    that order.
+    that order. `paired[s]`: the positions in stage s's order of the forwards that run
+    overlapped with the backward right after them (DualPipeV's F&B; empty for the others).
     """
 
     name: str
@@ -233,6 +258,7 @@ class Schedule:
     num_chunks: int
     warmup: str
     orders: tuple[tuple[Action, ...], ...]
+    paired: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _check_orders(self)
@@ -292,6 +318,14 @@ def _check_orders(schedule: Schedule) -> None:
                     f"stage {s} order must run F then B, or F, I, W, for each of the {m} "
                     f"microbatches x {v} chunks; (mb={mb}, chunk={c}) runs {ran}"
                 )
+    if schedule.paired and len(schedule.paired) != p:
+        raise ValueError(f"paired has {len(schedule.paired)} stages, num_stages is {p}")
+    for s, positions in enumerate(schedule.paired):
+        order = schedule.orders[s]
+        for i in positions:
+            kinds = "".join(a[0] for a in order[i : i + 2])
+            if kinds != "FB":
+                raise ValueError(f"stage {s}: a pair at {i} must be F then B, got {kinds!r}")
 
 
 def _as_int(field: str, value: Any) -> int:
@@ -372,5 +406,7 @@ def build(
             f"use m >= p",
             stacklevel=2,
         )
-    orders = tuple(SPECS[name].orders(p, s, m, v, warmup) for s in range(p))
-    return Schedule(name, p, m, v, warmup, orders)
+    row = SPECS[name]
+    orders = tuple(row.orders(p, s, m, v, warmup) for s in range(p))
+    paired = () if row.pairs is None else tuple(row.pairs(p, s, m) for s in range(p))
+    return Schedule(name, p, m, v, warmup, orders, paired)

@@ -33,6 +33,12 @@ B does, and keeps the matmul inputs and output cotangents for W in the `wstore` 
 third slot that sends nothing. With F, I and W of one cost each, every tick lasts one action
 and a hop one tick in both directions, so the lockstep grid is the asynchronous schedule.
 
+Paired ticks (DualPipeV, `Schedule.paired`): one action per stage and tick as above, but a
+forward that the order pairs with the backward after it runs in the same tick as that
+backward (if it is ready then), one microbatch's F and another's B in one slot of the executor
+(F&B), each one's communication under the other's compute. A table may mix whole backwards
+(B) and split ones (I, W).
+
 The table is columns of int32 [num_ticks, p]; a later action kind or payload (compressed
 ppermute) adds columns, not a new format.
 """
@@ -56,6 +62,8 @@ FIELDS = (
     "recv_act_back_slot", "recv_cot_back_slot", "recv_act_local_slot", "recv_cot_local_slot",
 )  # fmt: skip
 STEADY_STATE_MICROBATCHES_PER_STAGE = 2
+TWO_SLOTS, ONE_ACTION, PAIRS = "two_slots", "one_action", "pairs"
+"""How a stage's actions share a tick (`TickTable.ticks`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,7 +86,10 @@ class TickTable:
         recv_act_local_slot, recv_cot_local_slot: what a stage hands itself (the V's turn on
         stage p - 1). -1 for every other placement.
     num_input_slots (K), num_cot_slots (J), num_w_slots: ring sizes, max over stages.
-    unit: one action per stage and tick (split backwards), else F then B in a tick.
+    ticks: how a stage's actions share a tick: TWO_SLOTS (an F then a B; whole backwards),
+        ONE_ACTION (one action; zero-bubble) or PAIRS (one action, or an F&B pair; DualPipeV)
+    split: the schedule splits backwards (I and W): the forward keeps what W reads, there is
+        a W slot and a `wstore` ring (DualPipeV: some backwards split, some whole)
     """
 
     f_mb: np.ndarray
@@ -103,7 +114,8 @@ class TickTable:
     num_input_slots: int
     num_cot_slots: int
     num_w_slots: int = 0
-    unit: bool = False
+    ticks: str = "two_slots"
+    split: bool = False
     placement: str = "interleaved"
     """The schedule's chunk placement (`schedules.placement_of`)."""
 
@@ -114,6 +126,18 @@ class TickTable:
         if self.placement == "v":
             return np.where(chunks == 1, 2 * p - 1 - stage, stage)
         return chunks * p + stage
+
+    @property
+    def whole_backwards(self) -> bool:
+        """Whether any backward runs whole (B), in a table that may also split some."""
+        return bool(((self.b_mb >= 0) & (self.b_split == 0)).any())
+
+    @property
+    def paired(self) -> np.ndarray:
+        """bool [num_ticks, p]: the (tick, stage) cells whose F and B run as one F&B slot."""
+        if self.ticks != PAIRS:
+            return np.zeros(self.f_mb.shape, bool)
+        return (self.f_mb >= 0) & (self.b_mb >= 0)
 
     @property
     def num_ticks(self) -> int:
@@ -167,8 +191,10 @@ class _Packer:
         self.inputs = [_Slots() for _ in range(self.p)]
         self.cots = [_Slots() for _ in range(self.p)]
         self.wstore = [_Slots() for _ in range(self.p)]
-        self.unit = split_backward(schedule)
-        self.busy: set[int] = set()  # stages that ran an action in this tick (unit ticks)
+        self.split = split_backward(schedule)
+        self.ticks = PAIRS if schedule.paired else ONE_ACTION if self.split else TWO_SLOTS
+        self.paired = [set(positions) for positions in schedule.paired] or [set()] * self.p
+        self.busy: set[int] = set()  # stages that ran their tick's last action
         self.rows: list[dict[str, list[int]]] = []
 
     def virtual(self, stage: int, chunk: int) -> int:
@@ -202,8 +228,9 @@ class _Packer:
 
     def run(self, kind: str, s: int, mb: int, c: int, t: int) -> None:
         self.ran_at[(kind, self.virtual(s, c), mb)] = t
+        pairs_with_next = kind == "F" and self.position[s] in self.paired[s]
         self.position[s] += 1
-        if self.unit:
+        if self.ticks != TWO_SLOTS and not pairs_with_next:
             self.busy.add(s)
 
     def forward_slot(self, t: int, row: dict[str, list[int]]) -> None:
@@ -234,7 +261,7 @@ class _Packer:
 
     def backward_slot(self, t: int, row: dict[str, list[int]]) -> None:
         """B or I (mb, u) runs if B or I (mb, u + 1) ran before tick t (u last: if F(mb, u)
-        ran by t; in unit ticks, before it)."""
+        ran by t with TWO_SLOTS, else before it)."""
         p, v = self.p, self.v
         sent = []
         for s in range(p):
@@ -244,7 +271,7 @@ class _Packer:
             mb, c = action
             u = self.virtual(s, c)
             if u == p * v - 1:
-                if not self.ran_before("F", u, mb, t + 1):
+                if not self.ran_before("F", u, mb, t + (self.ticks == TWO_SLOTS)):
                     continue
                 cot_slot = self.cots[s].pop((c, mb)) if p * v > 1 else -1
             elif self.ran_before("B", u + 1, mb, t):
@@ -353,5 +380,6 @@ def build_tick_table(schedule: Schedule) -> TickTable:
     input_slots, cot_slots, w_slots = sizes
     return TickTable(
         **arrays, num_input_slots=max(input_slots, 1), num_cot_slots=max(cot_slots, 1),
-        num_w_slots=w_slots, unit=packer.unit, placement=schedule.placement,
+        num_w_slots=w_slots, ticks=packer.ticks, split=packer.split,
+        placement=schedule.placement,
     )  # fmt: skip

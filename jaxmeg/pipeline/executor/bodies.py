@@ -11,6 +11,10 @@ microbatch's tokens and targets. A slot runs the body of its kind as a loop of 0
      with p v = 1 chunk + head + loss under one `jax.vjp`, then the embedding: plain training.
   I  a split backward's input half: the input cotangent, the norm and bias gradients and what W
      needs, kept in the `wstore` ring.  W  the weight gradients dW = X^T dY from `wstore`.
+     In a table that also splits backwards (DualPipeV), a whole B is I with its W at once.
+  F&B  one microbatch's F and another's whole B in one loop (`paired_slot`): B's operands are
+     read before F writes the rings, so nothing orders B after F, and a GPU's scheduler can
+     run each one's collectives under the other's GEMMs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from jaxmeg.pipeline.executor.columns import (
     F_FIRST,
     F_LAST,
     F_MIDDLE,
+    FB_KINDS,
     I_CHUNK,
     I_FIRST,
     REDUCING_OF,
@@ -67,6 +72,12 @@ class At:
     row: dict
 
 
+def _present(plan: Plan, kinds: dict) -> dict:
+    """The kinds that run somewhere in the step (a loop that never runs is not built)."""
+    columns = plan.columns.columns
+    return {k: fn for k, fn in kinds.items() if (columns[k.column] == k.code).any()}
+
+
 def _run_slot(kinds: dict, plan: Plan, st: Stage, at: At, state: dict, batch) -> dict:
     """Each kind's body as a loop of 0 or 1 trips, run where the row holds its code."""
     for kind, fn in kinds.items():
@@ -82,7 +93,7 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
     """The chunk's forward, and what it keeps for the backward (nothing when it recomputes)."""
     if not plan.store:
         return plan.fns.chunk(plan.taken(at.cp), x, at.real), []
-    if plan.table.unit:
+    if plan.table.split:
         taps = st.zero_taps(at.cp, x)
         y, traced, stored, inputs = residuals.forward_split(
             st.tapped(at.real), *plan.split.split_weights(at.cp, taps), x, taps
@@ -103,7 +114,7 @@ def _keep(plan: Plan, at: At, r: dict, stored) -> dict:
     def write(bufs, leaves):
         return jax.tree.map(lambda buf, leaf: rings.write(buf, at.slot, leaf), bufs, leaves)
 
-    if plan.table.unit and plan.store:
+    if plan.table.split and plan.store:
         stored, inputs = stored
         return {"stored": write(r["stored"], stored),
                 "matmul_inputs": write(r["matmul_inputs"], inputs)}  # fmt: skip
@@ -158,6 +169,8 @@ def forward_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
         kinds = {F_EMBED: f_embed}
     else:
         kinds = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
+    if plan.paired:  # some kinds may run only in the F&B slot
+        kinds = _present(plan, kinds)
     state = {k: c[k] for k in F_STATE if k in c}
     return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
 
@@ -244,9 +257,10 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     }
 
 
-def _input_backward(plan: Plan, st: Stage, at: At, a: dict):
+def _input_backward(plan: Plan, st: Stage, at: At, a: dict, whole: bool = False):
     """I: (d_x, the gradients of the chunk's other params, what W needs) from the stored
-    residuals, or by rerunning the chunk (`model.remat` full)."""
+    residuals, or by rerunning the chunk (`model.remat` full). `whole` (a B in a table of split
+    backwards): the weight gradients are added at once instead of kept for W."""
     sf = plan.split
     x = a["inputs"][at.slot]
     cot = a["cots"][jnp.maximum(at.row["b_cot_slot"], 0)]
@@ -262,23 +276,36 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: dict):
             rest, x, taps, has_aux=True,
         )  # fmt: skip
         d_rest, d_x, d_taps = pullback(cot)
-    w_slot = jnp.maximum(at.row["b_w_slot"], 0)
-    wstore = jax.tree.map(
-        lambda buf, leaf: rings.write(buf, w_slot, leaf),
-        a["wstore"], {"inputs": inputs, "dys": d_taps},
-    )  # fmt: skip
+    written = {}
+    if not whole:
+        w_slot = jnp.maximum(at.row["b_w_slot"], 0)
+        written["wstore"] = jax.tree.map(
+            lambda buf, leaf: rings.write(buf, w_slot, leaf),
+            a["wstore"], {"inputs": inputs, "dys": d_taps},
+        )  # fmt: skip
     g_weights, g_rest = sf.split_weights(a["g_stage"], taps)
     g_rest = gradients.accumulate_at(g_rest, at.index, d_rest)
-    return d_x, {"g_stage": sf.merge_weights(g_weights, g_rest), "wstore": wstore}
+    g_stage = sf.merge_weights(g_weights, g_rest)
+    if whole:
+        g_stage = _add_weight_grads(sf, g_stage, at.index, {"inputs": inputs, "dys": d_taps})
+    return d_x, {**written, "g_stage": g_stage}
 
 
-def i_middle(plan, st, at, a, tokens, targets):
-    d_x, written = _input_backward(plan, st, at, a)
+def _add_weight_grads(sf, g_stage, index, kept):
+    """g_stage with dW = X^T dY of `kept` ({"inputs", "dys"}) added at chunk `index`."""
+    d_weights = sf.weight_grads(kept["inputs"], kept["dys"])
+    g_weights, g_rest = sf.split_weights(g_stage, kept["dys"])
+    g_weights = gradients.accumulate_at(g_weights, index, d_weights)
+    return sf.merge_weights(g_weights, g_rest)
+
+
+def i_middle(plan, st, at, a, tokens, targets, whole=False):
+    d_x, written = _input_backward(plan, st, at, a, whole)
     return {**a, **written, "d_x": d_x.astype(a["d_x"].dtype)}
 
 
-def i_first(plan, st, at, a, tokens, targets):
-    d_x, written = _input_backward(plan, st, at, a)
+def i_first(plan, st, at, a, tokens, targets, whole=False):
+    d_x, written = _input_backward(plan, st, at, a, whole)
     d_shared = _embed_backward(plan, st, d_x, tokens)
     return {**a, **written, "g_shared": gradients.accumulate(a["g_shared"], d_shared)}
 
@@ -293,19 +320,81 @@ def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict
     slot = jnp.maximum(row["b_slot"], 0)
     batch = st.batch(mb)
     at = At(cp, real, slot, st.chunk_at(chunk), row)
-    if plan.whole_model:
-        kinds = {B_WHOLE: b_whole}
-    elif plan.table.unit:
-        kinds = {I_CHUNK: i_middle, I_FIRST: i_first}
-    else:
-        kinds = {B_CHUNK: b_middle, B_FIRST: b_first}
-    if plan.reduce_layers and not plan.table.unit:  # with a split backward W reduces
+    kinds = _backward_kinds(plan)
+    if plan.reduce_layers and not plan.table.split:  # with a split backward W reduces
         kinds.update({REDUCING_OF[k]: partial(fn, last=True) for k, fn in kinds.items()})
     if cells is not None:
         runs = plan.columns.columns["b_kind"][cells]
         kinds = {kind: fn for kind, fn in kinds.items() if (runs == kind.code).any()}
     state = {k: c[k] for k in (*B_STATE, *_scattering(plan)) if k in c}
     return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
+
+
+def _backward_kinds(plan: Plan) -> dict:
+    """The B slot's kinds and their bodies: in a table that splits backwards, I, and B (where
+    some stay whole) as I with its W at once."""
+    if plan.whole_model:
+        return {B_WHOLE: b_whole}
+    if not plan.table.split:
+        return {B_CHUNK: b_middle, B_FIRST: b_first}
+    return {I_CHUNK: i_middle, I_FIRST: i_first, **_present(plan, _whole_backwards(plan))}
+
+
+def _whole_backwards(plan: Plan) -> dict:
+    """The bodies of a whole B of a chunk and of the first virtual stage."""
+    if not plan.table.split:
+        return {B_CHUNK: b_middle, B_FIRST: b_first}
+    return {B_CHUNK: partial(i_middle, whole=True), B_FIRST: partial(i_first, whole=True)}
+
+
+# -- F&B ----------------------------------------------------------------------------------------
+
+B_READS = ("inputs", "cots", "stored", "matmul_inputs")
+"""The rings a backward reads and the F slot writes."""
+
+
+def paired_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+    """The F&B slot (DualPipeV): where the table pairs a stage's F and B in one tick, the
+    forward of its kind and the whole backward of its kind in one loop. The backward's operands
+    (its stage input, residuals and output cotangent) are taken from the rings first, and pass
+    an optimization barrier with the rings before the forward writes into them: the forward's
+    in-place writes wait only for those reads, and the backward's compute for nothing of the
+    forward, so the two are independent in the program."""
+    f_chunk, b_chunk = row["f_chunk"], row["b_chunk"]
+    f_at = At(st.slot_params(c, "f", f_chunk), st.real_layers(f_chunk),
+              jnp.maximum(row["f_slot"], 0), None, row)  # fmt: skip
+    b_slot, cot_slot = jnp.maximum(row["b_slot"], 0), jnp.maximum(row["b_cot_slot"], 0)
+    b_row = {**row, "b_cot_slot": jnp.zeros_like(row["b_cot_slot"])}
+    b_at = At(st.slot_params(c, "b", b_chunk), st.real_layers(b_chunk), 0,
+              st.chunk_at(b_chunk), b_row)  # fmt: skip
+    forwards = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
+    backwards = _whole_backwards(plan)
+    batches = (*st.batch(jnp.maximum(row["f_mb"], 0)), *st.batch(jnp.maximum(row["b_mb"], 0)))
+
+    def one_slot(a):
+        taken = {k: a[k] for k in B_READS if k in a}
+        slot_of = {"cots": cot_slot}
+        return {
+            k: jax.tree.map(
+                lambda buf, k=k: jax.lax.dynamic_slice_in_dim(buf, slot_of.get(k, b_slot), 1),
+                ring,
+            )
+            for k, ring in taken.items()
+        }
+
+    def pair(f_fn, b_fn, a, f_tokens, f_targets, b_tokens, b_targets):
+        a, read = jax.lax.optimization_barrier((a, one_slot(a)))
+        after_f = f_fn(plan, st, f_at, a, f_tokens, f_targets)
+        after_b = b_fn(plan, st, b_at, {**after_f, **read}, b_tokens, b_targets)
+        return {**after_b, **{k: after_f[k] for k in read}}
+
+    state = {k: c[k] for k in dict.fromkeys((*F_STATE, *B_STATE)) if k in c}
+    present = _present(plan, {kind: kinds for kinds, kind in FB_KINDS.items()})
+    for kind, (f_kind, b_kind) in present.items():
+        body = partial(pair, forwards[f_kind], backwards[b_kind])
+        active = row[kind.column] == kind.code
+        state = slots.run_if(active, body, state, kind.scope, batches)
+    return {**c, **state}
 
 
 # -- W ------------------------------------------------------------------------------------------
@@ -325,10 +414,7 @@ def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
         if reducing:
             layers = _weight_layers(sf, a["g_stage"], at, kept)
             return {**a, **_accumulate(plan, a, at, layers, last=True)}
-        d_weights = sf.weight_grads(kept["inputs"], kept["dys"])
-        g_weights, g_rest = sf.split_weights(a["g_stage"], kept["dys"])
-        g_weights = gradients.accumulate_at(g_weights, at, d_weights)
-        return {**a, "g_stage": sf.merge_weights(g_weights, g_rest)}
+        return {**a, "g_stage": _add_weight_grads(sf, a["g_stage"], at, kept)}
 
     state = {k: c[k] for k in ("g_stage", "wstore", *_scattering(plan))}
     if not plan.reduce_layers:

@@ -164,7 +164,7 @@ class Stage:
         self.kept = self.w_avals = None
         x = _varying(self.zeros_x(), plan.manual)
         real = self.real_layers(0)
-        if plan.store and plan.table.unit:
+        if plan.store and plan.table.split:
             taps = self.zero_taps(self.whole_chunk, x)
             self.kept = residuals.forward_split(
                 self.tapped(real), *sf.split_weights(self.whole_chunk, taps), x, taps
@@ -173,7 +173,7 @@ class Stage:
             self.kept = residuals.trace_split(
                 lambda cp, x_: plan.fns.chunk(cp, x_, real), plan.taken(self.whole_chunk), x
             )
-        if plan.table.unit:  # what I keeps for W: the matmul inputs and their output cotangents
+        if plan.table.split:  # what I keeps for W: the matmul inputs and their output cotangents
             taps = self.zero_taps(self.whole_chunk, x)
             inputs = jax.eval_shape(
                 lambda cp, x_, t: sf.chunk(cp, x_, real, t)[1], self.whole_chunk, x, taps
@@ -209,7 +209,7 @@ def initial(plan: Plan, st: Stage, links) -> dict:
         "y": st.zeros_x(),  # the activation the F slot sends
         "d_x": st.zeros_x(),  # the input cotangent the B slot sends
     }
-    if table.unit:
+    if table.split:
         carry["wstore"] = _ring(table.num_w_slots, st.w_avals)
         if plan.store:  # the matmul inputs from the forward until I moves them to `wstore`
             carry["matmul_inputs"] = _ring(table.num_input_slots, st.w_avals["inputs"])

@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxmeg.pipeline.tick_table import FIELDS, TickTable
+from jaxmeg.pipeline.tick_table import FIELDS, PAIRS, TickTable
 
 IDLE = 0
 
@@ -81,12 +81,24 @@ REDUCE_BESIDE_B = SlotKind("reduce_beside_b", "a chunk's data mean in one loop w
 B_ALONE = SlotKind("b_alone", "the B slot where no mean runs beside it")
 F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED)
 B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST, *REDUCING_OF.values())
+PAIR_CODE = 16
+"""An F&B slot's code: its F kind's code x PAIR_CODE + its B kind's."""
+FB_KINDS: dict[tuple[SlotKind, SlotKind], SlotKind] = {
+    (f, b): SlotKind(
+        f"{f.scope}_with_{b.scope}", f"F&B: {f.what}, beside {b.what}", "fb_kind",
+        f.code * PAIR_CODE + b.code,
+    )
+    for f in (F_FIRST, F_MIDDLE, F_LAST)
+    for b in (B_CHUNK, B_FIRST)
+}  # fmt: skip
+"""The F&B slots (DualPipeV): one microbatch's forward and another's whole backward in one
+loop, where the tick table pairs them (`TickTable.paired`)."""
 SLOT_KINDS: dict[str, SlotKind] = {
     kind.scope: kind
     for kind in (
-        *F_KINDS, *B_KINDS, W_CHUNK, W_CHUNK_REDUCING, *SENDS, *RECEIVE.values(), *GATHER.values(),
-        *FETCH.values(), COMPRESS_LINK, REDUCE_CHUNK, REDUCE_POWERSGD, REDUCE_TAKE, REDUCE_WRITE,
-        REDUCE_BESIDE_B, B_ALONE,
+        *F_KINDS, *B_KINDS, *FB_KINDS.values(), W_CHUNK, W_CHUNK_REDUCING, *SENDS,
+        *RECEIVE.values(), *GATHER.values(), *FETCH.values(), COMPRESS_LINK, REDUCE_CHUNK,
+        REDUCE_POWERSGD, REDUCE_TAKE, REDUCE_WRITE, REDUCE_BESIDE_B, B_ALONE,
     )
 }  # fmt: skip
 """The one table: every scope the executor's tick runs something under."""
@@ -123,17 +135,19 @@ def _kinds(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def final_backward_chunks(table: TickTable) -> np.ndarray:
-    """int32 [num_ticks, p]: the chunk whose last backward (split backwards: last W) on that
-    stage runs in that tick (its gradients are final from then on), -1 elsewhere."""
-    mbs, chunks = (table.w_mb, table.w_chunk) if table.unit else (table.b_mb, table.b_chunk)
+    """int32 [num_ticks, p]: the chunk whose last gradient-making action on that stage (a whole
+    B, or a split backward's W) runs in that tick (its gradients are final from then on), -1
+    elsewhere."""
+    whole = (table.b_mb >= 0) & (table.b_split == 0)
     final = np.full(table.b_mb.shape, -1, np.int32)
     for s in range(table.num_stages):
         seen: set[int] = set()
         for t in reversed(range(table.num_ticks)):
-            chunk = int(chunks[t, s])
-            if mbs[t, s] >= 0 and chunk not in seen:
-                seen.add(chunk)
-                final[t, s] = chunk
+            for ran, chunk in ((table.w_mb[t, s] >= 0, table.w_chunk[t, s]),
+                               (whole[t, s], table.b_chunk[t, s])):  # fmt: skip
+                if ran and int(chunk) not in seen:
+                    seen.add(int(chunk))
+                    final[t, s] = chunk
     return final
 
 
@@ -306,13 +320,20 @@ def slot_columns(
     final = final_backward_chunks(table)
     reducing_at = final >= 0 if reduce_layers else None
     columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reducing_at)
+    if table.ticks == PAIRS:  # a paired cell runs its F and B in the F&B slot only
+        paired = table.paired
+        pair = columns["f_kind"] * PAIR_CODE + columns["b_kind"]
+        columns["fb_kind"] = np.where(paired, pair, IDLE).astype(np.int32)
+        columns["f_kind"] = np.where(paired, IDLE, columns["f_kind"]).astype(np.int32)
+        columns["b_kind"] = np.where(paired, IDLE, columns["b_kind"]).astype(np.int32)
     columns[REDUCE_CHUNK.scope] = final
     if gathering:
         columns[GATHER["f"].scope], columns[GATHER["b"].scope] = gather_columns(table)
     patterns = _send_columns(table, v, compress, columns)
-    branches = {kind.scope: columns[kind.column] == kind.code for kind in (*F_KINDS, *B_KINDS)}
+    kinds = (*F_KINDS, *B_KINDS, *(FB_KINDS.values() if "fb_kind" in columns else ()))
+    branches = {kind.scope: columns[kind.column] == kind.code for kind in kinds}
     branches[W_CHUNK.scope] = table.w_mb >= 0
-    if reduce_layers and table.unit:  # the chunk's last W reduces its layers
+    if reduce_layers and table.split:  # the chunk's last W reduces its layers
         columns[W_CHUNK_REDUCING.scope] = reducing_at
         branches[W_CHUNK_REDUCING.scope] = columns[W_CHUNK_REDUCING.scope]
         branches[W_CHUNK.scope] = branches[W_CHUNK.scope] & ~branches[W_CHUNK_REDUCING.scope]

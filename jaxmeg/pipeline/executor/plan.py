@@ -16,7 +16,7 @@ from jaxmeg.pipeline import gradients
 from jaxmeg.pipeline.executor.columns import LATE_COLUMNS, SlotColumns, slot_columns
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
 from jaxmeg.pipeline.layout import StageLayout
-from jaxmeg.pipeline.tick_table import TickTable
+from jaxmeg.pipeline.tick_table import PAIRS, TickTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,8 @@ class Plan:
         dW; a mean, or a sharded optimizer's reduce-scatter into `g_reduced`. `pending` (the
         scatter after the slot) then takes only the first layer
     split_sends: scatter/gather over `tensor` on the pipe links
-    v_shape: a V placement (zbv), sending both ways
+    v_shape: a V placement (zbv, dualpipev), sending both ways
+    paired: the table runs F&B pairs (`TickTable.paired`) in one slot (`bodies.paired_slot`)
     late_cotangents: a B slot's cotangent leaves at the start of the next tick and arrives
         before that tick's B slot (`overlap_sends` without pipe compression)
     fused: the shared gradients reduced by `gradients.fused_sync`
@@ -83,6 +84,7 @@ class Plan:
     reduce_layers: bool
     split_sends: bool
     v_shape: bool
+    paired: bool
     late_cotangents: bool
     fused: bool
     ordered: bool
@@ -141,12 +143,10 @@ def _check(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mes
             f"layout has {p} stages, the mesh's pipe axis {mesh.shape['pipe']}, the tick table "
             f"{table.num_stages}"
         )
-    whole_split = ((table.b_mb >= 0) & (table.b_split == 0)).any()
-    if table.unit and (fns.split is None or p * v == 1 or whole_split):
+    if table.split and (fns.split is None or p * v == 1):
         raise ValueError(
             f"the tick table splits backwards into I and W: the stage functions need `split`, "
-            f"the pipeline more than one virtual stage (p v = {p * v}) and every backward "
-            f"split (no B among I and W)"
+            f"and the pipeline more than one virtual stage (p v = {p * v})"
         )
     if table.placement == "v" and layout.placement != "v":
         raise ValueError("the tick table runs a V placement (zbv); the stage layout is not one")
@@ -201,10 +201,16 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     pc, dc = options.pipe_compression, options.data_compression
     manual = gradients.manual_axes(mesh.shape)
     fused = options.fused_embedding_sync and p > 1
-    reduce_beside_b = options.overlap_sends and reduce_in_loop and not zero.stage and dc is None
+    reduce_beside_b = (
+        options.overlap_sends and reduce_in_loop and not zero.stage and dc is None
+        and table.ticks != PAIRS
+    )  # fmt: skip
+    # a chunk's last B reduces its layers (whole backwards, per-layer chunks), or its last W
+    # (split backwards); not where a chunk's last action may be either (DualPipeV)
+    last_reduces = not table.whole_backwards if table.split else fns.per_layer
     reduce_layers = bool(
         options.overlap_sends and reduce_in_loop and dc is None
-        and (fns.per_layer or table.unit) and layout.layers_per_chunk > 1
+        and last_reduces and layout.layers_per_chunk > 1
     )  # fmt: skip
     columns = slot_columns(
         table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
@@ -241,6 +247,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         reduce_layers=reduce_layers,
         split_sends=options.scatter_gather and mesh.shape.get("tensor", 1) > 1,
         v_shape=table.placement == "v",
+        paired=table.ticks == PAIRS,
         late_cotangents=late_cotangents,
         fused=fused,
         ordered=mesh.devices.flat[0].platform == "cpu",

@@ -58,10 +58,11 @@ class Program:
 
 def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
     """One tick of every stage, in schedule order: ZeRO-3 takes its gathered chunks, the
-    in-loop reduction starts, F runs and sends, B (or I, then W) runs, what F sent arrives, B's
-    cotangent is sent and arrives, the reduction is written back. With late cotangents the
-    previous tick's B cotangent leaves first and arrives after F, so that each send has a slot
-    to overlap: B's with F, F's with B. On CPU devices each runs after the one before on every
+    in-loop reduction starts, F runs (where a table pairs F and B: F alone, then the F&B slot)
+    and sends, B (or I, then W) runs, what F sent arrives, B's cotangent is sent and arrives,
+    the reduction is written back. With late cotangents the previous tick's B cotangent leaves
+    first and arrives after F (before the F&B slot, which reads it), so that each send has a
+    slot to overlap: B's with F, F's with B. On CPU devices each runs after the one before on every
     device (`Plan.ordered`, `slots.ordered_tick`)."""
     with slots.ordered_tick(plan.ordered):
         return _tick(plan, st, t, c, step)
@@ -77,11 +78,15 @@ def _tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
         late = st.late_row(t)
         arrived_cot = _sent(plan, c["d_x"], late, SEND_COT, SEND_COT_BACK)
     c = bodies.forward_slot(plan, st, c, row)
+    if plan.paired:
+        if plan.late_cotangents:
+            c = {**c, "cots": beside.arrive(plan, c["cots"], late, "cot", "cot", arrived_cot)}
+        c = bodies.paired_slot(plan, st, c, row)
     arrived_x = _sent(plan, c["y"], row, SEND_X, SEND_X_BACK)
-    if plan.late_cotangents:
+    if plan.late_cotangents and not plan.paired:
         c = {**c, "cots": beside.arrive(plan, c["cots"], late, "cot", "cot", arrived_cot)}
     c = _backward(plan, st, c, row)
-    if plan.table.unit:
+    if plan.table.split:
         c = bodies.weight_slot(plan, st, c, row)
     c = {**c, "inputs": beside.arrive(plan, c["inputs"], row, "act", "x", arrived_x)}
     if not plan.late_cotangents:
