@@ -4,13 +4,15 @@
       --chunks 2 --out schedule.png
   python scripts/plot_schedule.py --schedule zbv --stages 4 --microbatches 8 --chunks 2 \
       --out zbv.png
+  python scripts/plot_schedule.py --schedule dualpipev --stages 4 --microbatches 8 \
+      --chunks 2 --out dualpipev.png
   python scripts/plot_schedule.py --table      # efficiency tables of docs/benchmarks.md and
-                                               # docs/schedules.md (zero bubble)
+                                               # docs/schedules.md (zero bubble, DualPipeV)
 
 Rows are stages, columns ticks; each tick is split into its F slot (light) and B slot (dark,
-hatched), or for a split backward (zb_h1, interleaved_zb, zbv) holds one action, F, I (hatched)
-or W (dotted); cells are coloured by microbatch and labelled microbatch.chunk; idle slots stay
-blank. The title gives the bubble, the lockstep efficiency and the asynchronous bound.
+hatched), or for a split backward (zb_h1, interleaved_zb, zbv, dualpipev) holds one action, F,
+B or I (hatched) or W (dotted), or DualPipeV's F&B pair as two halves; cells are coloured by
+microbatch and labelled microbatch.chunk; idle slots stay blank. The title gives the bubble, the lockstep efficiency and the asynchronous bound.
 Needs matplotlib (imported only when drawing).
 """
 
@@ -59,12 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.table:
-        from jaxmeg.pipeline.analysis import efficiency_tables, zero_bubble_table
+        from jaxmeg.pipeline.analysis import (
+            dualpipev_table,
+            efficiency_tables,
+            zero_bubble_table,
+        )
 
         print(efficiency_tables())
         print("\nZero bubble (docs/schedules.md): lockstep efficiency, F = I = W = 1 (held "
               "microbatches whole + split)\n")  # fmt: skip
         print(zero_bubble_table())
+        print("\nDualPipeV against DeepSeek's formulas and zbv (docs/schedules.md)\n")
+        print(dualpipev_table())
         return 0
     if args.stages is None or args.microbatches is None:
         parser.error("--stages and --microbatches are required (or --table)")

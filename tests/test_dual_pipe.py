@@ -145,3 +145,34 @@ def test_the_f_and_b_slot_is_in_the_step_and_nothing_in_it_can_hang():
     _, text = run_checked_text(trainable, make_loss_and_grads(trainable), params, *batch)
     scopes = {kind.scope for kind in FB_KINDS.values() if f"/{kind.scope}/" in text}
     assert scopes == {"f_first_with_b_middle", "f_last_with_b_first", "f_middle_with_b_middle"}
+
+
+def test_schedules_doc_holds_the_current_dualpipev_table():
+    doc = (Path(__file__).parent.parent / "docs" / "schedules.md").read_text()
+    assert analysis.dualpipev_table() in doc, (
+        "regenerate with: python scripts/plot_schedule.py --table"
+    )
+
+
+def test_the_performance_model_prices_the_lockstep_pairs():
+    """The planner's bubble for dualpipev is its lockstep table's (a tick lasts its slowest
+    pair), zbv's its orders'; the expert all-to-all is hidden in the share of actions that run
+    in pairs, so with the same bubble an MoE layer's time falls by that share of its
+    exchange."""
+    from jaxmeg.config_io import load
+    from jaxmeg.perf import experts, model
+    from jaxmeg.perf.hardware import load_hardware
+    from jaxmeg.perf.layout import Layout
+    from jaxmeg.perf.shape import shape_of
+
+    assert model.pipeline_bubble("dualpipev", 4, 8, 2) == pytest.approx(0.25)  # 6 / 24
+    assert model.pipeline_bubble("zbv", 4, 8, 2) == pytest.approx(0.0625)  # 1.5 / 24
+    share = model.paired_share("dualpipev", 4, 32, 2)
+    assert 0.8 < share < 0.9 and model.paired_share("zbv", 4, 32, 2) == 0.0
+    cfg = load(Path(__file__).parent.parent / "configs" / "mixtral_8x7b.yaml")
+    shape = shape_of(cfg.model, cfg.moe)
+    hw = load_hardware("h100_dgx")
+    layout = Layout(tensor=1, data=1, pipe=2, expert=8, chunks=2, microbatches=8, schedule="zbv")
+    exposed = experts.moe_seconds(shape, layout, hw)
+    hidden = experts.moe_seconds(shape, layout, hw, share)
+    assert hidden[0] < exposed[0] and hidden[1] < exposed[1]

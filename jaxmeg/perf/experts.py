@@ -145,13 +145,16 @@ def all_to_alls(shape: Shape, layout: Layout) -> tuple[int, int]:
     return (2, 4) if reruns_exchange(shape, layout) else (2, 2)
 
 
-def moe_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, float]:
+def moe_seconds(
+    shape: Shape, layout: Layout, hw: Hardware, hidden: float = 0.0
+) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE block for one microbatch on one GPU, its tensor
     all-reduce aside (counted with the layer, as the dense MLP's): the router, the E / e local
     experts' GEMMs (their width / t; rows shared evenly), the shared experts, the exchange's
-    buffer passes and its all-to-alls over `links.expert_link`, none hidden behind compute. The
-    backward: twice the forward's GEMMs, and where `reruns_exchange` the forward's exchange and
-    expert GEMMs once more."""
+    buffer passes and its all-to-alls over `links.expert_link`, a `hidden` share of them under
+    compute (the schedule's F&B pairs, `jaxmeg.pipeline.analysis.paired_share`), the rest
+    exposed. The backward: twice the forward's GEMMs, and where `reruns_exchange` the forward's
+    exchange and expert GEMMs once more."""
     x, h, t, e = shape.experts, shape.hidden, layout.tensor, layout.expert
     rows, local = expert_rows(shape, layout), x.count / e
     per_expert, f = rows / local, x.width / t
@@ -167,7 +170,9 @@ def moe_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[float, floa
     buffers = 0.0
     if e > 1:
         buffers = BUFFER_PASSES * 2 * rows * h / (hw.hbm_tb_per_s * 1e12)
-    exchange = send_seconds(all_to_all_bytes(shape, layout), expert_link(layout, hw))
+    exchange = (1.0 - hidden) * send_seconds(
+        all_to_all_bytes(shape, layout), expert_link(layout, hw)
+    )
     fwd, bwd = all_to_alls(shape, layout)
     compute = router + experts + shared
     forward = compute + buffers + fwd * exchange

@@ -57,7 +57,7 @@ from jaxmeg.perf.links import (  # noqa: F401 (device_grid, hardware_link, insid
     tensor_link,
 )
 from jaxmeg.perf.shape import Shape, shape_of  # noqa: F401 (re-exported)
-from jaxmeg.pipeline import schedules, timing
+from jaxmeg.pipeline import analysis, schedules, timing
 from jaxmeg.pipeline.layout import StageLayout
 
 
@@ -114,6 +114,24 @@ def _stage_layout(layers: int, pipe: int, chunks: int, stage_layers: tuple[int, 
                   placement: str) -> StageLayout:  # fmt: skip
     """The planner asks for the same few layouts hundreds of thousands of times (frozen)."""
     return StageLayout.create(layers, pipe, chunks, stage_layers, placement=placement)
+
+
+def pipeline_bubble(schedule: str, p: int, m: int, v: int) -> float:
+    """Idle over compute time of the pipeline as jaxmeg's executor runs it: the asynchronous
+    bubble (`timing.bubble_fraction`), which the lockstep tables meet, except where a schedule
+    pairs an F with a B in one tick (DualPipeV): a tick then lasts its slowest stage's pair,
+    and the bubble is the lockstep table's (`analysis.lockstep_bubble`)."""
+    if p > 1 and schedules.spec(schedule).pairs is not None:
+        return analysis.lockstep_bubble(schedule, p, m, v)
+    return timing.bubble_fraction(schedule, p, m, v)
+
+
+def paired_share(schedule: str, p: int, m: int, v: int) -> float:
+    """The share of forwards and backwards a schedule runs in F&B pairs (DualPipeV), whose
+    communication the other's compute hides; 0 for the others."""
+    if p == 1 or schedules.spec(schedule).pairs is None:
+        return 0.0
+    return analysis.paired_share(schedules.build(schedule, p, m, v))
 
 
 def busiest_stage_layers(shape: Shape, layout: Layout) -> int:
@@ -256,7 +274,8 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     )
     moe_f = moe_b = 0.0
     if shape.experts:
-        moe_f, moe_b = (share * sec for sec in experts.moe_seconds(shape, layout, hw))
+        hidden = paired_share(layout.schedule, layout.pipe, layout.microbatches, layout.chunks)
+        moe_f, moe_b = (share * sec for sec in experts.moe_seconds(shape, layout, hw, hidden))
     heads = a / t
     block = (
         b * heads * (_gemm_seconds(s, s, h / a, hw) + _gemm_seconds(s, h / a, s, hw))
@@ -387,7 +406,7 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
         end_f, end_b = dense_f, dense_b
     forward = layers * layer.forward + end_f
     backward = layers * (layer.backward + layer.recompute(layout.recompute)) + end_b
-    bubble = timing.bubble_fraction(layout.schedule, p, m, v)
+    bubble = pipeline_bubble(layout.schedule, p, m, v)
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back

@@ -15,12 +15,19 @@ time m (1 + backward_cost) over the lockstep time. Megatron's asynchronous bound
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from jaxmeg.pipeline.schedules import Schedule, build, stage_and_chunk
 from jaxmeg.pipeline.tick_table import ONE_ACTION, TWO_SLOTS, TickTable, build_tick_table
-from jaxmeg.pipeline.timing import action_cost, async_efficiency, bubble_fraction, ideal_time
+from jaxmeg.pipeline.timing import (
+    action_cost,
+    async_efficiency,
+    async_time,
+    bubble_fraction,
+    ideal_time,
+)
 
 
 class ScheduleError(AssertionError):
@@ -273,6 +280,22 @@ def lockstep_time(
     return float(forward.max(axis=1).sum() + backward.max(axis=1).sum())
 
 
+def paired_share(schedule: Schedule) -> float:
+    """The share of F, B and I actions that the lockstep table runs in F&B pairs (each pair
+    two of them), over all stages."""
+    table = build_tick_table(schedule)
+    actions = int((table.f_mb >= 0).sum() + (table.b_mb >= 0).sum())
+    return 2 * int(table.paired.sum()) / actions
+
+
+@functools.lru_cache(maxsize=256)
+def lockstep_bubble(name: str, p: int, m: int, v: int) -> float:
+    """Idle over compute time of schedule `name`'s lockstep table (B = 2 F, I = W = F; the
+    trainer's `min_bubble` warm-up for 1f1b)."""
+    schedule = build(name, p, m, num_chunks=v, warmup="min_bubble")
+    return 1.0 / lockstep_efficiency(schedule) - 1.0
+
+
 def lockstep_efficiency(
     schedule: Schedule,
     backward_cost: float = 2.0,
@@ -370,4 +393,47 @@ def zero_bubble_table(stage_counts: tuple[int, ...] = (2, 4, 8)) -> str:
                 held = f"{max(whole):g}" + (f" + {max(split):g}" if max(split) else "")
                 cells.append(f"{lockstep_efficiency(schedule):.3f} ({held})")
             lines.append(_row(p, m, *cells))
+    return "\n".join(lines)
+
+
+def deepseek_dualpipev(num_stages: int, split: tuple[float, float] = (0.5, 0.5)) -> dict:
+    """DualPipeV as DeepSeek's table states it (DeepSeek-V3 report, table 2, and the DualPipe
+    repository's DualPipeV row) for p devices, PP = 2p stages (chunks) in a V: bubble
+    (PP/2 - 1)(F&B + B - 3W) and PP + 1 stage activations held, in this module's units (one
+    forward of a whole stage = 1, a chunk's F = 1/2, B = I + W = `split` summed; F&B counted
+    as F + B, no overlap): {"bubble", "held"}, held in stage microbatches (a chunk's = 1/2)."""
+    i_cost, w_cost = split
+    forward, backward = 0.5, i_cost + w_cost
+    pp = 2 * num_stages
+    bubble = (pp / 2 - 1) * ((forward + backward) + backward - 3 * w_cost)
+    return {"bubble": bubble, "held": (pp + 1) / 2}
+
+
+def dualpipev_table(stage_counts: tuple[int, ...] = (4, 8)) -> str:
+    """Markdown: DualPipeV against DeepSeek's formulas and against zbv, for p in
+    `stage_counts` and m in {2p, 4p}: idle time per step (lockstep table, asynchronous orders,
+    DeepSeek's bubble; one forward of a stage = 1, F = I = W per chunk), the lockstep
+    efficiency, and the held microbatches (whole + split, stage-microbatch units) against
+    DeepSeek's PP + 1."""
+    lines = [
+        _row("p", "m", "dualpipev idle: lockstep / async / DeepSeek", "zbv idle: lockstep / async",
+             "lockstep efficiency dualpipev / zbv", "held dualpipev (DeepSeek) / zbv"),
+        _row(*["---"] * 6),
+    ]  # fmt: skip
+    for p in stage_counts:
+        formula = deepseek_dualpipev(p)
+        for m in (2 * p, 4 * p):
+            cells = {}
+            for name in ("dualpipev", "zbv"):
+                schedule = build(name, p, m, num_chunks=2)
+                ideal = ideal_time(schedule)
+                lockstep = lockstep_time(schedule)
+                idle = f"{lockstep - ideal:g} / {async_time(schedule) - ideal:g}"
+                whole, split = held_microbatches(schedule)
+                cells[name] = (idle, ideal / lockstep, f"{max(whole):g} + {max(split):g}")
+            (d_idle, d_eff, d_held), (z_idle, z_eff, z_held) = cells["dualpipev"], cells["zbv"]
+            lines.append(_row(
+                p, m, f"{d_idle} / {formula['bubble']:g}", z_idle, f"{d_eff:.3f} / {z_eff:.3f}",
+                f"{d_held} ({formula['held']:g}) / {z_held}",
+            ))  # fmt: skip
     return "\n".join(lines)
