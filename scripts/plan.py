@@ -133,9 +133,10 @@ def parse_args(argv):
         help="the recompute choices to search (default full and selective)",
     )  # fmt: skip
     parser.add_argument(
-        "--schedule", choices=SCHEDULES,
+        "--schedule", choices=(*SCHEDULES, "any"),
         help="pipeline schedule of every layout where its chunks allow (default Megatron's: "
-        "1f1b, interleaved_1f1b with chunks); a zero-bubble one: zb_h1, interleaved_zb, zbv",
+        "1f1b, interleaved_1f1b with chunks); a zero-bubble one: zb_h1, interleaved_zb, zbv; "
+        "dualpipev; or any: every schedule that runs the layout, the fastest ranked first",
     )  # fmt: skip
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument(
@@ -316,6 +317,7 @@ def _header(args, context: bool, experts: bool = False) -> str:
         + (f" {'ring MB':>7}" if context else "") + (f" {'EP GB':>7}" if experts else "")
         + (f" {'days':>7} {'8TP/nX':>7}" if args.tokens else "")
         + (f" {'saved s':>7} {'compressed':<10}" if args.compression != "off" else "")
+        + (f" {'schedule':<16}" if args.schedule == "any" else "")
     )  # fmt: skip
 
 
@@ -339,6 +341,8 @@ def _row(p, args, context: bool, experts: bool = False) -> str:
         row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"
     if p.compression is not None:
         row += f" {p.compression.saved_s:>7.3f} {_compressed_summary(p.compression):<10}"
+    if args.schedule == "any":
+        row += f" {lay.schedule:<16}"
     return row
 
 

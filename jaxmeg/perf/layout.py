@@ -91,11 +91,11 @@ class Layout:
         if self.pipe > 1 and (
             (self.chunks > 1 and not spec.chunked) or (spec.interleaved and self.chunks == 1)
         ):
+            chunked = [n for n, row in schedules.SPECS.items() if row.chunked]
+            single = [n for n, row in schedules.SPECS.items() if not row.interleaved]
             raise ValueError(
-                f"chunks = {self.chunks} goes with schedule interleaved_1f1b, interleaved_zb, zbv "
-                f"or breadth_first (chunks > 1), or gpipe, 1f1b, zb_h1 or breadth_first "
-                f"(chunks = 1), got "
-                f"{self.schedule!r}"
+                f"chunks = {self.chunks} goes with schedule {', '.join(chunked)} (chunks > 1), "
+                f"or {', '.join(single)} (chunks = 1), got {self.schedule!r}"
             )
 
     @property

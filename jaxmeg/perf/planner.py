@@ -132,7 +132,8 @@ def candidate_layouts(
 ) -> Iterator[Layout]:
     """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only.
     The schedule is Megatron's (1f1b, interleaved_1f1b with chunks), or `schedule` where its
-    chunks allow (a zero-bubble schedule: zb_h1 at v = 1, interleaved_zb at v >= 2, zbv at 2).
+    chunks allow (a zero-bubble schedule: zb_h1 at v = 1, interleaved_zb at v >= 2, zbv at 2;
+    dualpipev at 2), or with `schedule` ANY every schedule that runs the layout.
     c over `context_sizes`; c > 1 as training runs it: s / c divisible by t, and no
     split-backward schedule. e over `expert_sizes` (an MoE model's); the batch splits over the
     d e replicas, b sequences per GPU."""
@@ -146,7 +147,7 @@ def candidate_layouts(
     ):  # fmt: skip
         if gpus % (t * p * c * e):
             continue
-        if c > 1 and ((shape.seq_len // c) % t or schedules.splits_backward(schedule or "")):
+        if c > 1 and (shape.seq_len // c) % t:
             continue
         d = gpus // (t * p * c * e)
         for b in [microbatch] if microbatch else MICROBATCH_SIZES:
@@ -158,10 +159,7 @@ def candidate_layouts(
                     continue
                 if (shape.stacked_layers % (p * v)) or (v > 1 and p == 1):
                     continue
-                name = _schedule_for(schedule, p, m, v)
-                if name is None:
-                    continue
-                for r in recompute:
+                for name, r in itertools.product(_schedules_for(schedule, p, m, v, c), recompute):
                     yield Layout(
                         tensor=t, pipe=p, context=c, expert=e, expert_exchange=expert_exchange,
                         data=d, chunks=v, microbatch=b,
@@ -170,17 +168,32 @@ def candidate_layouts(
                     )  # fmt: skip
 
 
-def _schedule_for(schedule: str | None, p: int, m: int, v: int) -> str | None:
-    """The schedule a layout of p stages, m microbatches and v chunks runs: Megatron's by
-    default, `schedule` if given; None where it cannot run (Megatron's interleaving needs m a
-    multiple of p)."""
-    if schedule is None or p == 1:
-        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
-    try:
-        schedules.check(schedule, p, m, v)
-    except ValueError:
-        return None
-    return schedule
+ANY = "any"
+"""`schedule` for the planner to price every schedule that runs a layout (`--schedule any`)."""
+
+
+def _schedules_for(schedule: str | None, p: int, m: int, v: int, c: int = 1) -> list[str]:
+    """The schedules a layout of p stages, m microbatches, v chunks and context c runs:
+    Megatron's by default, `schedule` if given, every one with ANY; none where it cannot run
+    (Megatron's interleaving needs m a multiple of p; a split backward no context)."""
+    if p == 1:
+        names = ["interleaved_1f1b" if v > 1 else "1f1b"]
+    elif schedule == ANY:
+        names = list(schedules.NAMES)
+    else:
+        names = [schedule or ("interleaved_1f1b" if v > 1 else "1f1b")]
+    runs = []
+    for name in names:
+        if (c > 1 and schedules.splits_backward(name)) or (
+            v == 1 and schedules.spec(name).interleaved
+        ):
+            continue
+        try:
+            schedules.check(name, p, m, v)
+        except ValueError:
+            continue
+        runs.append(name)
+    return runs
 
 
 def evaluate(
