@@ -164,10 +164,12 @@ class ParallelConfig:
     """Pipeline schedule: `gpipe`, `1f1b`, `interleaved_1f1b` or `breadth_first` (layered
     gradient accumulation; with chunks = layers / pipe, modular pipeline parallelism); or a
     zero-bubble one, whose backward splits into I and W: `zb_h1` (chunks 1), `interleaved_zb`
-    (chunks >= 2), `zbv` (chunks 2 in a V, the loss on stage 0). See docs/schedules.md."""
+    (chunks >= 2), `zbv` (chunks 2 in a V, the loss on stage 0); or `dualpipev` (DeepSeek-V3's
+    DualPipe in a V, chunks 2: one microbatch's forward overlapped with another's backward;
+    train.microbatches >= 2 x pipe). See docs/schedules.md."""
     chunks: int = 1
     """Model chunks (virtual stages) per pipeline stage, v; > 1 only with interleaved_1f1b,
-    breadth_first, interleaved_zb or zbv (2)."""
+    breadth_first, interleaved_zb, zbv or dualpipev (2)."""
     stage_layers: tuple | str = ()
     """Layers per pipeline stage, one entry per stage, e.g. [5, 3] (sum = model.layers, every
     entry >= 1; gpipe, 1f1b and breadth_first with chunks = 1). Empty = the even split L / (p v).

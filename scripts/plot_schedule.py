@@ -12,7 +12,8 @@
 Rows are stages, columns ticks; each tick is split into its F slot (light) and B slot (dark,
 hatched), or for a split backward (zb_h1, interleaved_zb, zbv, dualpipev) holds one action, F,
 B or I (hatched) or W (dotted), or DualPipeV's F&B pair as two halves; cells are coloured by
-microbatch and labelled microbatch.chunk; idle slots stay blank. The title gives the bubble, the lockstep efficiency and the asynchronous bound.
+microbatch and labelled microbatch.chunk; idle slots stay blank. The title gives the bubble,
+the lockstep efficiency and the asynchronous bound.
 Needs matplotlib (imported only when drawing).
 """
 

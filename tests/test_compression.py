@@ -299,4 +299,4 @@ def test_cli_trains_with_compressed_links_like_the_baseline(
     )  # fmt: skip
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.1, losses
-    np.testing.assert_allclose(losses, single_device_losses, rtol=2e-2)
+    np.testing.assert_allclose(losses, single_device_losses[:5], rtol=2e-2)

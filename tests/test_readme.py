@@ -35,6 +35,7 @@ TRAINED_ELSEWHERE = {  # no later command reads their runs
     "compression.pipe_grad_rank": "tests/test_compression.py (train.py with compressed links)",
     "parallel.stage_layers=[5,3]": "tests/test_train_cli.py (uneven stages, then resumed)",
     "parallel.schedule=zbv": "tests/test_train_cli.py (zbv, resuming and resumed)",
+    "parallel.schedule=dualpipev": "tests/test_train_cli.py (dualpipev, resuming and resumed)",
     "parallel.context=4": "tests/test_context_parallel.py (train.py at context 4)",
     "data.dataset=data/gpt2_text_document": "tests/test_megatron_dataset.py::"
     "test_train_cli_on_a_megatron_pair (train.py on a Megatron-LM .bin/.idx pair)",
