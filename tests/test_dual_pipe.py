@@ -99,6 +99,8 @@ DENSE = {
     # full recompute in the F&B slot; ZeRO-3 gathers both slots' chunks
     "d2p2-full-zero3": ((2, 2, 1), dataclasses.replace(tp.MODEL, remat="full"),
                         {"zero_stage": 3}),
+    # sequence parallelism: the pipe messages split over tensor 4 as the sequence is
+    "p2t4-sequence-parallel": ((1, 2, 4), tp.MODEL, {"sequence_parallel": True}),
     # every-tick sends and late cotangents (they arrive before the F&B slot), ZeRO-1
     "d2p2t2-overlap-zero1": ((2, 2, 2), tp.MODEL,
                              {"overlap_sends": True, "layers": 8, "zero_stage": 1}),

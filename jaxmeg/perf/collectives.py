@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmeg.perf.layout import Layout
+from jaxmeg.pipeline import schedules
 
 WIRE_BYTES = 2
 """Bytes per gradient or weight element on the data group's links: half precision, as
@@ -94,6 +95,6 @@ def data_parallel_collectives(
     if layout.zero_stage == 1:
         return [Collective("reduce-scatter", WIRE_BYTES * params, 1),
                 Collective("all-gather", WIRE_BYTES * params, 1)]  # fmt: skip
-    uses = layout.chunks * (1 if layout.schedule == "breadth_first" else layout.microbatches)
+    uses = layout.chunks * (1 if schedules.spec(layout.schedule).layered else layout.microbatches)
     return [Collective("all-gather", WIRE_BYTES * chunk_params, 2 * uses),
             Collective("reduce-scatter", WIRE_BYTES * chunk_params, uses)]  # fmt: skip

@@ -73,12 +73,10 @@ def stored_microbatches(layout: Layout) -> int:
     ring of the schedule's tick table (`num_input_slots`, the same for every m) for 1F1B-type
     schedules, m for GPipe, m v for breadth-first (every microbatch's input to every chunk
     waits for the backward), 1 without a pipeline (microbatches run one after another)."""
-    if layout.schedule == "breadth_first" and (layout.pipe > 1 or layout.chunks > 1):
+    if not schedules.spec(layout.schedule).steady_rings and (layout.pipe > 1 or layout.chunks > 1):
         return layout.microbatches * layout.chunks
     if layout.pipe == 1:
         return 1
-    if layout.schedule == "gpipe":
-        return layout.microbatches
     return _ring_slots(layout.schedule, layout.pipe, layout.chunks, layout.warmup)
 
 

@@ -374,20 +374,26 @@ def _data_sizes(limit: int) -> list[int]:
 def _chunk_options(method: Method, stage_layers: int, pipe: int) -> list[int]:
     """v: 1 for 1f1b; 2 .. MAX_CHUNKS dividing l / p for interleaved; every divisor of l / p
     for breadth-first, up to one layer per chunk (modular pipeline parallelism)."""
-    if method.schedule == "1f1b":
+    spec = schedules.spec(method.schedule)
+    if not spec.chunked:
         return [1]
-    if method.schedule == "interleaved_1f1b":
-        return [v for v in _divisors(stage_layers) if 1 < v <= MAX_CHUNKS] if pipe > 1 else []
+    if spec.interleaved:
+        most = min(spec.max_chunks or MAX_CHUNKS, MAX_CHUNKS)
+        chunks = [v for v in _divisors(stage_layers) if max(2, spec.min_chunks) <= v <= most]
+        return chunks if pipe > 1 else []
     return _divisors(stage_layers)
 
 
 def _microbatches(method: Method, target_batch: float, d: int, b: int, p: int, v: int) -> int:
     """m nearest target_batch / (d b): a multiple of p for interleaved, at least p for
     breadth-first with chunks (below it every stage stalls before each chunk)."""
-    step = p if method.schedule == "interleaved_1f1b" else 1
+    spec = schedules.spec(method.schedule)
+    step = p if spec.microbatches == "multiple_of_stages" else 1
     m = max(step, step * round(target_batch / (d * b * step)))
-    if method.schedule == "breadth_first" and v > 1:
+    if spec.layered and v > 1:
         m = max(m, p)
+    if spec.microbatches == "twice_stages":
+        m = max(m, 2 * p)
     return m
 
 

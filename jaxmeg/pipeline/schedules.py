@@ -78,7 +78,11 @@ class ScheduleSpec:
     min_chunks, max_chunks: the chunks per stage it runs (max None: any)
     interleaved: its chunks take turns on a stage (the planner gives it v >= 2)
     split_backward: backwards run as I then W (zero-bubble)
-    steady_rings: its rings stop growing with m (`tick_table.build_tick_table`)
+    steady_rings: its rings stop growing with m (`tick_table.build_tick_table`); else a stage
+        keeps every microbatch's input to each of its chunks (m v)
+    layered: every microbatch passes a chunk before the next chunk runs (Lamy-Poirier's
+        layered gradient accumulation): a chunk's weights are used once per step, its
+        gradient final after the chunk's last backward
     microbatches: "any", "multiple_of_stages" (Megatron's interleaving), "rounds"
         (`zero_bubble.rounds`) or "twice_stages" (m >= 2p, `dual_pipe.check_microbatches`)
     pairs(p, s, m) -> the positions in stage s's order of the forwards that run overlapped
@@ -97,6 +101,7 @@ class ScheduleSpec:
     steady_rings: bool = False
     microbatches: str = "any"
     uneven_stages: bool = False
+    layered: bool = False
     one_chunk_form: str | None = None
     pairs: Callable[[int, int, int], tuple[int, ...]] | None = None
 
@@ -145,7 +150,9 @@ SPECS: dict[str, ScheduleSpec] = {
             "interleaved_1f1b", _interleaved, max_chunks=None, interleaved=True,
             steady_rings=True, microbatches="multiple_of_stages",
         ),
-        ScheduleSpec("breadth_first", _breadth_first, max_chunks=None, uneven_stages=True),
+        ScheduleSpec(
+            "breadth_first", _breadth_first, max_chunks=None, uneven_stages=True, layered=True
+        ),
         ScheduleSpec(
             "zb_h1", _zero_bubble, split_backward=True, steady_rings=True, microbatches="rounds",
             uneven_stages=True,
@@ -161,7 +168,8 @@ SPECS: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             "dualpipev", _dualpipev, placement="v", min_chunks=2, max_chunks=2, interleaved=True,
-            split_backward=True, microbatches="twice_stages", pairs=dual_pipe.pairs,
+            split_backward=True, steady_rings=True, microbatches="twice_stages",
+            pairs=dual_pipe.pairs,
         ),
     )
 }  # fmt: skip
@@ -399,7 +407,7 @@ def build(
     m = _as_int("num_microbatches", num_microbatches)
     v = _as_int("num_chunks", num_chunks)
     _check(name, p, m, v, warmup)
-    if name == "breadth_first" and v > 1 and breadth_first_stall(p, m):
+    if SPECS[name].layered and v > 1 and breadth_first_stall(p, m):
         warnings.warn(
             f"breadth_first with num_microbatches ({m}) < num_stages ({p}): every stage stalls "
             f"{breadth_first_stall(p, m)} ticks before each of its {v - 1} later chunks; "
