@@ -10,6 +10,7 @@ The rooms, in the order a step meets them:
   columns   static per-(tick, stage) columns from the table, and SLOT_KINDS: the one table of
             every scope the tick runs something under (the cost report weights by it)
   plan      everything static about the build, decided once (the mode flags, specs, columns)
+  reduction where a chunk's gradients are reduced over data inside the loop: one mode
   carry     per device: the stage's context (`Stage`) and the loop's rings and accumulators
   bodies    the F, B / I and W slot bodies, one function per slot kind
   beside    what runs beside the slots: sends and receives (compressed where asked), ZeRO-3's

@@ -36,6 +36,7 @@ from jaxmeg.pipeline.executor.columns import (
     SlotKind,
 )
 from jaxmeg.pipeline.executor.plan import Plan
+from jaxmeg.pipeline.executor.reduction import BESIDE_B
 
 # -- the pipe links -----------------------------------------------------------------------------
 
@@ -109,11 +110,12 @@ def take_prefetched(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
 def take_final(plan: Plan, c: dict, row: dict) -> dict:
     """After the B slot: the gradients of the chunk whose last backward ran now move to
     `pending` (its first layer's only, where the B slot reduced the others:
-    `Plan.reduce_layers`), where the next tick reduces them while its slots run."""
+    `Reduction.layers`), where the next tick reduces them while its slots run."""
     chunk = row["final_chunk"]
 
     def take(s):
-        return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0), : plan.pending_layers], s[1]), s[1]
+        first = plan.reduction.pending_layers
+        return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0), :first], s[1]), s[1]
 
     pending, g_stage = slots.run_if(
         chunk >= 0, take, (c["pending"], c["g_stage"]), REDUCE_TAKE.scope
@@ -124,13 +126,13 @@ def take_final(plan: Plan, c: dict, row: dict) -> dict:
 def scatter_final(plan: Plan, c: dict, row: dict) -> dict:
     """A sharded optimizer: after the B slot, the chunk whose last backward ran is
     reduce-scattered into the split accumulator, which only the optimizer reads (its first
-    layer only, where the slot scattered the others: `Plan.reduce_layers`)."""
+    layer only, where the slot scattered the others: `Reduction.layers`)."""
     chunk = row[REDUCE_CHUNK.scope]
     at = jnp.maximum(chunk, 0)
 
     def scatter(s):
-        # with `reduce_layers` the first layer, and whole the leaves split along the layers
-        dims, first = plan.zero.chunk_dims, plan.pending_layers
+        # with `Reduction.layers` the first layer, and whole the leaves split along the layers
+        dims, first = plan.zero.chunk_dims, plan.reduction.pending_layers
         layers = jax.tree.map(lambda dim: slice(None if dim == 0 else first), dims)
         part = jax.tree.map(lambda a, n: a[at, n], s[1], layers)
         part = gradients.reduce_scatter(part, dims, ("data",))
@@ -151,7 +153,7 @@ def start_reduction(plan: Plan, st: Stage, c: dict, row: dict, step) -> dict:
     chunk = row[reduce]
     due, at = chunk >= 0, jnp.maximum(chunk, 0)
     mean = gradients.reduce_over_data
-    if plan.reduce_beside_b:  # where a B slot runs, the mean runs beside it (`run._backward`)
+    if plan.reduction.where == BESIDE_B:  # where a B slot runs, the mean runs in its loop
         due = due & (row[REDUCE_BESIDE_B.scope] == 0)
     if dc is None:
         return {**c, "pending": slots.run_if(due, mean, c["pending"], reduce)}

@@ -56,7 +56,7 @@ read-only operand of a loop would be copied)."""
 
 def _scattering(plan: Plan) -> tuple[str, ...]:
     """The split accumulator, where a chunk's last B or W reduce-scatters into it."""
-    return ("g_reduced",) if plan.reduce_layers and plan.sharded else ()
+    return ("g_reduced",) if plan.reduction.layers and plan.sharded else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +195,7 @@ def _embed_backward(plan: Plan, st: Stage, d_x, tokens):
 
 
 def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dict:
-    """The chunk's gradients added in (`g_stage`); in its last B or W (`Plan.reduce_layers`)
+    """The chunk's gradients added in (`g_stage`); in its last B or W (`Reduction.layers`)
     each layer's but the first also reduced over `data` as it becomes final: the mean written
     back, or with a sharded optimizer the reduce-scatter written into `g_reduced`, but for the
     leaves it splits along the chunk's layers (`beside.scatter_final` takes those whole)."""
@@ -321,7 +321,7 @@ def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict
     batch = st.batch(mb)
     at = At(cp, real, slot, st.chunk_at(chunk), row)
     kinds = _backward_kinds(plan)
-    if plan.reduce_layers and not plan.table.split:  # with a split backward W reduces
+    if plan.reduction.layers and not plan.table.split:  # with a split backward W reduces
         kinds.update({REDUCING_OF[k]: partial(fn, last=True) for k, fn in kinds.items()})
     if cells is not None:
         runs = plan.columns.columns["b_kind"][cells]
@@ -402,7 +402,7 @@ def paired_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
 
 def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
     """The W slot: the weight gradients of a split backward, dW = X^T dY from what its I kept
-    in `wstore`; it sends nothing. A chunk's last W (`Plan.reduce_layers`) computes them layer
+    in `wstore`; it sends nothing. A chunk's last W (`Reduction.layers`) computes them layer
     by layer, last first, and starts each layer's mean but the first's beside the next one's
     dW (the norms' and biases' gradients are final since the chunk's last I)."""
     sf = plan.split
@@ -417,7 +417,7 @@ def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
         return {**a, "g_stage": _add_weight_grads(sf, a["g_stage"], at, kept)}
 
     state = {k: c[k] for k in ("g_stage", "wstore", *_scattering(plan))}
-    if not plan.reduce_layers:
+    if not plan.reduction.layers:
         return {**c, **slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)}
     last = row[W_CHUNK_REDUCING.scope] > 0
     state = slots.run_if((row["w_mb"] >= 0) & ~last, weights, state, W_CHUNK.scope)

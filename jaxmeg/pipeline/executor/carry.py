@@ -24,6 +24,7 @@ from jaxmeg.pipeline import gradients
 from jaxmeg.pipeline.executor import residuals, slots
 from jaxmeg.pipeline.executor.columns import LATE_COLUMNS
 from jaxmeg.pipeline.executor.plan import Plan
+from jaxmeg.pipeline.executor.reduction import SCATTER
 
 
 def _varying(tree, axes):
@@ -221,7 +222,7 @@ def initial(plan: Plan, st: Stage, links) -> dict:
             zero.chunk_dims,
         )
     carry["g_stage"] = gradients.zeros_f32(st.g_like)
-    if plan.sharded and plan.reduce_in_loop:  # the split accumulator the reductions write into
+    if plan.reduction.where == SCATTER:  # the split accumulator the reductions write into
         carry["g_reduced"] = gradients.zeros_f32(
             jax.tree.map(
                 lambda a, dim: a if dim < 0 else jnp.zeros(_split(a.shape, dim, plan.d)),
@@ -229,8 +230,9 @@ def initial(plan: Plan, st: Stage, links) -> dict:
                 zero.local_stage_dims,
             )
         )
-    if plan.reduce_in_loop and not plan.sharded:  # a chunk's gradients until reduced
-        carry["pending"] = jax.tree.map(lambda a: a[0, : plan.pending_layers], carry["g_stage"])
+    if plan.reduction.mean:  # a chunk's gradients until reduced
+        first = plan.reduction.pending_layers
+        carry["pending"] = jax.tree.map(lambda a: a[0, :first], carry["g_stage"])
     carry["g_shared"] = gradients.zeros_f32(st.shared)
     if plan.stateful:
         carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device

@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxmeg.pipeline.executor.reduction import BESIDE_B, NO_REDUCTION, SCATTER, Reduction
 from jaxmeg.pipeline.tick_table import FIELDS, PAIRS, TickTable
 
 IDLE = 0
@@ -48,7 +49,7 @@ B_CHUNK_REDUCING = SlotKind("b_middle_reducing", "a chunk's last B, its means in
 B_FIRST_REDUCING = SlotKind("b_first_reducing", "B_FIRST, the chunk's last, + means", "b_kind", 7)
 B_WHOLE_REDUCING = SlotKind("b_whole_reducing", "B_WHOLE, the last one, + means", "b_kind", 8)
 REDUCING_OF = {B_CHUNK: B_CHUNK_REDUCING, B_FIRST: B_FIRST_REDUCING, B_WHOLE: B_WHOLE_REDUCING}
-"""A chunk's last B where its layers' means run in the slot (`Plan.reduce_layers`)."""
+"""A chunk's last B where its layers' means run in the slot (`Reduction.layers`)."""
 W_CHUNK = SlotKind("w_chunk", "W: the weight gradients of a split backward")
 W_CHUNK_REDUCING = SlotKind("w_chunk_reducing", "a chunk's last W, its layers' means in it")
 SEND_X = SlotKind("send_x", "the activation to stage s + 1")
@@ -292,17 +293,14 @@ def _shift(column: np.ndarray, ticks: int, fill: int) -> np.ndarray:
 def slot_columns(
     table: TickTable,
     num_chunks: int,
+    reduction: Reduction = NO_REDUCTION,
     *,
     gathering: bool = False,
-    reduce_in_loop: bool = False,
-    sharded_reduction: bool = False,
     compress: np.ndarray | None = None,
     powersgd_stages: int | None = None,
-    reduce_beside_b: bool = False,
-    reduce_layers: bool = False,
 ) -> SlotColumns:
-    """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, in-loop data
-    reductions where `reduce_in_loop` (PowerSGD's on stages < `powersgd_stages`), compressed
+    """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, the in-loop data
+    reductions of `reduction` (PowerSGD's on stages < `powersgd_stages`), compressed
     cotangents where `compress` (bool [num_ticks, p]) says. Each direction sends only on the
     pairs that carry something in that tick (one ppermute per distinct set of pairs, chosen by
     an index equal on every stage).
@@ -310,15 +308,15 @@ def slot_columns(
     No slot waits for a collective that could have run earlier: a ZeRO-3 chunk is gathered
     ahead, in the tick where its slot takes the chunk before it (a second buffer per slot),
     and a chunk's data mean runs in the tick after its last backward, beside that tick's
-    slots, and is written back at its end. With `sharded_reduction` (a sharded optimizer) the
-    reduce-scatter runs in the tick of the last backward, after its B slot, into the split
-    accumulator that only the optimizer reads. With `reduce_layers` a chunk's last B slot (last
-    W with a split backward) reduces its layers but the first itself, and the mean after it
-    only that one."""
+    slots, and is written back at its end (beside the tick's B slot where it is BESIDE_B).
+    SCATTER (a sharded optimizer): the reduce-scatter runs in the tick of the last backward,
+    after its B slot, into the split accumulator that only the optimizer reads. With
+    `reduction.layers` a chunk's last B slot (last W with a split backward) reduces its layers
+    but the first itself, and the mean after it only that one."""
     p, v = table.num_stages, num_chunks
     columns = {name: getattr(table, name) for name in FIELDS}
     final = final_backward_chunks(table)
-    reducing_at = final >= 0 if reduce_layers else None
+    reducing_at = final >= 0 if reduction.layers else None
     columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reducing_at)
     if table.ticks == PAIRS:  # a paired cell runs its F and B in the F&B slot only
         paired = table.paired
@@ -333,7 +331,7 @@ def slot_columns(
     kinds = (*F_KINDS, *B_KINDS, *(FB_KINDS.values() if "fb_kind" in columns else ()))
     branches = {kind.scope: columns[kind.column] == kind.code for kind in kinds}
     branches[W_CHUNK.scope] = table.w_mb >= 0
-    if reduce_layers and table.split:  # the chunk's last W reduces its layers
+    if reduction.layers and table.split:  # the chunk's last W reduces its layers
         columns[W_CHUNK_REDUCING.scope] = reducing_at
         branches[W_CHUNK_REDUCING.scope] = columns[W_CHUNK_REDUCING.scope]
         branches[W_CHUNK.scope] = branches[W_CHUNK.scope] & ~branches[W_CHUNK_REDUCING.scope]
@@ -341,14 +339,13 @@ def slot_columns(
     branches.update({k.scope: columns[k.scope] for k in named if k.scope in columns})
     if compress is not None:
         branches[COMPRESS_LINK.scope] = columns["pipe_compress"]
-    deferred = reduce_in_loop and not sharded_reduction
-    before, after = int(gathering), int(deferred)
+    before, after = int(gathering), int(reduction.mean)
     columns, branches = _pad(columns, before, after), _pad(branches, before, after, True)
     if gathering:
         _gather_ahead(columns, branches)
-    if reduce_in_loop:
-        _reduce_columns(columns, branches, p, sharded_reduction, powersgd_stages)
-    if reduce_beside_b:
+    if reduction.in_loop:
+        _reduce_columns(columns, branches, p, reduction.where == SCATTER, powersgd_stages)
+    if reduction.where == BESIDE_B:
         _beside_b_columns(columns, branches)
     return SlotColumns(
         columns={k: np.asarray(c, np.int32) for k, c in columns.items()},
@@ -399,9 +396,9 @@ def _gather_ahead(columns: dict, branches: dict) -> None:
 
 
 def _beside_b_columns(columns: dict, branches: dict) -> None:
-    """A mean due in a tick whose B slot runs goes in one loop with it (the `reduce_beside_b`
-    column, which the tick reads), the B slot of every other tick in a loop of its own
-    (`b_alone`), and the mean alone only where no B runs."""
+    """BESIDE_B: a mean due in a tick whose B slot runs goes in one loop with it (the
+    `reduce_beside_b` column, which the tick reads), the B slot of every other tick in a loop of
+    its own (`b_alone`), and the mean alone only where no B runs."""
     due, busy = columns[REDUCE_CHUNK.scope] >= 0, columns["b_kind"] != IDLE
     columns[REDUCE_BESIDE_B.scope] = (due & busy).astype(np.int32)
     branches[REDUCE_BESIDE_B.scope] = columns[REDUCE_BESIDE_B.scope]

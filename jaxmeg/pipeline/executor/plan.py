@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmeg.pipeline import gradients
 from jaxmeg.pipeline.executor.columns import LATE_COLUMNS, SlotColumns, slot_columns
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
+from jaxmeg.pipeline.executor.reduction import Reduction, choose
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_table import PAIRS, TickTable
 
@@ -43,16 +44,9 @@ class Plan:
     whole_model: p v = 1 (the F slot only embeds; the B slot runs the model under one vjp)
     store: the F slot keeps the chunk's residuals (no recompute); else only the stage input
     gathering / gathering_slots: ZeRO-3, and the slots ("f", "b") that gather their chunk
-    reduce_in_loop: data x context > 1: a chunk's gradients reduce inside the loop
-    reduce_beside_b: the mean runs in one loop with the tick's B slot where one runs (a GPU
-        overlaps the two; `overlap_sends`, without a sharded optimizer or PowerSGD)
-    reduce_layers: with `overlap_sends`, a reduction inside the loop (not PowerSGD's) and
-        chunks of two or more layers, a chunk's last B slot reduces each layer but the first as
-        soon as its backward ends, beside the layers' before it
-        (`gradients.accumulate_reducing_layers`; per-layer chunks, `StageFunctions.per_layer`),
-        or with a split backward its last W slot each layer but the first beside the next one's
-        dW; a mean, or a sharded optimizer's reduce-scatter into `g_reduced`. `pending` (the
-        scatter after the slot) then takes only the first layer
+    reduction: where a chunk's gradients are reduced over data x context inside the loop
+        (`reduction.Reduction`: none, after its last backward, beside a B slot, or scattered
+        for a sharded optimizer; and whether its last backward reduces it layer by layer)
     split_sends: scatter/gather over `tensor` on the pipe links
     v_shape: a V placement (zbv, dualpipev), sending both ways
     paired: the table runs F&B pairs (`TickTable.paired`) in one slot (`bodies.paired_slot`)
@@ -79,9 +73,7 @@ class Plan:
     store: bool
     gathering: bool
     gathering_slots: tuple[str, ...]
-    reduce_in_loop: bool
-    reduce_beside_b: bool
-    reduce_layers: bool
+    reduction: Reduction
     split_sends: bool
     v_shape: bool
     paired: bool
@@ -110,11 +102,6 @@ class Plan:
             return cp
         count = jax.tree.leaves(cp)[0].shape[0]
         return [jax.tree.map(lambda a, i=i: a[i], cp) for i in range(count)]
-
-    @property
-    def pending_layers(self) -> int | None:
-        """How many of a chunk's leading layers `pending` holds (None: all)."""
-        return 1 if self.reduce_layers else None
 
     @property
     def stateful(self) -> bool:
@@ -195,29 +182,23 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     p, v = layout.num_stages, layout.num_chunks
     whole_model = p * v == 1
     context = mesh.shape.get("context", 1)
-    reduce_in_loop = mesh.shape["data"] * context > 1
     zero, grad_specs = _zero(options)
     gathering = zero.stage == 3
     pc, dc = options.pipe_compression, options.data_compression
     manual = gradients.manual_axes(mesh.shape)
     fused = options.fused_embedding_sync and p > 1
-    reduce_beside_b = (
-        options.overlap_sends and reduce_in_loop and not zero.stage and dc is None
-        and table.ticks != PAIRS
-    )  # fmt: skip
     # a chunk's last B reduces its layers (whole backwards, per-layer chunks), or its last W
     # (split backwards); not where a chunk's last action may be either (DualPipeV)
     last_reduces = not table.whole_backwards if table.split else fns.per_layer
-    reduce_layers = bool(
-        options.overlap_sends and reduce_in_loop and dc is None
-        and last_reduces and layout.layers_per_chunk > 1
+    reduction = choose(
+        data_replicas=mesh.shape["data"] * context, sharded=bool(zero.stage),
+        overlap_sends=options.overlap_sends, powersgd=dc is not None,
+        paired=table.ticks == PAIRS, last_reduces=bool(last_reduces),
+        layers_per_chunk=layout.layers_per_chunk,
     )  # fmt: skip
     columns = slot_columns(
-        table, v, gathering=gathering, reduce_in_loop=reduce_in_loop,
-        sharded_reduction=bool(zero.stage),
-        compress=None if pc is None else pc.compress,
-        powersgd_stages=None if dc is None else dc.stages, reduce_beside_b=reduce_beside_b,
-        reduce_layers=reduce_layers,
+        table, v, reduction, gathering=gathering, compress=None if pc is None else pc.compress,
+        powersgd_stages=None if dc is None else dc.stages,
     )  # fmt: skip
     late_cotangents = options.overlap_sends and pc is None
     if late_cotangents:
@@ -226,7 +207,11 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     # `data` though their values agree, which shard_map's type check cannot know: it is off
     # then (the equivalence tests check the values).
     check_vma = not (
-        gradients.trivial(mesh.shape) or reduce_in_loop or zero.stage or options.stateful or fused
+        gradients.trivial(mesh.shape)
+        or reduction.in_loop
+        or zero.stage
+        or options.stateful
+        or fused
     )
     return Plan(
         fns=fns,
@@ -242,9 +227,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         gathering=gathering,
         # with p v = 1 the F slot only embeds: only the B slot gathers
         gathering_slots=(("b",) if whole_model else ("b", "f")) if gathering else (),
-        reduce_in_loop=reduce_in_loop,
-        reduce_beside_b=reduce_beside_b,
-        reduce_layers=reduce_layers,
+        reduction=reduction,
         split_sends=options.scatter_gather and mesh.shape.get("tensor", 1) > 1,
         v_shape=table.placement == "v",
         paired=table.ticks == PAIRS,

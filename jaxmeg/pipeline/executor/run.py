@@ -23,6 +23,7 @@ from jaxmeg.pipeline.executor.columns import (
 )
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
 from jaxmeg.pipeline.executor.plan import Plan, build_plan
+from jaxmeg.pipeline.executor.reduction import BESIDE_B, SCATTER
 from jaxmeg.pipeline.layout import StageLayout
 from jaxmeg.pipeline.tick_table import TickTable
 
@@ -45,7 +46,7 @@ class Program:
     table: the tick table it runs.
     branch_columns: name scope -> [ticks, p], how the cost report weights the compiled slots.
     trace_info: what one forward stores ("slot_bytes"), filled when `run` is traced.
-    reduces_in_slots: a chunk's last B slot reduces its layers over `data` (`Plan.reduce_layers`):
+    reduces_in_slots: a chunk's last B slot reduces its layers over `data` (`Reduction.layers`):
         the slots hold collectives of their own.
     """
 
@@ -72,7 +73,7 @@ def _tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
     row = st.row(t)
     if plan.gathering:
         c = beside.take_prefetched(plan, st, c, row)
-    if plan.reduce_in_loop and not plan.sharded:
+    if plan.reduction.mean:
         c = beside.start_reduction(plan, st, c, row, step)
     if plan.late_cotangents:
         late = st.late_row(t)
@@ -93,9 +94,9 @@ def _tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
         c, received = beside.send_cotangent(plan, c, row, c["d_x"])
         arrived_cot = {"": received, **_sent(plan, c["d_x"], row, None, SEND_COT_BACK)}
         c = {**c, "cots": beside.arrive(plan, c["cots"], row, "cot", "cot", arrived_cot)}
-    if plan.reduce_in_loop and plan.sharded:
+    if plan.reduction.where == SCATTER:
         return beside.scatter_final(plan, c, row)
-    if plan.reduce_in_loop:
+    if plan.reduction.mean:
         return beside.take_final(plan, beside.finish_reduction(plan, c, row), row)
     return c
 
@@ -111,10 +112,10 @@ def _sent(plan: Plan, value, row, usual, back) -> dict:
 
 
 def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
-    """The B slot; with `reduce_beside_b` a mean due in this tick runs in one loop with it
+    """The B slot; with BESIDE_B a mean due in this tick runs in one loop with it
     (nothing in the slot reads `pending`), so that a GPU overlaps the two. Each of the two
     copies of the slot holds only the kinds that run where it does."""
-    if not plan.reduce_beside_b:
+    if plan.reduction.where != BESIDE_B:
         return bodies.backward_slot(plan, st, c, row)
     cells = plan.columns.columns[REDUCE_BESIDE_B.scope] > 0  # where a mean runs beside B
     if not cells.any():
@@ -134,7 +135,7 @@ def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
 
 def _final_reduction(plan: Plan, out: dict):
     """The step's one reduction of what the loop left unreduced (`gradients.reduce_step`)."""
-    zero, sharded, in_loop = plan.zero, plan.sharded, plan.reduce_in_loop
+    zero, sharded, in_loop = plan.zero, plan.sharded, plan.reduction.in_loop
     scatter = {}
     if sharded:
         scatter = {
@@ -190,4 +191,4 @@ def build(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh
             return (*mapped(stage_params, shared, tokens, targets), None)
         return mapped(stage_params, shared, tokens, targets, links, step)
 
-    return Program(run, table, plan.columns.branch_columns, trace_info, plan.reduce_layers)
+    return Program(run, table, plan.columns.branch_columns, trace_info, plan.reduction.layers)
