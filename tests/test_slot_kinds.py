@@ -39,6 +39,8 @@ LAYOUTS = {
     "overlap_sends_zb_h1": ({"data": 2, "pipe": 2, "schedule": "zb_h1", "overlap_sends": True},
                             {}),
     "overlap_sends_zero1": ({"data": 2, "pipe": 2, "zero_stage": 1, "overlap_sends": True}, {}),
+    "dualpipev": ({"data": 2, "pipe": 2, "schedule": "dualpipev", "chunks": 2,
+                   "overlap_sends": True}, {}),
 }  # fmt: skip
 REDUCING_LAST_B = {
     "overlap_sends_1f1b": {"b_middle_reducing", "b_first_reducing"},
@@ -101,6 +103,23 @@ def test_every_slot_kind_is_a_row_and_weighted(layout):
     assert scopes <= columns, scopes - columns
     reducing = {scope for scope in scopes if scope.endswith("_reducing")}
     assert reducing == REDUCING_LAST_B.get(layout, set()), reducing
+    pairs = {scope for scope in scopes if "_with_" in scope}
+    assert bool(pairs) == (parallel.get("schedule") == "dualpipev"), pairs
+
+
+def test_the_carry_refuses_a_field_it_does_not_have():
+    """The tick loop's state is a typed structure: a misspelt field in a slot's write or in
+    the fields a slot declares is an error, not state silently dropped."""
+    from jaxmeg.pipeline.executor.carry import Carry
+
+    carry = Carry(inputs=np.zeros(2), loss=np.zeros(()))
+    with pytest.raises(TypeError, match="inptus"):
+        carry.replace(inptus=np.ones(2))
+    with pytest.raises(AttributeError, match="inptus"):
+        carry.only(("inptus",))
+    part = carry.only(("inputs",)).replace(inputs=np.ones(2))
+    merged = carry.merge(part)
+    assert merged.inputs.sum() == 2 and merged.loss is carry.loss and merged.y is None
 
 
 def test_a_branch_column_no_kind_names_is_refused():

@@ -91,9 +91,7 @@ def test_interleaved_3d_mesh_matches_one_device(tmp_path, small_corpus, single_d
         "--set", "parallel.schedule=interleaved_1f1b", "--set", "parallel.chunks=2",
     ]  # fmt: skip
     parallel = train(["--cpu-devices", "8", *mesh, "--steps", "5", *small_corpus], tmp_path, "mesh")
-    np.testing.assert_allclose(
-        [r["loss"] for r in parallel], single_device_losses[:5], rtol=1e-4
-    )
+    np.testing.assert_allclose([r["loss"] for r in parallel], single_device_losses[:5], rtol=1e-4)
 
 
 UNEVEN = ["--cpu-devices", "2", "--set", "parallel.pipe=2", "--set", "parallel.stage_layers=[5,3]"]
@@ -119,9 +117,10 @@ def test_uneven_zbv_and_zero1_match_one_device_and_checkpoints_move_between_them
     """One run through five layouts, each resuming the checkpoint the one before wrote: steps
     1-2 on uneven stages [5, 3], step 3 on ZB-V (its V placement is a stage layout), step 4 on
     DualPipeV (the README's: data 2 x pipe 2), step 5 on breadth-first with ZeRO-1 (data 4,
-    pipe 2: Adam's moments split over data), step 6 on one device. Checkpoints are canonical, so every loss is one device's; a layout's update shows in
-    the next step's loss (the uneven one's already in step 2), and every layout but the first
-    reads a checkpoint and every one but the last writes one."""
+    pipe 2: Adam's moments split over data), step 6 on one device. Checkpoints are canonical,
+    so every loss is one device's; a layout's update shows in the next step's loss (the uneven
+    one's already in step 2), and every layout but the first reads a checkpoint and every one
+    but the last writes one."""
     run = ["--out", str(tmp_path / "run"), *small_corpus]
     records = []
     for name, layout, steps in (

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxmeg.pipeline import compression, gradients, rings
 from jaxmeg.pipeline.executor import slots
-from jaxmeg.pipeline.executor.carry import Stage
+from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
     B_CHUNK,
     COMPRESS_LINK,
@@ -59,7 +59,7 @@ def arrive(plan: Plan, buffer, row: dict, what: str, scope: str, arrived: dict):
     return buffer
 
 
-def send_cotangent(plan: Plan, c: dict, row: dict, d_x):
+def send_cotangent(plan: Plan, c: Carry, row: dict, d_x):
     """The B slot's send, where `pipe_compression` says compressed: the link's error is added
     (lazy), then either the factors or the whole gradient go, and the receiver adds what
     arrived of both (the other is zero)."""
@@ -71,43 +71,43 @@ def send_cotangent(plan: Plan, c: dict, row: dict, d_x):
     sending = (row["b_kind"] == B_CHUNK.code) | (row["b_kind"] == I_CHUNK.code)
     g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
     with jax.named_scope(COMPRESS_LINK.scope):
-        factors, x, new = compression.encode_link(pc, c["links"], chunk, g, here, sending)
+        factors, x, new = compression.encode_link(pc, c.links, chunk, g, here, sending)
     whole = x.astype(d_x.dtype).reshape(d_x.shape)
     # compressed links send whole: the two parts are added before they are kept
     got_whole = send(plan, whole, row, SEND_WHOLE, split=False)
     # the rank-r factors are small: they go whole from every tensor rank
     got_p, got_q = send(plan, factors, row, SEND_FACTORS, split=False)
     rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
-    return {**c, "links": new}, got_whole + rebuilt
+    return c.replace(links=new), got_whole + rebuilt
 
 
 # -- ZeRO-3 -------------------------------------------------------------------------------------
 
 
-def take_prefetched(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+def take_prefetched(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     """ZeRO-3: a slot whose chunk changes takes the weights gathered ahead into its second
     buffer, which then all-gathers the chunk the slot takes next: a loop of its own, so that no
     slot waits for it before a later tick (the idle tick before the table gathers the first)."""
-    c = dict(c)
     for slot in plan.gathering_slots:
         # both buffers go through the loop: one only read by it would be copied
         gather = GATHER[slot].scope
-        c[f"{slot}_params"], c[f"{slot}_next"] = slots.run_if(
+        params, pieces = slots.run_if(
             row[gather] > 0, lambda s: (st.assemble(s[1]), s[1]),
-            (c[f"{slot}_params"], c[f"{slot}_next"]), gather,
+            (c.params(slot), c.next(slot)), gather,
         )  # fmt: skip
         chunk = row[f"{slot}_fetch_chunk"]
-        c[f"{slot}_next"] = slots.run_if(
-            chunk >= 0, lambda _, ch: st.gather_pieces(st.chunk_shard(ch)), c[f"{slot}_next"],
+        pieces = slots.run_if(
+            chunk >= 0, lambda _, ch: st.gather_pieces(st.chunk_shard(ch)), pieces,
             FETCH[slot].scope, (chunk,),
         )  # fmt: skip
+        c = c.replace(**{f"{slot}_params": params, f"{slot}_next": pieces})
     return c
 
 
 # -- the in-loop reduction over data ------------------------------------------------------------
 
 
-def take_final(plan: Plan, c: dict, row: dict) -> dict:
+def take_final(plan: Plan, c: Carry, row: dict) -> Carry:
     """After the B slot: the gradients of the chunk whose last backward ran now move to
     `pending` (its first layer's only, where the B slot reduced the others:
     `Reduction.layers`), where the next tick reduces them while its slots run."""
@@ -117,13 +117,11 @@ def take_final(plan: Plan, c: dict, row: dict) -> dict:
         first = plan.reduction.pending_layers
         return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0), :first], s[1]), s[1]
 
-    pending, g_stage = slots.run_if(
-        chunk >= 0, take, (c["pending"], c["g_stage"]), REDUCE_TAKE.scope
-    )
-    return {**c, "pending": pending, "g_stage": g_stage}
+    pending, g_stage = slots.run_if(chunk >= 0, take, (c.pending, c.g_stage), REDUCE_TAKE.scope)
+    return c.replace(pending=pending, g_stage=g_stage)
 
 
-def scatter_final(plan: Plan, c: dict, row: dict) -> dict:
+def scatter_final(plan: Plan, c: Carry, row: dict) -> Carry:
     """A sharded optimizer: after the B slot, the chunk whose last backward ran is
     reduce-scattered into the split accumulator, which only the optimizer reads (its first
     layer only, where the slot scattered the others: `Reduction.layers`)."""
@@ -139,12 +137,12 @@ def scatter_final(plan: Plan, c: dict, row: dict) -> dict:
         return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], part), s[1]
 
     g_reduced, g_stage = slots.run_if(
-        chunk >= 0, scatter, (c["g_reduced"], c["g_stage"]), REDUCE_CHUNK.scope
+        chunk >= 0, scatter, (c.g_reduced, c.g_stage), REDUCE_CHUNK.scope
     )
-    return {**c, "g_reduced": g_reduced, "g_stage": g_stage}
+    return c.replace(g_reduced=g_reduced, g_stage=g_stage)
 
 
-def start_reduction(plan: Plan, st: Stage, c: dict, row: dict, step) -> dict:
+def start_reduction(plan: Plan, st: Stage, c: Carry, row: dict, step) -> Carry:
     """Reduce `pending` over `data` (the chunk `reduce_chunk` whose last backward ran in the
     tick before; PowerSGD's on its stages after the warm-up): nothing in this tick's slots
     waits for it, and `finish_reduction` writes it back."""
@@ -156,20 +154,20 @@ def start_reduction(plan: Plan, st: Stage, c: dict, row: dict, step) -> dict:
     if plan.reduction.where == BESIDE_B:  # where a B slot runs, the mean runs in its loop
         due = due & (row[REDUCE_BESIDE_B.scope] == 0)
     if dc is None:
-        return {**c, "pending": slots.run_if(due, mean, c["pending"], reduce)}
+        return c.replace(pending=slots.run_if(due, mean, c.pending, reduce))
     on = (st.index < dc.stages) & (step >= dc.warmup_steps)
-    reduced = slots.run_if(due & ~on, mean, c["pending"], reduce)
+    reduced = slots.run_if(due & ~on, mean, c.pending, reduce)
 
     def compressed(s):
         return gradients.reduce_chunk_compressed(s[0], at, s[1], dc)
 
     reduced, data_state = slots.run_if(
-        due & on, compressed, (reduced, c["links"]["data"]), REDUCE_POWERSGD.scope
+        due & on, compressed, (reduced, c.links["data"]), REDUCE_POWERSGD.scope
     )
-    return {**c, "pending": reduced, "links": {**c["links"], "data": data_state}}
+    return c.replace(pending=reduced, links={**c.links, "data": data_state})
 
 
-def finish_reduction(plan: Plan, c: dict, row: dict) -> dict:
+def finish_reduction(plan: Plan, c: Carry, row: dict) -> Carry:
     """The mean written back into the stage gradients, after this tick's B slot."""
     chunk = row[REDUCE_CHUNK.scope]
 
@@ -177,7 +175,5 @@ def finish_reduction(plan: Plan, c: dict, row: dict) -> dict:
         at = jnp.maximum(chunk, 0)
         return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], s[1]), s[1]
 
-    g_stage, pending = slots.run_if(
-        chunk >= 0, write, (c["g_stage"], c["pending"]), REDUCE_WRITE.scope
-    )
-    return {**c, "g_stage": g_stage, "pending": pending}
+    g_stage, pending = slots.run_if(chunk >= 0, write, (c.g_stage, c.pending), REDUCE_WRITE.scope)
+    return c.replace(g_stage=g_stage, pending=pending)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxmeg.pipeline import gradients, rings
 from jaxmeg.pipeline.executor import residuals, slots
-from jaxmeg.pipeline.executor.carry import Stage
+from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
     B_CHUNK,
     B_FIRST,
@@ -78,7 +78,7 @@ def _present(plan: Plan, kinds: dict) -> dict:
     return {k: fn for k, fn in kinds.items() if (columns[k.column] == k.code).any()}
 
 
-def _run_slot(kinds: dict, plan: Plan, st: Stage, at: At, state: dict, batch) -> dict:
+def _run_slot(kinds: dict, plan: Plan, st: Stage, at: At, state: Carry, batch) -> Carry:
     """Each kind's body as a loop of 0 or 1 trips, run where the row holds its code."""
     for kind, fn in kinds.items():
         active = at.row[kind.column] == kind.code
@@ -107,7 +107,7 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
     return y, stored
 
 
-def _keep(plan: Plan, at: At, r: dict, stored) -> dict:
+def _keep(plan: Plan, at: At, r: Carry, stored) -> dict:
     """The ring writes of what the forward keeps (the stored residuals, and for a split
     backward the matmul inputs)."""
 
@@ -116,48 +116,47 @@ def _keep(plan: Plan, at: At, r: dict, stored) -> dict:
 
     if plan.table.split and plan.store:
         stored, inputs = stored
-        return {"stored": write(r["stored"], stored),
-                "matmul_inputs": write(r["matmul_inputs"], inputs)}  # fmt: skip
-    return {"stored": write(r["stored"], stored)}
+        return {"stored": write(r.stored, stored),
+                "matmul_inputs": write(r.matmul_inputs, inputs)}  # fmt: skip
+    return {"stored": write(r.stored, stored)}
 
 
 def f_embed(plan, st, at, r, tokens, targets):
     x = plan.fns.embed(st.shared, tokens).astype(st.x_abstract.dtype)
-    return {**r, "inputs": rings.write(r["inputs"], at.slot, x)}
+    return r.replace(inputs=rings.write(r.inputs, at.slot, x))
 
 
 def f_first(plan, st, at, r, tokens, targets):
     dtype = st.x_abstract.dtype
     x = plan.fns.embed(st.shared, tokens).astype(dtype)
     y, stored = _run_chunk(plan, st, at, x)
-    inputs = rings.write(r["inputs"], at.slot, x)
-    return {**r, "inputs": inputs, **_keep(plan, at, r, stored), "y": y.astype(dtype)}
+    inputs = rings.write(r.inputs, at.slot, x)
+    return r.replace(inputs=inputs, **_keep(plan, at, r, stored), y=y.astype(dtype))
 
 
 def f_middle(plan, st, at, r, tokens, targets):
-    y, stored = _run_chunk(plan, st, at, r["inputs"][at.slot])
-    return {**r, **_keep(plan, at, r, stored), "y": y.astype(st.x_abstract.dtype)}
+    y, stored = _run_chunk(plan, st, at, r.inputs[at.slot])
+    return r.replace(**_keep(plan, at, r, stored), y=y.astype(st.x_abstract.dtype))
 
 
 def f_last(plan, st, at, r, tokens, targets):
     dtype = st.x_abstract.dtype
-    y, stored = _run_chunk(plan, st, at, r["inputs"][at.slot])
+    y, stored = _run_chunk(plan, st, at, r.inputs[at.slot])
     loss, (d_shared, d_y) = jax.value_and_grad(plan.fns.head_loss, argnums=(0, 1))(
         st.shared, y, targets
     )
     scale = 1.0 / plan.m
     d_shared = jax.tree.map(lambda g: g * scale, d_shared)
     cot_slot = jnp.maximum(at.row["f_cot_slot"], 0)
-    return {
-        **r,
+    return r.replace(
         **_keep(plan, at, r, stored),
-        "cots": rings.write(r["cots"], cot_slot, (d_y * scale).astype(dtype)),
-        "g_shared": gradients.accumulate(r["g_shared"], d_shared),
-        "loss": r["loss"] + (loss * scale).astype(jnp.float32),
-    }
+        cots=rings.write(r.cots, cot_slot, (d_y * scale).astype(dtype)),
+        g_shared=gradients.accumulate(r.g_shared, d_shared),
+        loss=r.loss + (loss * scale).astype(jnp.float32),
+    )
 
 
-def forward_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+def forward_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     """The F slot: the forward of its kind reads its stage input and writes the ring slots it
     fills (the embedded input, the chunk's residuals, the head's cotangent), the activation to
     send (`y`), the shared gradients and the loss."""
@@ -171,20 +170,19 @@ def forward_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
         kinds = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
     if plan.paired:  # some kinds may run only in the F&B slot
         kinds = _present(plan, kinds)
-    state = {k: c[k] for k in F_STATE if k in c}
-    return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
+    return c.merge(_run_slot(kinds, plan, st, at, c.only(F_STATE), batch))
 
 
 # -- B and I ------------------------------------------------------------------------------------
 
 
-def _chunk_backward(plan: Plan, st: Stage, at: At, a: dict):
+def _chunk_backward(plan: Plan, st: Stage, at: At, a: Carry):
     """(d_params, d_x) of the chunk, from the kept residuals or by rerunning it."""
-    x = a["inputs"][at.slot]
-    cot = a["cots"][jnp.maximum(at.row["b_cot_slot"], 0)]
+    x = a.inputs[at.slot]
+    cot = a.cots[jnp.maximum(at.row["b_cot_slot"], 0)]
     cp = plan.taken(at.cp)
     if plan.store:
-        return residuals.backward(st.kept, cp, x, [buf[at.slot] for buf in a["stored"]], cot)
+        return residuals.backward(st.kept, cp, x, [buf[at.slot] for buf in a.stored], cot)
     _, pullback = jax.vjp(lambda p_, x_: plan.fns.chunk_recompute(p_, x_, at.real), cp, x)
     return pullback(cot)
 
@@ -194,17 +192,18 @@ def _embed_backward(plan: Plan, st: Stage, d_x, tokens):
     return pullback(d_x.astype(st.x_abstract.dtype))[0]
 
 
-def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dict:
-    """The chunk's gradients added in (`g_stage`); in its last B or W (`Reduction.layers`)
+def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> dict:
+    """The fields it writes: the chunk's gradients added in (`g_stage`); in its last B or W
+    (`Reduction.layers`)
     each layer's but the first also reduced over `data` as it becomes final: the mean written
     back, or with a sharded optimizer the reduce-scatter written into `g_reduced`, but for the
     leaves it splits along the chunk's layers (`beside.scatter_final` takes those whole)."""
     if not last:
-        return {"g_stage": gradients.accumulate_at(a["g_stage"], index, d_params)}
+        return {"g_stage": gradients.accumulate_at(a.g_stage, index, d_params)}
     if not plan.sharded:
-        sums, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params)
+        sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params)
         chunk = gradients.stack_layers([sums[0], *reduced])
-        return {"g_stage": jax.tree.map(lambda g, r: rings.write(g, index, r), a["g_stage"], chunk)}
+        return {"g_stage": jax.tree.map(lambda g, r: rings.write(g, index, r), a.g_stage, chunk)}
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
     def scatter(layer):
@@ -213,31 +212,30 @@ def _accumulate(plan: Plan, a: dict, index, d_params, last: bool = False) -> dic
 
         return jax.tree.map(one, layer, dims)
 
-    sums, reduced = gradients.accumulate_reducing_layers(a["g_stage"], index, d_params, scatter)
+    sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, scatter)
     g_stage = jax.tree.map(
-        lambda g, s: rings.write(g, index, s), a["g_stage"], gradients.stack_layers(sums)
+        lambda g, s: rings.write(g, index, s), a.g_stage, gradients.stack_layers(sums)
     )
     g_reduced = jax.tree.map(
         lambda g, r, dim: g if dim == 0 else rings.write(g, index, r, start=1),
-        a["g_reduced"], gradients.stack_layers(reduced), dims,
+        a.g_reduced, gradients.stack_layers(reduced), dims,
     )  # fmt: skip
     return {"g_stage": g_stage, "g_reduced": g_reduced}
 
 
 def b_middle(plan, st, at, a, tokens, targets, last=False):
     d_params, d_x = _chunk_backward(plan, st, at, a)
-    d_x = d_x.astype(a["d_x"].dtype)
-    return {**a, **_accumulate(plan, a, at.index, d_params, last), "d_x": d_x}
+    d_x = d_x.astype(a.d_x.dtype)
+    return a.replace(**_accumulate(plan, a, at.index, d_params, last), d_x=d_x)
 
 
 def b_first(plan, st, at, a, tokens, targets, last=False):
     d_params, d_x = _chunk_backward(plan, st, at, a)
     d_shared = _embed_backward(plan, st, d_x, tokens)
-    return {
-        **a,
+    return a.replace(
         **_accumulate(plan, a, at.index, d_params, last),
-        "g_shared": gradients.accumulate(a["g_shared"], d_shared),
-    }
+        g_shared=gradients.accumulate(a.g_shared, d_shared),
+    )
 
 
 def b_whole(plan, st, at, a, tokens, targets, last=False):
@@ -246,30 +244,29 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     def chunk_head_loss(p_, sh, x_):
         return fns.head_loss(sh, fns.chunk(p_, x_, at.real), targets)
 
-    loss, pullback = jax.vjp(chunk_head_loss, plan.taken(at.cp), st.shared, a["inputs"][at.slot])
+    loss, pullback = jax.vjp(chunk_head_loss, plan.taken(at.cp), st.shared, a.inputs[at.slot])
     d_params, d_shared, d_x = pullback(jnp.ones_like(loss) / plan.m)
     d_shared = gradients.accumulate(d_shared, _embed_backward(plan, st, d_x, tokens))
-    return {
-        **a,
+    return a.replace(
         **_accumulate(plan, a, at.index, d_params, last),
-        "g_shared": gradients.accumulate(a["g_shared"], d_shared),
-        "loss": a["loss"] + (loss / plan.m).astype(jnp.float32),
-    }
+        g_shared=gradients.accumulate(a.g_shared, d_shared),
+        loss=a.loss + (loss / plan.m).astype(jnp.float32),
+    )
 
 
-def _input_backward(plan: Plan, st: Stage, at: At, a: dict, whole: bool = False):
+def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False):
     """I: (d_x, the gradients of the chunk's other params, what W needs) from the stored
     residuals, or by rerunning the chunk (`model.remat` full). `whole` (a B in a table of split
     backwards): the weight gradients are added at once instead of kept for W."""
     sf = plan.split
-    x = a["inputs"][at.slot]
-    cot = a["cots"][jnp.maximum(at.row["b_cot_slot"], 0)]
+    x = a.inputs[at.slot]
+    cot = a.cots[jnp.maximum(at.row["b_cot_slot"], 0)]
     taps = st.zero_taps(at.cp, x)
     weights, rest = sf.split_weights(at.cp, taps)
     if plan.store:
-        kept = [buf[at.slot] for buf in a["stored"]]
+        kept = [buf[at.slot] for buf in a.stored]
         d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot)
-        inputs = jax.tree.map(lambda buf: buf[at.slot], a["matmul_inputs"])
+        inputs = jax.tree.map(lambda buf: buf[at.slot], a.matmul_inputs)
     else:
         _, pullback, inputs = jax.vjp(
             lambda r_, x_, t_: st.tapped(at.real, recompute=True)(weights, r_, x_, t_),
@@ -281,9 +278,9 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: dict, whole: bool = False)
         w_slot = jnp.maximum(at.row["b_w_slot"], 0)
         written["wstore"] = jax.tree.map(
             lambda buf, leaf: rings.write(buf, w_slot, leaf),
-            a["wstore"], {"inputs": inputs, "dys": d_taps},
+            a.wstore, {"inputs": inputs, "dys": d_taps},
         )  # fmt: skip
-    g_weights, g_rest = sf.split_weights(a["g_stage"], taps)
+    g_weights, g_rest = sf.split_weights(a.g_stage, taps)
     g_rest = gradients.accumulate_at(g_rest, at.index, d_rest)
     g_stage = sf.merge_weights(g_weights, g_rest)
     if whole:
@@ -301,16 +298,16 @@ def _add_weight_grads(sf, g_stage, index, kept):
 
 def i_middle(plan, st, at, a, tokens, targets, whole=False):
     d_x, written = _input_backward(plan, st, at, a, whole)
-    return {**a, **written, "d_x": d_x.astype(a["d_x"].dtype)}
+    return a.replace(**written, d_x=d_x.astype(a.d_x.dtype))
 
 
 def i_first(plan, st, at, a, tokens, targets, whole=False):
     d_x, written = _input_backward(plan, st, at, a, whole)
     d_shared = _embed_backward(plan, st, d_x, tokens)
-    return {**a, **written, "g_shared": gradients.accumulate(a["g_shared"], d_shared)}
+    return a.replace(**written, g_shared=gradients.accumulate(a.g_shared, d_shared))
 
 
-def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict:
+def backward_slot(plan: Plan, st: Stage, c: Carry, row: dict, cells=None) -> Carry:
     """The B slot: the backward of its kind reads its stage input, residuals and output
     cotangent, accumulates the gradients it produces and writes the input cotangent to send
     (`d_x`). `cells` (bool [ticks, p], static): where this copy of the slot runs; kinds that
@@ -326,8 +323,8 @@ def backward_slot(plan: Plan, st: Stage, c: dict, row: dict, cells=None) -> dict
     if cells is not None:
         runs = plan.columns.columns["b_kind"][cells]
         kinds = {kind: fn for kind, fn in kinds.items() if (runs == kind.code).any()}
-    state = {k: c[k] for k in (*B_STATE, *_scattering(plan)) if k in c}
-    return {**c, **_run_slot(kinds, plan, st, at, state, batch)}
+    state = c.only((*B_STATE, *_scattering(plan)))
+    return c.merge(_run_slot(kinds, plan, st, at, state, batch))
 
 
 def _backward_kinds(plan: Plan) -> dict:
@@ -353,7 +350,7 @@ B_READS = ("inputs", "cots", "stored", "matmul_inputs")
 """The rings a backward reads and the F slot writes."""
 
 
-def paired_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+def paired_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     """The F&B slot (DualPipeV): where the table pairs a stage's F and B in one tick, the
     forward of its kind and the whole backward of its kind in one loop. The backward's operands
     (its stage input, residuals and output cotangent) are taken from the rings first, and pass
@@ -372,7 +369,7 @@ def paired_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
     batches = (*st.batch(jnp.maximum(row["f_mb"], 0)), *st.batch(jnp.maximum(row["b_mb"], 0)))
 
     def one_slot(a):
-        taken = {k: a[k] for k in B_READS if k in a}
+        taken = {k: getattr(a, k) for k in B_READS if getattr(a, k) is not None}
         slot_of = {"cots": cot_slot}
         return {
             k: jax.tree.map(
@@ -385,22 +382,22 @@ def paired_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
     def pair(f_fn, b_fn, a, f_tokens, f_targets, b_tokens, b_targets):
         a, read = jax.lax.optimization_barrier((a, one_slot(a)))
         after_f = f_fn(plan, st, f_at, a, f_tokens, f_targets)
-        after_b = b_fn(plan, st, b_at, {**after_f, **read}, b_tokens, b_targets)
-        return {**after_b, **{k: after_f[k] for k in read}}
+        after_b = b_fn(plan, st, b_at, after_f.replace(**read), b_tokens, b_targets)
+        return after_b.replace(**{k: getattr(after_f, k) for k in read})
 
-    state = {k: c[k] for k in dict.fromkeys((*F_STATE, *B_STATE)) if k in c}
+    state = c.only((*F_STATE, *B_STATE))
     present = _present(plan, {kind: kinds for kinds, kind in FB_KINDS.items()})
     for kind, (f_kind, b_kind) in present.items():
         body = partial(pair, forwards[f_kind], backwards[b_kind])
         active = row[kind.column] == kind.code
         state = slots.run_if(active, body, state, kind.scope, batches)
-    return {**c, **state}
+    return c.merge(state)
 
 
 # -- W ------------------------------------------------------------------------------------------
 
 
-def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
+def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     """The W slot: the weight gradients of a split backward, dW = X^T dY from what its I kept
     in `wstore`; it sends nothing. A chunk's last W (`Reduction.layers`) computes them layer
     by layer, last first, and starts each layer's mean but the first's beside the next one's
@@ -410,19 +407,19 @@ def weight_slot(plan: Plan, st: Stage, c: dict, row: dict) -> dict:
 
     def weights(a, reducing=False):
         w_slot = jnp.maximum(row["w_slot"], 0)
-        kept = jax.tree.map(lambda buf: buf[w_slot], a["wstore"])
+        kept = jax.tree.map(lambda buf: buf[w_slot], a.wstore)
         if reducing:
-            layers = _weight_layers(sf, a["g_stage"], at, kept)
-            return {**a, **_accumulate(plan, a, at, layers, last=True)}
-        return {**a, "g_stage": _add_weight_grads(sf, a["g_stage"], at, kept)}
+            layers = _weight_layers(sf, a.g_stage, at, kept)
+            return a.replace(**_accumulate(plan, a, at, layers, last=True))
+        return a.replace(g_stage=_add_weight_grads(sf, a.g_stage, at, kept))
 
-    state = {k: c[k] for k in ("g_stage", "wstore", *_scattering(plan))}
+    state = c.only(("g_stage", "wstore", *_scattering(plan)))
     if not plan.reduction.layers:
-        return {**c, **slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)}
+        return c.merge(slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope))
     last = row[W_CHUNK_REDUCING.scope] > 0
     state = slots.run_if((row["w_mb"] >= 0) & ~last, weights, state, W_CHUNK.scope)
     reducing = partial(weights, reducing=True)
-    return {**c, **slots.run_if(last, reducing, state, W_CHUNK_REDUCING.scope)}
+    return c.merge(slots.run_if(last, reducing, state, W_CHUNK_REDUCING.scope))
 
 
 def _weight_layers(sf, g_stage, at, kept) -> list:

@@ -1,20 +1,12 @@
 """Per device, inside the map: the stage's context (`Stage`: its params, the shared params,
-its microbatches, its index, and how to take a chunk's weights) and the loop's carry (the rings
-and accumulators every tick reads and writes), built once before the tick loop.
-
-The carry (all varying over the map's manual axes, so the slots' loops keep one type):
-  inputs, cots      the stage inputs and output cotangents, in rings (`tick_table` slots)
-  stored            the chunk residuals the F slot keeps for the B slot (`residuals`)
-  y, d_x            what the F slot sends forward and the B slot backward in this tick
-  loss, g_stage, g_shared   the accumulators (fp32)
-  wstore, matmul_inputs     split backwards: what I keeps for W, and what F keeps for I
-  f_params/b_params, f_next/b_next   ZeRO-3: each slot's gathered chunk and the next one's
-  pending / g_reduced       a chunk's gradients until reduced, or the split accumulator
-  links             the compression state
+its microbatches, its index, and how to take a chunk's weights) and the loop's carry (`Carry`:
+the rings and accumulators every tick reads and writes), built once before the tick loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -39,6 +31,79 @@ def _split(shape: tuple, dim: int, parts: int) -> tuple:
 def _whole(shape: tuple, dim: int, parts: int) -> tuple:
     """`shape` with dim `dim` multiplied by `parts` (the inverse of `_split`)."""
     return (*shape[:dim], shape[dim] * parts, *shape[dim + 1 :])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """The tick loop's state on one device, all varying over the map's manual axes (so the
+    slots' loops keep one type). A field the build does not use is None (no buffer). Per device:
+    x = one microbatch's activation [b, s, h] (s / t with sequence parallelism), K, J, W the
+    tick table's `num_input_slots`, `num_cot_slots`, `num_w_slots`, v chunks of Lc layers, a
+    chunk's leaves [Lc, ...]. A slot's loop passes the fields it declares (`only`), and its
+    result goes back in by name (`merge`): a misspelt field is an error, not dropped state.
+
+    The fields are in name order: that of the dict the carry was, whose flatten order the
+    compiled loop's tuple follows.
+    """
+
+    b_next: Any = None
+    """ZeRO-3, the B slot: the pieces [d, ...] of its next chunk (see `f_next`)."""
+    b_params: Any = None
+    """ZeRO-3, the B slot: its gathered chunk (see `f_params`)."""
+    cots: Any = None
+    """Output cotangents [J, *x], received or (last virtual stage) made by the F slot."""
+    d_x: Any = None
+    """x: the input cotangent the B slot sends this tick."""
+    f_next: Any = None
+    """ZeRO-3, the F slot: every replica's piece [d, ...] of the chunk it takes next, gathered
+    ahead while the slot runs the one before (`beside.take_prefetched`)."""
+    f_params: Any = None
+    """ZeRO-3, the F slot: its chunk's weights whole [Lc, ...], assembled from `f_next`."""
+    g_reduced: Any = None
+    """A sharded optimizer's split accumulator: the stage gradients [v, Lc, ...] fp32, split
+    over `data` on each leaf's ZeRO dim (`reduction.SCATTER`)."""
+    g_shared: Any = None
+    """The embedding's and head's gradients, fp32."""
+    g_stage: Any = None
+    """The stage gradients [v, Lc, ...] fp32 (whole under ZeRO-3)."""
+    inputs: Any = None
+    """Stage inputs [K, *x], written on arrival (or by the first virtual stage's F)."""
+    links: Any = None
+    """The compression state of this device (`Program.run`'s `links`, without [p, d])."""
+    loss: Any = None
+    """The loss over the microbatches so far, fp32 []."""
+    matmul_inputs: Any = None
+    """Split backwards with stored residuals: each weight matmul's input X per slot [K, ...],
+    from the forward until I moves it to `wstore`."""
+    pending: Any = None
+    """A chunk's gradients until its mean is written back [Lc or 1, ...] fp32
+    (`reduction.AFTER`, `BESIDE_B`)."""
+    stored: Any = None
+    """The residuals the F slot keeps for the backward: a list of rings [K, ...]."""
+    wstore: Any = None
+    """Split backwards: what I keeps for W, {"inputs": X, "dys": dY} per slot [W, ...]."""
+    y: Any = None
+    """x: the activation the F slot sends this tick."""
+
+    def replace(self, **fields) -> Carry:
+        return dataclasses.replace(self, **fields)
+
+    def only(self, names: Iterable[str]) -> Carry:
+        """The named fields (those in use), the others None: what a slot's loop passes."""
+        return Carry(**{name: getattr(self, name) for name in names})
+
+    def merge(self, part: Carry) -> Carry:
+        """This carry with `part`'s fields that are in use."""
+        return self.replace(**{k: v for k, v in vars(part).items() if v is not None})
+
+    def params(self, slot: str):
+        """ZeRO-3: the gathered chunk of the F ("f") or B ("b") slot."""
+        return getattr(self, f"{slot}_params")
+
+    def next(self, slot: str):
+        """ZeRO-3: the pieces of the chunk the F ("f") or B ("b") slot takes next."""
+        return getattr(self, f"{slot}_next")
 
 
 class Stage:
@@ -104,7 +169,7 @@ class Stage:
     def slot_params(self, c, slot: str, chunk):
         """The weights the F ("f") or B ("b") slot runs `chunk` with: gathered ahead under
         ZeRO-3, else the stage's own."""
-        return c[f"{slot}_params"] if self.plan.gathering else self.chunk_shard(chunk)
+        return c.params(slot) if self.plan.gathering else self.chunk_shard(chunk)
 
     def gather_pieces(self, chunk_shard):
         """ZeRO-3: every replica's piece of a chunk's split leaves, stacked [d, ...] (the
@@ -199,8 +264,8 @@ def _ring(n: int, tree):
     return jax.tree.map(lambda a: RING_FILL((n, *a.shape), a.dtype), tree)
 
 
-def initial(plan: Plan, st: Stage, links) -> dict:
-    """The loop's carry before the first tick (see the module docstring)."""
+def initial(plan: Plan, st: Stage, links) -> Carry:
+    """The loop's carry before the first tick (`Carry`)."""
     table, zero = plan.table, plan.zero
     carry = {
         "inputs": _ring(table.num_input_slots, st.x_abstract),
@@ -236,4 +301,4 @@ def initial(plan: Plan, st: Stage, links) -> dict:
     carry["g_shared"] = gradients.zeros_f32(st.shared)
     if plan.stateful:
         carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
-    return slots.varying_everywhere(carry, plan.manual)
+    return slots.varying_everywhere(Carry(**carry), plan.manual)

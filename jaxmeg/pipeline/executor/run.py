@@ -57,7 +57,7 @@ class Program:
     reduces_in_slots: bool = False
 
 
-def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
+def tick(plan: Plan, st: carry.Stage, t, c: carry.Carry, step=None) -> carry.Carry:
     """One tick of every stage, in schedule order: ZeRO-3 takes its gathered chunks, the
     in-loop reduction starts, F runs (where a table pairs F and B: F alone, then the F&B slot)
     and sends, B (or I, then W) runs, what F sent arrives, B's cotangent is sent and arrives,
@@ -69,7 +69,7 @@ def tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
         return _tick(plan, st, t, c, step)
 
 
-def _tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
+def _tick(plan: Plan, st: carry.Stage, t, c: carry.Carry, step=None) -> carry.Carry:
     row = st.row(t)
     if plan.gathering:
         c = beside.take_prefetched(plan, st, c, row)
@@ -77,23 +77,23 @@ def _tick(plan: Plan, st: carry.Stage, t, c: dict, step=None) -> dict:
         c = beside.start_reduction(plan, st, c, row, step)
     if plan.late_cotangents:
         late = st.late_row(t)
-        arrived_cot = _sent(plan, c["d_x"], late, SEND_COT, SEND_COT_BACK)
+        arrived_cot = _sent(plan, c.d_x, late, SEND_COT, SEND_COT_BACK)
     c = bodies.forward_slot(plan, st, c, row)
     if plan.paired:
         if plan.late_cotangents:
-            c = {**c, "cots": beside.arrive(plan, c["cots"], late, "cot", "cot", arrived_cot)}
+            c = c.replace(cots=beside.arrive(plan, c.cots, late, "cot", "cot", arrived_cot))
         c = bodies.paired_slot(plan, st, c, row)
-    arrived_x = _sent(plan, c["y"], row, SEND_X, SEND_X_BACK)
+    arrived_x = _sent(plan, c.y, row, SEND_X, SEND_X_BACK)
     if plan.late_cotangents and not plan.paired:
-        c = {**c, "cots": beside.arrive(plan, c["cots"], late, "cot", "cot", arrived_cot)}
+        c = c.replace(cots=beside.arrive(plan, c.cots, late, "cot", "cot", arrived_cot))
     c = _backward(plan, st, c, row)
     if plan.table.split:
         c = bodies.weight_slot(plan, st, c, row)
-    c = {**c, "inputs": beside.arrive(plan, c["inputs"], row, "act", "x", arrived_x)}
+    c = c.replace(inputs=beside.arrive(plan, c.inputs, row, "act", "x", arrived_x))
     if not plan.late_cotangents:
-        c, received = beside.send_cotangent(plan, c, row, c["d_x"])
-        arrived_cot = {"": received, **_sent(plan, c["d_x"], row, None, SEND_COT_BACK)}
-        c = {**c, "cots": beside.arrive(plan, c["cots"], row, "cot", "cot", arrived_cot)}
+        c, received = beside.send_cotangent(plan, c, row, c.d_x)
+        arrived_cot = {"": received, **_sent(plan, c.d_x, row, None, SEND_COT_BACK)}
+        c = c.replace(cots=beside.arrive(plan, c.cots, row, "cot", "cot", arrived_cot))
     if plan.reduction.where == SCATTER:
         return beside.scatter_final(plan, c, row)
     if plan.reduction.mean:
@@ -111,7 +111,7 @@ def _sent(plan: Plan, value, row, usual, back) -> dict:
     return arrived
 
 
-def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
+def _backward(plan: Plan, st: carry.Stage, c: carry.Carry, row: dict) -> carry.Carry:
     """The B slot; with BESIDE_B a mean due in this tick runs in one loop with it
     (nothing in the slot reads `pending`), so that a GPU overlaps the two. Each of the two
     copies of the slot holds only the kinds that run where it does."""
@@ -120,20 +120,19 @@ def _backward(plan: Plan, st: carry.Stage, c: dict, row: dict) -> dict:
     cells = plan.columns.columns[REDUCE_BESIDE_B.scope] > 0  # where a mean runs beside B
     if not cells.any():
         return bodies.backward_slot(plan, st, c, row)
-    keys = (*bodies.B_STATE, "pending")
-    state = {k: c[k] for k in keys if k in c}
+    state = c.only((*bodies.B_STATE, "pending"))
     due = row[REDUCE_BESIDE_B.scope] > 0
 
     def both(s):
         s = bodies.backward_slot(plan, st, s, row, cells)
-        return {**s, "pending": gradients.reduce_over_data(s["pending"])}
+        return s.replace(pending=gradients.reduce_over_data(s.pending))
 
     state = slots.run_if(due, both, state, REDUCE_BESIDE_B.scope)
     alone = lambda s: bodies.backward_slot(plan, st, s, row, ~cells)  # noqa: E731
-    return {**c, **slots.run_if(~due, alone, state, B_ALONE.scope)}
+    return c.merge(slots.run_if(~due, alone, state, B_ALONE.scope))
 
 
-def _final_reduction(plan: Plan, out: dict):
+def _final_reduction(plan: Plan, out: carry.Carry):
     """The step's one reduction of what the loop left unreduced (`gradients.reduce_step`)."""
     zero, sharded, in_loop = plan.zero, plan.sharded, plan.reduction.in_loop
     scatter = {}
@@ -144,9 +143,9 @@ def _final_reduction(plan: Plan, out: dict):
             "shared_axes": zero.shared_axes,
         }
     loss, g_stage, g_shared = gradients.reduce_step(
-        out["g_reduced"] if sharded and in_loop else out["g_stage"],
-        out["g_shared"],
-        out["loss"],
+        out.g_reduced if sharded and in_loop else out.g_stage,
+        out.g_shared,
+        out.loss,
         stage_grads_reduced=in_loop,
         fused=plan.fused,
         **scatter,
@@ -171,7 +170,7 @@ def build(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh
         loss, grads = _final_reduction(plan, out)
         if not plan.stateful:
             return loss, grads
-        return loss, grads, jax.tree.map(lambda a: a[None, None], out["links"])
+        return loss, grads, jax.tree.map(lambda a: a[None, None], out.links)
 
     link_specs = (P("pipe", "data"), P()) if plan.stateful else ()
     # with context parallelism each context rank holds its part of every sequence (tokens and
