@@ -117,7 +117,14 @@ def load_target(args: argparse.Namespace, cfg):
         gpus = 1
         for size in sizes.values():
             gpus *= size
-    return gpu_target.load_target(args.target, gpus)
+    target = gpu_target.load_target(args.target, gpus)
+    if cfg.model.fp8 != "none" and not target.hardware.fp8_peak_tflops:
+        raise ConfigError(
+            f"model.fp8={cfg.model.fp8} needs FP8 GEMMs, which {target.hardware.name} does not "
+            f"have (fp8_peak_tflops in configs/hardware/{target.hardware.name}.yaml); use "
+            f"model.fp8=none, or an H100 or newer target"
+        )
+    return target
 
 
 def add_overwrite(parser: argparse.ArgumentParser, help: str) -> None:

@@ -22,6 +22,8 @@ ZERO_STAGES = (0, 1, 3)
 REMAT_POLICIES = ("none", "selective", "full")
 """The `model.remat` choices; the performance model and the planner take them from here."""
 DTYPES = ("float32", "bfloat16", "float16")
+FP8_RECIPES = ("none", "current")
+"""`model.fp8`: none (16-bit GEMMs) or current (per-tensor scales from this step's amax)."""
 PLACEMENTS = ("auto", "megatron")
 """The `parallel.placement` choices (see `jaxmeg.parallel.placement`)."""
 STAGE_LAYERS_MODES = ("auto", "measured")
@@ -107,6 +109,12 @@ class ModelConfig:
     attention: str = "auto"
     """`jax.nn.dot_product_attention` implementation: `auto` (cuDNN on GPU for 16-bit compute,
     XLA otherwise), `xla` or `cudnn`."""
+    fp8: str = "none"
+    """FP8 GEMMs for the attention projections and the dense MLPs (the experts' grouped GEMMs,
+    the embedding, the LM head, norms and attention scores stay 16-bit): `none` or `current`
+    (per-tensor scales from this step's amax; E4M3 activations and weights, E5M2 gradients;
+    `jaxmeg/models/fp8.py`). On an H100 each linear's three GEMMs are cuBLASLt FP8 GEMMs; on a
+    CPU the same rounding runs in 16/32-bit GEMMs."""
 
     @property
     def head_dim(self) -> int:

@@ -16,6 +16,7 @@ from jaxmeg.config_moe_validation import validate_moe
 from jaxmeg.config_sections import (
     DTYPES,
     ERROR_FEEDBACK,
+    FP8_RECIPES,
     OUTER_AXES,
     PIPE_GRAD_PHASES,
     PLACEMENTS,
@@ -266,6 +267,7 @@ def validate(cfg: Config, num_devices: int) -> Config:
     check_choice("model.param_dtype", m.param_dtype, DTYPES)
     check_choice("model.remat", m.remat, REMAT_POLICIES)
     check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
+    check_choice("model.fp8", m.fp8, FP8_RECIPES)
     check_choice("parallel.schedule", par.schedule, schedules.NAMES)
     check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
     check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)

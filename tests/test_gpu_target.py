@@ -129,6 +129,21 @@ def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     # one stage: the bound with the bubble is the roofline
     assert report["schedule_bound_seconds"] == pytest.approx(report["roofline_seconds"])
     assert report["kernel_classes"]["loss"] > 0 and report["kernel_classes"]["optimizer"] > 0
+    assert report["fp8_gemms"]["calls"] == 0  # the default: 16-bit GEMMs
+
+
+def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():
+    """`model.fp8=current`: the forward, input-gradient and weight-gradient GEMMs of each of a
+    GPT block's 4 linears (qkv, out, fc1, fc2) per layer and microbatch are
+    `__cublas$lt$matmul$f8` calls (48 for 2 layers x 2 microbatches); the LM head stays 16-bit.
+    They count at the H100's FP8 peak, so the roofline falls."""
+    trainable, report = report_for(gpu_config(fp8="current"))
+    cfg = trainable.cfg
+    assert report["fp8_gemms"]["calls"] == 3 * 4 * cfg.model.layers * cfg.train.microbatches
+    assert 0 < report["fp8_gemms"]["flops"] < report["gemm_flops"]
+    _, bf16 = one_gpu()
+    assert report["gemm_flops"] == pytest.approx(bf16["gemm_flops"], rel=1e-6)
+    assert report["kernel_classes"]["gemm"] < 0.8 * bf16["kernel_classes"]["gemm"]
 
 
 def test_data_two_keeps_cudnn_once_per_layer_and_reduces_beside_the_backward():

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxmeg import ordering
 from jaxmeg.config import ModelConfig
+from jaxmeg.models import fp8
 
 Array = jax.Array
 Constrain = Callable[[Array, tuple], Array]
@@ -60,7 +61,7 @@ def weight_matmul(
     reduce-scattered right after it, and only when tapped)."""
     kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
     module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    y = jnp.einsum(spec, x, w)
+    y = fp8.einsum(spec, x, w) if module.cfg.fp8 != "none" else jnp.einsum(spec, x, w)
     if residual == "output" and module.has_variable(TAPS, name):
         y = module.constrain(y, RESIDUAL_AXES)
     return module.perturb(name, y, collection=TAPS)

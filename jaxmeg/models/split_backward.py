@@ -24,6 +24,7 @@ import flax.traverse_util as traverse
 import jax
 import jax.numpy as jnp
 
+from jaxmeg.models import fp8
 from jaxmeg.models.gpt import MATMUL_INPUTS, TAPS
 from jaxmeg.models.grouped_gemm import grouped_weight_gradient
 
@@ -68,7 +69,7 @@ def merge_weights(weights, rest) -> dict:
 
 def weight_gradients(
     inputs, cotangents, batch_dims: int = 2, lead: int = 0, exchanged: Callable | None = None,
-    grouped_gradient: Callable | None = None,
+    grouped_gradient: Callable | None = None, fp8_gemms: bool = False,
 ):  # fmt: skip
     """dW = X^T dY for every weight: the sown input X [*lead, b, s, ...in] and the tap's
     cotangent dY [*lead, b, s, ...out] contracted over their `batch_dims` leading dims after the
@@ -78,9 +79,13 @@ def weight_gradients(
     of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
     name, grouped_gradient)`'s (`jaxmeg.parallel.experts.weight_gradient`).
     `grouped_gradient`: the ragged GEMM's weight gradient, as the forward ran it
-    (`jaxmeg.models.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose."""
+    (`jaxmeg.models.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose. `fp8_gemms`
+    (`model.fp8`): a dense weight's dW reads X in E4M3 and dY in E5M2, as the whole backward's
+    (`jaxmeg.models.fp8.einsum`)."""
 
     def dense(dy, x):
+        if fp8_gemms:
+            x, dy = fp8.round_trip(x, fp8.E4M3), fp8.round_trip(dy, fp8.E5M2)
         contract = list(range(batch_dims))
         return jnp.tensordot(x, dy, axes=(contract, contract))
 

@@ -28,6 +28,8 @@ _KIND_RE = re.compile(
 _ARRAY_RE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|c64)\[([\d,]*)\]")
 _BYTES = {
     "pred": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
     "s8": 1,
     "u8": 1,
     "s16": 2,

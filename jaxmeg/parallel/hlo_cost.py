@@ -133,6 +133,9 @@ class Cost:
     attention_backward_calls: float = 0.0
     attention_flops: float = 0.0
     """cuDNN attention, as Megatron-LM counts attention FLOPs (`hlo_gpu.AttentionCall`)."""
+    fp8_gemm_flops: float = 0.0
+    """Of `matmul_flops`, those of cuBLASLt FP8 GEMMs (`hlo_gpu.FP8_GEMM`)."""
+    fp8_gemm_calls: float = 0.0
     roofline_seconds: float = 0.0
     """Per kernel the larger of its GEMM/attention FLOPs at the device's peak and its bytes at
     its memory bandwidth (with `StepCost(roofline=...)`); collectives not included."""
@@ -184,6 +187,8 @@ _SCALARS = (
     "attention_forward_calls",
     "attention_backward_calls",
     "attention_flops",
+    "fp8_gemm_flops",
+    "fp8_gemm_calls",
     "roofline_seconds",
 )
 
@@ -207,7 +212,8 @@ class StepCost:
         (tick, stage). Every scope is a row of the executor's slot table
         (`jaxmeg.pipeline.executor.columns.SLOT_KINDS`), else ValueError: a misspelt scope would
         leave its loop counted once.
-    roofline: (peak FLOP/s, memory bytes/s) of one device, for `Cost.roofline_seconds`.
+    roofline: (peak FLOP/s, memory bytes/s[, FP8 peak FLOP/s]) of one device, for
+        `Cost.roofline_seconds` (FP8 GEMMs at the third where given).
     chosen_branches: JAX name scope of a conditional (under any transformation: `jvp(name)`,
         `transpose(jvp(name))`) -> the branch to count.
     """
@@ -217,7 +223,7 @@ class StepCost:
         hlo_text: str,
         mesh: Mesh,
         branch_columns: Mapping[str, np.ndarray] | None = None,
-        roofline: tuple[float, float] | None = None,
+        roofline: tuple[float, ...] | None = None,
         chosen_branches: Mapping[str, int] | None = None,
     ):
         unknown = sorted(set(branch_columns or {}) - set(SLOT_KINDS))
@@ -364,7 +370,10 @@ class StepCost:
         total.kernel_bytes += moved
         total.kernel_bytes_by_class[kind] += moved
         if self.roofline is not None:
-            peak, bandwidth = self.roofline
+            peak, bandwidth, *fp8_peak = self.roofline
+            if fp8_peak and ins.op == "custom-call":
+                if hlo_gpu.call_target(ins.attributes) == hlo_gpu.FP8_GEMM:
+                    peak = fp8_peak[0]
             seconds = max(flops / peak, moved / bandwidth)
             total.roofline_seconds += seconds
             total.roofline_by_class[kind] += seconds
@@ -432,7 +441,11 @@ class StepCost:
         operands = [shapes.get(o, "") for o in ins.operands]
         if target in hlo_gpu.GEMM_TARGETS:
             lhs = operands[0] if operands else ""
-            total.matmul_flops += hlo_gpu.gemm_flops(ins.shape, lhs, ins.attributes)
+            flops = hlo_gpu.gemm_flops(ins.shape, lhs, ins.attributes)
+            total.matmul_flops += flops
+            if target == hlo_gpu.FP8_GEMM:
+                total.fp8_gemm_flops += flops
+                total.fp8_gemm_calls += 1
         elif target.startswith(hlo_gpu.ATTENTION_PREFIX):
             call = hlo_gpu.attention_call(target, operands, ins.attributes)
             if call.backward:

@@ -2,7 +2,8 @@
 library GEMMs, cuDNN attention, kernels as memory passes, and asynchronous collectives with what
 the latency-hiding scheduler placed between their start and done.
 
-  GEMMs        `__cublas$lt$matmul` / `__cublas$gemm` custom-calls: 2 x result elements x the
+  GEMMs        `__cublas$lt$matmul` / `__cublas$gemm` / `__cublas$lt$matmul$f8` (FP8)
+               custom-calls: 2 x result elements x the
                contracted size (from `dot_dimension_numbers`); Triton GEMM fusions hold a `dot`
                that the fusion's walk counts.
   attention    `__cudnn$fmha*` custom-calls, forward and backward. `flops` as Megatron-LM counts
@@ -30,7 +31,9 @@ from jaxmeg.parallel.hlo import _BYTES
 
 ARRAY_RE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
-GEMM_TARGETS = ("__cublas$lt$matmul", "__cublas$gemm")
+FP8_GEMM = "__cublas$lt$matmul$f8"
+"""cuBLASLt's FP8 GEMM (`model.fp8`), at the GPU's FP8 peak in the roofline."""
+GEMM_TARGETS = ("__cublas$lt$matmul", "__cublas$gemm", FP8_GEMM)
 ATTENTION_PREFIX = "__cudnn$fmha"
 NOT_KERNELS = frozenset(
     "parameter constant get-tuple-element tuple bitcast while conditional call opt-barrier "

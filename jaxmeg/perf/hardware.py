@@ -50,6 +50,9 @@ class Hardware:
     variant_peak_tflops: dict[str, float] = dataclasses.field(default_factory=dict)
     """Other parts of the same GPU that run at a different peak, device kind -> dense bf16
     TFLOP/s (e.g. `H100 PCIe`); matched like `device_kinds`, the longest match wins."""
+    fp8_peak_tflops: float = 0.0
+    """Dense FP8 tensor-core peak per GPU; 0: the GPU has no FP8 GEMMs (`model.fp8` is refused
+    on it)."""
     xla_target: str = ""
     """XLA's description of the GPU (a `GpuTargetConfig` text proto), relative to
     configs/hardware/: what `--target` compiles for (`jaxmeg.parallel.gpu_target`)."""

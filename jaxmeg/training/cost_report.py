@@ -76,7 +76,10 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     loss_and_grads = make_loss_and_grads(trainable)
     compiled, seconds = compile_step(trainable, loss_and_grads)
     hw = target.hardware if target is not None else None
-    roofline = (hw.peak_tflops * 1e12, hw.hbm_tb_per_s * 1e12) if hw else None
+    roofline = None
+    if hw:
+        fp8_peak = hw.fp8_peak_tflops or hw.peak_tflops
+        roofline = (hw.peak_tflops * 1e12, hw.hbm_tb_per_s * 1e12, fp8_peak * 1e12)
     shape, layout = shape_of(model, cfg.moe), config_layout(cfg)
     # the dropless exchange's bound is the data's: counted at a balanced load's
     branch = exchange_branch(shape, layout)
@@ -229,6 +232,7 @@ def gpu_figures(trainable, compiled, target, counter: StepCost, model_flops) -> 
             "planner": fit["planner_device_bytes"],
         },  # fmt: skip
         "gemm_flops": total.matmul_flops,
+        "fp8_gemms": {"flops": total.fp8_gemm_flops, "calls": total.fp8_gemm_calls},
         "attention_kernels": {
             "forward_per_replica": total.attention_forward_calls / per_replica,
             "backward_per_replica": total.attention_backward_calls / per_replica,
@@ -326,7 +330,12 @@ def _format_gpu(r: dict[str, Any], gb, gf) -> list[str]:
         f"{mem['argument'] / 1e9:.2f}, temp {mem['temp'] / 1e9:.2f}{planner})",
         f"  GEMM FLOPs          {gf(r['gemm_flops'])}   attention {gf(att['flops'])} in "
         f"{att['forward_per_replica']:.0f} forward + {att['backward_per_replica']:.0f} backward "
-        "cuDNN calls per replica",
+        "cuDNN calls per replica"
+        + (
+            f"; FP8 GEMMs {gf(r['fp8_gemms']['flops'])} in {r['fp8_gemms']['calls']:.0f} calls"
+            if r["fp8_gemms"]["calls"]
+            else ""
+        ),
         f"  kernel bytes        {gb(r['kernel_bytes'])}   copies {gb(r['copy_kernel_bytes'])} "
         f"({r['copy_share']:.1%})",
         f"  overlapped with GEMMs: {overlap or 'no collectives'}",

@@ -210,7 +210,12 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
         split_weights=split_backward.split_weights,
         merge_weights=split_backward.merge_weights,
         weight_grads=lambda inputs, cots: split_backward.weight_gradients(
-            inputs, cots, lead=1, exchanged=experts.weight_gradient, grouped_gradient=grouped
+            inputs,
+            cots,
+            lead=1,
+            exchanged=experts.weight_gradient,
+            grouped_gradient=grouped,
+            fp8_gemms=trainable.cfg.model.fp8 != "none",
         ),
     )
 
