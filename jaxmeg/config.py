@@ -21,6 +21,7 @@ from jaxmeg.config_moe import MOE_ROUTERS, MoeConfig
 from jaxmeg.config_sections import (
     DTYPES,
     ERROR_FEEDBACK,
+    FP8_RECIPES,
     MESH_AXES,
     OUTER_AXES,
     PIPE_GRAD_PHASES,
@@ -53,6 +54,7 @@ from jaxmeg.config_validation import (
 __all__ = [
     "DTYPES",
     "ERROR_FEEDBACK",
+    "FP8_RECIPES",
     "MESH_AXES",
     "MOE_ROUTERS",
     "OUTER_AXES",

@@ -64,7 +64,13 @@ def context_size(text: str) -> int | None:
 
 
 def parse_args(argv):
-    from jaxmeg.config import OUTER_AXES, PIPE_GRAD_PHASES, REMAT_POLICIES, ZERO_STAGES
+    from jaxmeg.config import (
+        FP8_RECIPES,
+        OUTER_AXES,
+        PIPE_GRAD_PHASES,
+        REMAT_POLICIES,
+        ZERO_STAGES,
+    )
     from jaxmeg.perf.compression import DEFAULT_RANK, MODES
     from jaxmeg.perf.layout import EXPERT_EXCHANGES
     from jaxmeg.pipeline.schedules import NAMES as SCHEDULES
@@ -104,6 +110,11 @@ def parse_args(argv):
     parser.add_argument(
         "--zero-stage", type=int, choices=ZERO_STAGES,
         help="ZeRO stage of every layout (shortest_time: of every method)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fp8", choices=FP8_RECIPES, default="none",
+        help="price the linears' GEMMs in FP8 (model.fp8): at the GPU's FP8 peak, with the "
+        "passes and reductions current scaling adds",
     )  # fmt: skip
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")
@@ -250,6 +261,8 @@ def main(argv=None) -> int:
         pins.update(expert=args.expert, expert_exchange=args.expert_exchange)
     if args.zero_stage is not None:
         pins["zero_stage"] = args.zero_stage
+    if args.fp8 != "none":
+        pins["fp8"] = args.fp8
     if args.schedule:
         pins["schedule"] = args.schedule
     options = {

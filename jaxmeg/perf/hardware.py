@@ -58,13 +58,16 @@ class Hardware:
     configs/hardware/: what `--target` compiles for (`jaxmeg.parallel.gpu_target`)."""
 
 
-def gemm_seconds(m: float, n: float, k: float, hw: Hardware) -> float:
+def gemm_seconds(m: float, n: float, k: float, hw: Hardware, fp8: bool = False) -> float:
     """2 m n k FLOPs at the profile's GEMM efficiency, lower along each dimension below
-    `gemm_half_dim` (tile quantisation and launch overheads), or the HBM roofline."""
+    `gemm_half_dim` (tile quantisation and launch overheads), or the HBM roofline; `fp8`: at
+    the FP8 peak, its operands 1 byte each (the result stays 16-bit)."""
     c = hw.gemm_half_dim
     efficiency = hw.gemm_efficiency * (m / (m + c)) * (n / (n + c)) * (k / (k + c))
-    compute = 2 * m * n * k / (hw.peak_tflops * 1e12 * efficiency)
-    memory = 2 * (m * k + k * n + m * n) / (hw.hbm_tb_per_s * 1e12)
+    peak = hw.fp8_peak_tflops if fp8 else hw.peak_tflops
+    compute = 2 * m * n * k / (peak * 1e12 * efficiency)
+    operand = 1 if fp8 else 2
+    memory = (operand * (m * k + k * n) + 2 * m * n) / (hw.hbm_tb_per_s * 1e12)
     return max(compute, memory)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmeg.config import OUTER_AXES, REMAT_POLICIES, ZERO_STAGES
+from jaxmeg.config import FP8_RECIPES, OUTER_AXES, REMAT_POLICIES, ZERO_STAGES
 from jaxmeg.pipeline import schedules
 
 EXPERT_EXCHANGES = ("bounded", "padded", "routed")
@@ -60,6 +60,9 @@ class Layout:
     0 none; 1 the fp32 master weights and Adam moments; 3 also the weights and gradients, the
     weights all-gathered per chunk per use and the gradients reduce-scattered. Modelled here
     only (jaxmeg's config has no such field)."""
+    fp8: str = "none"
+    """`model.fp8`: `current` prices the linears' GEMMs at the GPU's FP8 peak, with the passes
+    and reductions current scaling adds (`model.fp8_scaling_seconds`)."""
 
     def __post_init__(self) -> None:
         for name in ("context", "expert"):
@@ -70,6 +73,8 @@ class Layout:
                 f"expert_exchange must be one of {list(EXPERT_EXCHANGES)}, got "
                 f"{self.expert_exchange!r}"
             )
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8 must be one of {list(FP8_RECIPES)}, got {self.fp8!r}")
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(
                 f"zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"

@@ -258,6 +258,30 @@ class LayerSeconds:
         return {"full": self.forward, "selective": self.attention_core, "none": 0.0}[choice]
 
 
+FP8_SCALING_BYTES = 5
+"""Bytes per element that current scaling moves to put a 16-bit operand into FP8: read for its
+amax, read again to scale and cast, written as one byte."""
+
+
+def fp8_scaling_seconds(linears, layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds that current FP8 scaling adds to a layer's linears
+    ([((m, n, k), count)]): per linear the forward puts x [m, k] and w [k, n] into FP8, the
+    backward the output's cotangent [m, n] (it reuses the forward's FP8 x and w), each at
+    `FP8_SCALING_BYTES` per element of HBM traffic and, with tensor parallelism, one amax
+    all-reduce over `tensor` (latency: the scalar's bytes are nothing) before it can scale.
+    The compiled H100 program (docs/benchmarks.md, FP8) shows both: the amax passes as
+    elementwise kernels, and the all-reduces exposed."""
+    bandwidth = hw.hbm_tb_per_s * 1e12
+    latency = 0.0
+    if layout.tensor > 1:
+        latency = ring_all_reduce_seconds(4.0, layout.tensor, tensor_link(layout, hw))
+    forward = backward = 0.0
+    for (m, n, k), count in linears:
+        forward += count * (FP8_SCALING_BYTES * (m * k + k * n) / bandwidth + 2 * latency)
+        backward += count * (FP8_SCALING_BYTES * m * n / bandwidth + latency)
+    return forward, backward
+
+
 def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     """Seconds of one layer for one microbatch. With context, s is the s / c local tokens and
     attention runs as c block steps of s / c queries against s / c keys, each waiting for its
@@ -268,10 +292,12 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     # the dense MLP's width; an MoE block takes the place of fc1, fc2 and their GeLU in a
     # `moe_share` of the layers (all of them unless MoE is every n-th layer only)
     f, share = shape.mlp_ratio * h, shape.moe_share
-    gemms = _gemm_seconds(tokens, 3 * h / t, h, hw) + _gemm_seconds(tokens, h, h / t, hw)
-    gemms += (1 - share) * (
-        _gemm_seconds(tokens, f / t, h, hw) + _gemm_seconds(tokens, h, f / t, hw)
-    )
+    # the linears (m, n, k) and how many of each a layer runs: qkv, out, and the dense MLP's
+    linears = [((tokens, 3 * h / t, h), 1.0), ((tokens, h, h / t), 1.0),
+               ((tokens, f / t, h), 1 - share), ((tokens, h, f / t), 1 - share)]  # fmt: skip
+    fp8 = layout.fp8 != "none"
+    gemms = sum(count * _gemm_seconds(*mnk, hw, fp8) for mnk, count in linears)
+    scaling_f, scaling_b = fp8_scaling_seconds(linears, layout, hw) if fp8 else (0.0, 0.0)
     moe_f = moe_b = 0.0
     if shape.experts:
         hidden = paired_share(layout.schedule, layout.pipe, layout.microbatches, layout.chunks)
@@ -295,8 +321,8 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     ring_f, ring_b = exposed_ring_seconds(
         shape, layout, context_link(layout, hw), block + block_softmax
     )
-    forward = gemms + attention + elementwise + 2 * all_reduce + ring_f + moe_f
-    backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce + ring_b + moe_b
+    forward = gemms + attention + elementwise + 2 * all_reduce + ring_f + moe_f + scaling_f
+    backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce + ring_b + moe_b + scaling_b
     return LayerSeconds(forward, backward, attention + softmax, ring_f, ring_b)
 
 

@@ -129,6 +129,7 @@ def candidate_layouts(
     outer_axis: str = "pipe",
     zero_stage: int = 0,
     schedule: str | None = None,
+    fp8: str = "none",
 ) -> Iterator[Layout]:
     """Every layout whose sizes divide the model, the GPUs and the batch; pinned values only.
     The schedule is Megatron's (1f1b, interleaved_1f1b with chunks), or `schedule` where its
@@ -164,7 +165,7 @@ def candidate_layouts(
                         tensor=t, pipe=p, context=c, expert=e, expert_exchange=expert_exchange,
                         data=d, chunks=v, microbatch=b,
                         microbatches=m, recompute=r, sequence_parallel=sequence_parallel,
-                        outer_axis=outer_axis, zero_stage=zero_stage, schedule=name,
+                        outer_axis=outer_axis, zero_stage=zero_stage, schedule=name, fp8=fp8,
                     )  # fmt: skip
 
 
@@ -284,6 +285,8 @@ def plan(
     comes without context parallelism (as training runs it), so it searches c = 1 only."""
     check_inputs(shape, gpus, batch, **pins)
     check_mode(compression, compression_rank, pipe_grad_phase)
+    if pins.get("fp8", "none") != "none" and not hw.fp8_peak_tflops:
+        raise ValueError(f"--fp8 {pins['fp8']} needs FP8 GEMMs, which {hw.name} does not have")
     if compression != "off" and shape.experts:
         raise ValueError(
             f"compression is priced for dense models (jaxmeg does not run it with experts), "
