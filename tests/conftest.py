@@ -67,6 +67,8 @@ def small_corpus(tmp_path_factory):
 
 LONGEST_FIRST = (
     "tests/test_readme.py::",
+    "tests/test_slurm.py::",
+    "test_gpt_tiny_trains_in_fp8",
     "tests/test_multiprocess.py::",
     "tests/test_cluster_run.py::",
     "test_train_py_at_context_4",

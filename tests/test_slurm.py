@@ -1,0 +1,117 @@
+"""scripts/slurm/train.sbatch under a real SLURM: submitted with `sbatch --wait` to a one-node
+cluster on this machine (scripts/slurm/one_node.sh; CI installs Debian's packages and starts it,
+with SLURM_CONF exported), its GPU directives overridden on the command line, two tasks of four
+CPU devices each join one jax.distributed run from SLURM's variables alone and train as one
+process of eight devices does. Elsewhere these tests skip, naming what is missing; in CI
+(`CI=true`) a missing cluster fails them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_train_cli import CLEAN_ENV, ROOT, read_metrics, train
+
+
+def _missing() -> str | None:
+    """Why no SLURM cluster can take a job here, or None."""
+    if shutil.which("sbatch") is None:
+        return (
+            "SLURM is not installed: apt-get install slurmctld slurmd slurm-client munge, then "
+            "scripts/slurm/one_node.sh start and export SLURM_CONF=/tmp/jaxmeg-slurm/slurm.conf"
+        )
+    try:
+        nodes = subprocess.run(
+            ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer in 30 s"
+    if nodes.returncode or not ({"idle", "mix", "alloc"} & set(nodes.stdout.split())):
+        return (
+            f"no SLURM cluster answers (sinfo: {(nodes.stderr or nodes.stdout).strip()[:200]}): "
+            f"scripts/slurm/one_node.sh start, and export SLURM_CONF"
+        )
+    return None
+
+
+MISSING = _missing()
+if MISSING:
+    if os.environ.get("CI", "").lower() == "true":
+        raise RuntimeError(f"CI runs the SLURM tests: {MISSING}")
+    pytestmark = pytest.mark.skip(reason=MISSING)
+else:
+    pytestmark = pytest.mark.timeout(900)
+
+MESH = ["--set", "parallel.data=2", "--set", "parallel.pipe=2", "--set", "parallel.tensor=2"]
+TASKS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"]
+"""The sbatch options that fit train.sbatch's GPU job to one CPU node: 2 tasks, no GPUs."""
+
+
+def sbatch(tmp_path: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`sbatch --wait` of scripts/slurm/train.sbatch on gpt_tiny, 4 CPU devices per task, the
+    run directory `out` (JAXMEG_OUT), metrics to tmp_path/metrics.jsonl."""
+    env = {**CLEAN_ENV, "JAXMEG_OUT": str(out)}
+    return subprocess.run(
+        ["sbatch", "--wait", *TASKS, f"--output={tmp_path}/slurm-%j.out",
+         "scripts/slurm/train.sbatch", "configs/gpt_tiny.yaml", "--cpu-devices", "4",
+         "--no-progress", "--metrics-file", str(tmp_path / "metrics.jsonl"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=800, env=env,
+    )  # fmt: skip
+
+
+def test_two_slurm_tasks_of_four_devices_train_as_one_process_of_eight(tmp_path, small_corpus):
+    job = sbatch(tmp_path, tmp_path / "run", "--steps", "3", *MESH, *small_corpus)
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert job.returncode == 0, (job.stderr, logs[-3000:])
+    assert "8 x cpu in 2 process(es), mesh data=2 pipe=2 tensor=2" in logs, logs[-3000:]
+    slurm = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    one = train(["--cpu-devices", "8", "--steps", "3", *MESH, *small_corpus], tmp_path, "one")
+    assert len(slurm) == 3
+    np.testing.assert_allclose(slurm, [r["loss"] for r in one], rtol=1e-5)
+
+
+def test_a_job_stopped_by_sigterm_checkpoints_and_the_next_job_resumes(tmp_path, small_corpus):
+    """`scancel --signal=TERM` while the job trains (to its step's tasks, as preemption and the
+    time limit send it; `--full` would also signal the batch shell and srun, which then kills
+    the tasks before they checkpoint): the step in flight finishes, the checkpoint is written
+    and the job ends cleanly; a job submitted again with the same run directory resumes there,
+    and the losses of the two equal one uninterrupted run's."""
+    import time
+
+    out, steps = tmp_path / "run", ["--steps", "6", *MESH, *small_corpus]
+    env = {**CLEAN_ENV, "JAXMEG_OUT": str(out)}
+    first = tmp_path / "first"
+    first.mkdir()
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", *TASKS, f"--output={first}/slurm-%j.out",
+         "scripts/slurm/train.sbatch", "configs/gpt_tiny.yaml", "--cpu-devices", "4",
+         "--no-progress", "--metrics-file", str(first / "metrics.jsonl"), *steps],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env, check=True,
+    )  # fmt: skip
+    job = submitted.stdout.strip().split(";")[0]
+    metrics = first / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline, "the first job logged no step in 600 s"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=60)
+    while subprocess.run(
+        ["squeue", "-h", "-j", job], capture_output=True, text=True
+    ).stdout.strip():
+        assert time.monotonic() < deadline, f"job {job} still running after SIGTERM"
+        time.sleep(0.5)
+    stopped = [r["step"] for r in read_metrics(metrics)]
+    assert stopped[-1] < 6, f"the job ended ({stopped}) before SIGTERM reached it"
+    assert (out / "checkpoints").is_dir()
+    resumed = sbatch(tmp_path, out, *steps)
+    assert resumed.returncode == 0, resumed.stderr
+    second = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in second] == list(range(stopped[-1] + 1, 7))
+    losses = [r["loss"] for r in read_metrics(metrics)] + [r["loss"] for r in second]
+    one = train(["--cpu-devices", "8", *steps], tmp_path, "one")
+    np.testing.assert_allclose(losses, [r["loss"] for r in one], rtol=1e-5)
