@@ -31,7 +31,9 @@ def _missing() -> str | None:
         )
     except subprocess.TimeoutExpired:
         return "sinfo did not answer in 30 s"
-    if nodes.returncode or not ({"idle", "mix", "alloc"} & set(nodes.stdout.split())):
+    down = ("down", "drain", "fail", "unk", "inval", "no_resp")
+    states = [state.rstrip("*~#$@^-!%") for state in nodes.stdout.split()]
+    if nodes.returncode or not [state for state in states if not state.startswith(down)]:
         return (
             f"no SLURM cluster answers (sinfo: {(nodes.stderr or nodes.stdout).strip()[:200]}): "
             f"scripts/slurm/one_node.sh start, and export SLURM_CONF"
@@ -52,6 +54,14 @@ TASKS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-ta
 """The sbatch options that fit train.sbatch's GPU job to one CPU node: 2 tasks, no GPUs."""
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, small_corpus) -> list[float]:
+    """The losses of 6 steps of gpt_tiny on (2,2,2) in one process of 8 CPU devices."""
+    tmp = tmp_path_factory.mktemp("one")
+    records = train(["--cpu-devices", "8", "--steps", "6", *MESH, *small_corpus], tmp, "one")
+    return [r["loss"] for r in records]
+
+
 def sbatch(tmp_path: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     """`sbatch --wait` of scripts/slurm/train.sbatch on gpt_tiny, 4 CPU devices per task, the
     run directory `out` (JAXMEG_OUT), metrics to tmp_path/metrics.jsonl."""
@@ -64,18 +74,21 @@ def sbatch(tmp_path: Path, out: Path, *args: str) -> subprocess.CompletedProcess
     )  # fmt: skip
 
 
-def test_two_slurm_tasks_of_four_devices_train_as_one_process_of_eight(tmp_path, small_corpus):
+def test_two_slurm_tasks_of_four_devices_train_as_one_process_of_eight(
+    tmp_path, small_corpus, one_process
+):
     job = sbatch(tmp_path, tmp_path / "run", "--steps", "3", *MESH, *small_corpus)
     logs = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert job.returncode == 0, (job.stderr, logs[-3000:])
     assert "8 x cpu in 2 process(es), mesh data=2 pipe=2 tensor=2" in logs, logs[-3000:]
     slurm = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]
-    one = train(["--cpu-devices", "8", "--steps", "3", *MESH, *small_corpus], tmp_path, "one")
     assert len(slurm) == 3
-    np.testing.assert_allclose(slurm, [r["loss"] for r in one], rtol=1e-5)
+    np.testing.assert_allclose(slurm, one_process[:3], rtol=1e-5)
 
 
-def test_a_job_stopped_by_sigterm_checkpoints_and_the_next_job_resumes(tmp_path, small_corpus):
+def test_a_job_stopped_by_sigterm_checkpoints_and_the_next_job_resumes(
+    tmp_path, small_corpus, one_process
+):
     """`scancel --signal=TERM` while the job trains (to its step's tasks, as preemption and the
     time limit send it; `--full` would also signal the batch shell and srun, which then kills
     the tasks before they checkpoint): the step in flight finishes, the checkpoint is written
@@ -113,5 +126,55 @@ def test_a_job_stopped_by_sigterm_checkpoints_and_the_next_job_resumes(tmp_path,
     second = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in second] == list(range(stopped[-1] + 1, 7))
     losses = [r["loss"] for r in read_metrics(metrics)] + [r["loss"] for r in second]
-    one = train(["--cpu-devices", "8", *steps], tmp_path, "one")
-    np.testing.assert_allclose(losses, [r["loss"] for r in one], rtol=1e-5)
+    np.testing.assert_allclose(losses, one_process, rtol=1e-5)
+
+
+def test_a_task_killed_ends_the_job_and_the_next_resumes_from_the_last_checkpoint(
+    tmp_path, small_corpus, one_process
+):
+    """One task SIGKILLed mid-run (a lost node): srun ends the other within seconds
+    (`--kill-on-bad-exit`) and says which task died; nothing half-written is read back: the
+    job submitted again resumes from the last complete checkpoint and ends with the
+    uninterrupted run's losses."""
+    import re
+    import time
+
+    out = tmp_path / "run"
+    steps = ["--steps", "6", "--set", "checkpoint.every=1", *MESH, *small_corpus]
+    first = tmp_path / "first"
+    first.mkdir()
+    env = {**CLEAN_ENV, "JAXMEG_OUT": str(out)}
+    job = subprocess.run(
+        ["sbatch", "--parsable", *TASKS, f"--output={first}/slurm-%j.out",
+         "scripts/slurm/train.sbatch", "configs/gpt_tiny.yaml", "--cpu-devices", "4",
+         "--no-progress", "--metrics-file", str(first / "metrics.jsonl"), *steps],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env, check=True,
+    ).stdout.strip().split(";")[0]  # fmt: skip
+    metrics, deadline = first / "metrics.jsonl", time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline, "the first job logged no two steps in 600 s"
+        time.sleep(0.2)
+    tasks = subprocess.run(
+        ["pgrep", "-f", f"^[^ ]*python[^ ]* scripts/train.py .*{re.escape(str(out))}"],
+        capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    assert len(tasks) == 2, tasks
+    killed = time.monotonic()
+    os.kill(int(tasks[-1]), 9)
+    while subprocess.run(
+        ["squeue", "-h", "-j", job], capture_output=True, text=True
+    ).stdout.strip():
+        assert time.monotonic() - killed < 120, f"job {job} still running 120 s after a task died"
+        time.sleep(0.5)
+    log = "\n".join(p.read_text() for p in first.glob("slurm-*.out"))
+    assert re.search(r"task \d: Killed", log), log[-2000:]
+    done = [r["step"] for r in read_metrics(metrics)]
+    assert done[-1] < 6, f"the job ended ({done}) before the kill"
+    resumed = sbatch(tmp_path, out, *steps)
+    assert resumed.returncode == 0, resumed.stderr
+    second = read_metrics(tmp_path / "metrics.jsonl")
+    assert second and second[-1]["step"] == 6
+    # the first run's records up to the checkpoint the second resumed from, then the second's
+    losses = {r["step"]: r["loss"] for r in read_metrics(metrics)}
+    losses.update({r["step"]: r["loss"] for r in second})
+    np.testing.assert_allclose([losses[s] for s in range(1, 7)], one_process, rtol=1e-5)
