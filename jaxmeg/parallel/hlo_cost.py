@@ -167,30 +167,9 @@ class Cost:
         return sum(b for (_, axes), b in self.collective_bytes.items() if axes == (axis,))
 
 
-_COUNTERS = (
-    "roofline_by_class",
-    "kernel_bytes_by_class",
-    "collective_bytes",
-    "overlapped_bytes",
-    "elementwise_by_shape",
-)
-_SCALARS = (
-    "matmul_flops",
-    "elementwise_flops",
-    "dus_bytes",
-    "copy_bytes",
-    "transpose_bytes",
-    "dus_count",
-    "copy_count",
-    "kernel_bytes",
-    "copy_kernel_bytes",
-    "attention_forward_calls",
-    "attention_backward_calls",
-    "attention_flops",
-    "fp8_gemm_flops",
-    "fp8_gemm_calls",
-    "roofline_seconds",
-)
+_COUNTERS = tuple(f.name for f in dataclasses.fields(Cost) if f.type == "Counter")
+_SCALARS = tuple(f.name for f in dataclasses.fields(Cost) if f.type == "float")
+"""What `Cost.add` sums: the per-key counters and the scalar counts (every other field)."""
 
 
 def _wire_share(kind: str, group: int) -> float:
