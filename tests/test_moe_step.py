@@ -393,76 +393,6 @@ def test_capacity_exchange_moves_its_buffers_and_the_experts_run_the_routed_flop
     assert report["matmul_flops"] == pytest.approx(report["model_flops"] + padding, rel=1e-6)
 
 
-BAD = [
-    ({"experts": 4, "top_k": 5}, "moe.top_k must be between 1 and moe.experts (4), got 5"),
-    ({"experts": -2}, "moe.experts must be >= 0"),
-    ({"experts": 4, "capacity_factor": -1.0}, "moe.capacity_factor must be >= 0, got -1.0"),
-    ({"experts": 4, "router": "relu"}, "moe.router"),
-    ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
-    ({"experts": 4, "every": 0}, "moe.every = 0: the layers after the dense leading ones"),
-    ({"experts": 4, "grouped_gemm": "dense"}, "moe.grouped_gemm"),
-    ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
-    # a dense model passed the divisibility check (0 % e = 0) and trained on without a word
-    (
-        {"experts": 0},
-        "parallel.expert = 4 splits a mixture of experts over 4 devices, but the "
-        "model is dense (moe.experts = 0)",
-    ),
-]
-
-
-@pytest.mark.parametrize("fields,message", BAD)
-def test_bad_moe_settings_are_named_before_compiling(fields, message):
-    cfg = config((1, 1, 4), C.MoeConfig(**fields))
-    if "parallel.expert" in message:
-        cfg = config((1, 1, 1), C.MoeConfig(**fields), expert=4)
-    with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        C.validate(cfg, 4)
-
-
-def test_dense_leading_layers_and_layer_groups_are_named_where_they_do_not_fit():
-    cfg = config((1, 2, 1), FIRST_DENSE)  # 3 layers: 1 dense, 2 over the stages
-
-    def varied(layers, **moe):
-        model = dataclasses.replace(cfg.model, layers=layers)
-        return dataclasses.replace(cfg, model=model, moe=dataclasses.replace(FIRST_DENSE, **moe))
-
-    for bad, message in [
-        (varied(3, first_dense=3), r"moe.first_dense \(dense leading layers\) must be between "
-                                   r"0 and model.layers - 1 \(2\), got 3"),
-        (varied(4), r"model.layers - moe.first_dense \(3\) must be divisible by parallel.pipe "
-                    r"\* parallel.chunks = 2 \* 1 = 2"),
-        (varied(4, every=2), r"moe.every = 2: the layers after the dense leading ones, "
-                             r"model.layers - moe.first_dense = 4 - 1, come in groups"),
-        (varied(7, every=2), r"\(model.layers - moe.first_dense\) / moe.every \(layer groups\) "
-                             r"\(3\) must be divisible by parallel.pipe"),
-    ]:  # fmt: skip
-        with pytest.raises(C.ConfigError, match=message):
-            C.validate(bad, 2)
-
-
-def test_an_expert_axis_that_does_not_fit_is_named():
-    rows = dataclasses.replace(config((1, 1, 1), TOP2, expert=4), train=C.TrainConfig(
-        global_batch=4, microbatches=2))  # fmt: skip
-    with pytest.raises(C.ConfigError, match=r"train.microbatch_size \(2\) must be divisible"):
-        C.validate(rows, 4)
-    with pytest.raises(
-        C.ConfigError, match=r"parallel.expert \* parallel.tensor = 1 \* 1 \* 4 \* 1 = 4, but"
-    ):
-        C.validate(config((1, 1, 1), TOP2, expert=4), 6)
-
-
-def test_moe_refuses_what_it_does_not_run_yet_by_name():
-    cfg = dataclasses.replace(
-        config((1, 2, 1), TOP2), compression=C.CompressionConfig(data_grad_rank=4)
-    )
-    with pytest.raises(C.ConfigError, match="moe.experts = 4 does not run with compression"):
-        C.validate(cfg, 2)
-    context = dataclasses.replace(config((1, 1, 1), TOP2), parallel=C.ParallelConfig(context=2))
-    with pytest.raises(C.ConfigError, match="does not run with parallel.context = 2"):
-        C.validate(context, 2)
-
-
 def test_a_resume_with_other_routing_says_so_and_the_banner_names_the_expert_axis():
     """Another moe.top_k (or router, normalisation, capacity) fits the checkpoint's arrays, so
     it is not refused, as another moe.experts is: the resume names it. The start-up line and
@@ -505,24 +435,6 @@ def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
     # dense leading layers move layers out of the stack the checkpoint saved
     dense = C.validate(dataclasses.replace(config((1, 1, 1), FIRST_DENSE), model=LLAMA), 1)
     assert checkpoint_meta.shape_mismatches(dropless, dense) == [("moe.first_dense", 0, 1)]
-
-
-def test_mfu_counts_the_active_experts_not_all_of_them():
-    """A GeLU top-1 expert as wide as the dense MLP runs the dense MLP's FLOPs plus the router's
-    (2 h E per token and pass); the expert count does not enter otherwise, nor do the dense
-    leading layers (`moe.first_dense`), which have no router."""
-    from jaxmeg.training.flops import model_flops_per_step
-
-    model = dataclasses.replace(GPT, ffn_hidden=128)
-    dense = model_flops_per_step(model, 8)
-    for experts in (4, 64):
-        moe = C.MoeConfig(experts=experts, top_k=1)
-        router = 3 * 8 * model.seq_len * model.layers * 2 * model.hidden * experts
-        assert model_flops_per_step(model, 8, moe=moe) == pytest.approx(dense + router)
-    # a dense leading layer: the router runs in the other layer only
-    lead = C.MoeConfig(experts=4, top_k=1, first_dense=1)
-    router = 3 * 8 * model.seq_len * (model.layers - 1) * 2 * model.hidden * 4
-    assert model_flops_per_step(model, 8, moe=lead) == pytest.approx(dense + router)
 
 
 def test_the_expert_load_plot_reads_metrics_and_names_a_file_without_them(tmp_path, capsys):

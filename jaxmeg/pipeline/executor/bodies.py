@@ -282,10 +282,10 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
         )  # fmt: skip
     g_weights, g_rest = sf.split_weights(a.g_stage, taps)
     g_rest = gradients.accumulate_at(g_rest, at.index, d_rest)
-    g_stage = sf.merge_weights(g_weights, g_rest)
     if whole:
-        g_stage = _add_weight_grads(sf, g_stage, at.index, {"inputs": inputs, "dys": d_taps})
-    return d_x, {**written, "g_stage": g_stage}
+        d_weights = sf.weight_grads(inputs, d_taps)
+        g_weights = gradients.accumulate_at(g_weights, at.index, d_weights)
+    return d_x, {**written, "g_stage": sf.merge_weights(g_weights, g_rest)}
 
 
 def _add_weight_grads(sf, g_stage, index, kept):
