@@ -224,27 +224,44 @@ def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
     assert traffic["expert"] == pytest.approx(4 * LLAMA.layers * buffers[10] * 3 / 4)
 
 
-def test_a_split_backward_leaves_the_experts_weight_gradients_to_w():
-    """ZB-H1 with expert 2: the I slot's exchange branches run the forward again (a pipeline's
-    B reruns it) and the rows' gradient, one grouped GEMM each per expert matrix, and no weight
-    gradient (W computes those from the taps' cotangents, `experts.weight_gradient`): twice the
-    forward slot's GEMMs, not three times."""
+def _per_slot(text: str, pattern: str) -> dict[str, int]:
+    """How many of the compiled step's ops inside the exchange's scope match `pattern` (a
+    regex on the line), per slot body (f_first, b_middle, i_first, w_last, ...)."""
     import re
 
     from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
 
-    cfg = config((1, 2, 1), TOP2, LLAMA, "zb_h1", expert=2)
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        name = re.search(r'op_name="([^"]*)"', line)
+        slot = name and re.search(r"closed_call/([fbiw]_[a-z]+)/", name.group(1))
+        if slot and EXCHANGE_KEPT in name.group(1) and re.search(pattern, line):
+            counts[slot.group(1)] = counts.get(slot.group(1), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_pipeline_slot_exchanges_each_microbatch_four_times_and_reruns_no_forward(schedule):
+    """expert 4 x pipe 2, dropless, one bound (`moe.exchange_bounds: []`), one MoE layer per
+    stage: per MoE layer and microbatch 4 all-to-alls of rows, as with the whole model in one
+    computation: the F slot's dispatch and combine, and their transposes in the B slot (I with
+    a split backward). The F slot keeps the exchange's residuals (named outside the layer's
+    map), so the backward reruns neither them nor the experts' forward GEMMs: B and I run as
+    many row GEMMs as F (the rows' gradient, dY against each transposed weight: a rerun would
+    double them), and W exchanges nothing. The one all-to-all of expert ids is F's."""
+    cfg = config((1, 2, 1), dataclasses.replace(TOP2, exchange_bounds=()), LLAMA, schedule,
+                 expert=4)  # fmt: skip
     trainable = trainable_for(cfg)
     with jax.set_mesh(trainable.mesh):
         params = init_state(trainable, seed=0)["params"]
         tokens = put_batch(trainable, random_batch(trainable.cfg))
         text = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile().as_text()
-    gemms: dict[str, int] = {}  # per slot body (f_first, i_middle, ...)
-    for line in text.splitlines():
-        found = re.search(r'= \S+ (dot|ragged-dot)\(.*op_name="([^"]*)"', line)
-        slot = found and re.search(r"closed_call/([fi]_[a-z]+)/", found.group(2))
-        if slot and EXCHANGE_KEPT in found.group(2):
-            gemms[slot.group(1)] = gemms.get(slot.group(1), 0) + 1
+    back = "i_" if schedule == "zb_h1" else "b_"
+    rows = _per_slot(text, r"= \(f32\[.*all-to-all\(")
+    ids = _per_slot(text, r"= \(s32\[.*all-to-all\(")
+    assert {k[:2] for k in rows} == {"f_", back} and set(rows.values()) == {2}, rows
+    assert {k[:2] for k in ids} == {"f_"} and set(ids.values()) == {1}, ids
+    gemms = _per_slot(text, r"= \S+ (dot|ragged-dot)\(")
     forward = {n for k, n in gemms.items() if k.startswith("f_")}
-    backward = {n for k, n in gemms.items() if k.startswith("i_")}
-    assert len(forward) == 1 and backward == {2 * forward.pop()}, gemms
+    backward = {n for k, n in gemms.items() if k.startswith(back)}
+    assert len(forward) == 1 and backward == forward, gemms

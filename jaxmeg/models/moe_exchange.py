@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from jaxmeg.models.grouped_gemm import GroupedMatmul, cotangent_like, grouped_weight_gradient
 
 EXCHANGE_KEPT = "moe_exchange"
-"""The checkpoint name of the exchange's output and residuals (`residual_switch`), and the name
-scope of its conditionals: a policy that saves it keeps them for the backward instead of
-rerunning the exchange, and the cost report prices its branch by it."""
+"""The checkpoint name of what the expert-parallel layer's forward keeps for its backward
+(`jaxmeg.parallel.experts`, named outside its map), and the name scope of the exchange's
+conditionals (`residual_switch`): a policy that saves it keeps them for the backward instead
+of rerunning the exchange, and the cost report prices its branch by it."""
 
 
 def _all_to_all_raw(x: jax.Array, axis: str) -> jax.Array:

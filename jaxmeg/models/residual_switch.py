@@ -24,7 +24,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 Branch = Callable[[object, object], object]
 
@@ -143,10 +142,9 @@ def _unpack(buffers, layout, inputs: list, same: bool) -> list:
 def switch(index: jax.Array, branches: Sequence[Branch], const, diff, name: str | None = None):
     """`branches[index](const, diff)`, differentiable in `diff`, keeping one set of residual
     buffers for all branches (the module docstring). `index` must be the same on every device
-    a branch's collectives meet. `name`: the checkpoint name of the output and the residuals
-    (`jax.ad_checkpoint.checkpoint_name`, a checkpoint policy around the switch keeps them by
-    it); and the name scope of the forward's and the backward's conditionals in the compiled
-    program (`jaxmeg.parallel.hlo_cost.StepCost`'s `chosen_branches`)."""
+    a branch's collectives meet. `name`: the name scope of the forward's and the backward's
+    conditionals in the compiled program (`jaxmeg.parallel.hlo_cost.StepCost`'s
+    `chosen_branches`)."""
     return _switch(tuple(branches), name, index, const, diff)
 
 
@@ -179,8 +177,6 @@ def _switch_fwd(branches, name, index, const, diff):
         (floats, ints), buffers = jax.lax.switch(
             index, [keeping(j) for j in range(len(branches))], const, diff
         )
-    if name is not None:
-        floats, buffers = checkpoint_name((floats, buffers), name)
     tree, integer = structure[0]
     it_f, it_i = iter(floats), iter(ints)
     out = jax.tree.unflatten(tree, [next(it_i) if i else next(it_f) for i in integer])

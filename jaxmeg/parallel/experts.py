@@ -8,19 +8,17 @@ own rows, sends every choice to its expert's device and gets the output back by 
 (computed outside the map), with a custom VJP. Dropless, its forward keeps each device's
 pullback: `jax.vjp` inside the map, its residuals returned stacked over the map's axes that
 each varies over (their types unchanged, so the backward's map takes them apart and runs the
-pullback as is). Left to jax, a nested map's residuals inside the pipeline's checkpointed layers
-are stacked over the whole mesh, pipe included, and the step fails to lower ("manual axis
-expert after free axis pipe"). With the whole model in one computation (p v = 1) the layer's
-checkpoint policy keeps them by name (`moe_exchange.EXCHANGE_KEPT`, added to the policy by
-`jaxmeg.training.pipeline_step`) and the backward runs only the transposed exchange. In a
-pipeline's slots the policy (matmul outputs) does not keep them, so the B slot reruns the
-forward: keeping them by name as well hung (expert 4, pipe 2) on CPU in 2 of 3 runs (XLA:CPU
-ran F's send and B's all-to-all in different orders on different devices). With a capacity
-factor in a pipeline the lowering failure comes back on some meshes (data 1 x pipe 2), so there
-the forward keeps nothing and the backward reruns it (`_reruns`): two more all-to-alls and the
-experts' forward GEMMs per layer and microbatch; with p v = 1 it keeps the pullback too. The
-map holds no `dot_general` that a layer's checkpoint policy would keep: the router's matmul
-stays outside.
+pullback as is), and named (`moe_exchange.EXCHANGE_KEPT`) there, outside the map: the layer's
+checkpoint policy keeps them by that name (`jaxmeg.training.pipeline_step` adds it to every
+policy but full recompute), so the backward runs only the transposed exchange, in a pipeline's
+B (or I) slot as with the whole model in one computation: 4 all-to-alls of rows per layer and
+microbatch. Named inside the map instead, the checkpoint stacked them over the whole mesh,
+pipe included, and the step failed to lower ("manual axis expert after free axis pipe"). A CPU
+tick orders its slots' loops and sends (`jaxmeg.pipeline.executor.slots.ordered_tick`), so the
+F slot's send and the B slot's exchange meet in one order on every device. The capacity
+factor's exchange keeps its pullback the same way (in a pipeline its backward had rerun its
+forward). The map holds no `dot_general` that a layer's checkpoint policy would keep: the
+router's matmul stays outside.
 
 For a split backward (zero-bubble schedules) `exchanged_tapped` adds zero taps to the experts'
 grouped GEMMs inside the map and returns the rows they ran on, so W computes the expert
@@ -40,10 +38,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.models.grouped_gemm import grouped_weight_gradient
 from jaxmeg.models.moe import moe_ffn
+from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
 from jaxmeg.parallel.mesh import automatic_axes_here
 
 EXPERT, TENSOR = "expert", "tensor"
@@ -202,7 +202,9 @@ def _keeping_fwd(moe, sequences, x, logits, bias, taps, *experts):
         axis_names=set(axes),
     )  # fmt: skip
     out, leaves = mapped(*args)
-    pullback = jax.tree.unflatten(tree[0], leaves)
+    # named out here, where they are one device's blocks of the map's axes: a name inside the
+    # map would make the layer's checkpoint stack them over the whole mesh (pipe included)
+    pullback = jax.tree.unflatten(tree[0], checkpoint_name(leaves, EXCHANGE_KEPT))
     # the gates' count and the taps' names too as empty trees, for the backward's specs
     return out, (d_bias, pullback, _encode(kinds, axes), (None,) * gates, names)
 
@@ -231,39 +233,8 @@ def _keeping_bwd(saved, g_y, g_aux):
     return (d_x, d_logits, d_bias, d_taps, *d_experts)
 
 
-def _rerunning_fwd(moe, sequences, x, logits, bias, *experts):
-    return _forward(moe, sequences, x, logits, bias, *experts), (x, logits, bias, *experts)
-
-
-def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
-    """The backward as a map of its own that reruns the device's forward under `jax.vjp`."""
-    x, logits, bias, *experts = args
-    forward = _forward_keeping(moe, sequences, _nested_axes())
-
-    def local_vjp(x_, logits_, bias_, *more):
-        *experts_, g_y_, g_aux_ = more
-        d_x, d_logits, _, *d_experts = forward(x_, logits_, bias_, {}, *experts_)[1]((g_y_, g_aux_))
-        return (d_x, d_logits, *d_experts)
-
-    specs = _in_specs(len(experts) - 2)
-    grads = _nested_map(local_vjp, (*specs, ROWS, P()), (specs[0], specs[1], *specs[3:]))(
-        x, logits, bias, *experts, g_y, g_aux
-    )
-    d_x, d_logits, *d_experts = grads
-    return (d_x, d_logits, jax.lax.full_like(bias, 0), *d_experts)
-
-
-def _reruns(moe) -> bool:
-    """Whether the backward reruns the forward: with a capacity factor in a pipeline (see the
-    module docstring)."""
-    return bool(moe.capacity_factor) and jax.sharding.get_abstract_mesh().shape.get("pipe", 1) > 1
-
-
 def _exchanged_fwd(moe, sequences, x, logits, bias, *experts):
-    """Keeps the pullback, but with a capacity factor in a pipeline, whose backward reruns the
-    forward (see the module docstring)."""
-    if _reruns(moe):
-        return _rerunning_fwd(moe, sequences, x, logits, bias, *experts)
+    """Keeps the pullback (see the module docstring)."""
     (y, aux, shares, _), saved = _keeping_fwd(moe, sequences, x, logits, bias, {}, *experts)
     return (y, aux, shares), saved
 
@@ -272,8 +243,6 @@ def _exchanged_bwd(moe, sequences, saved, cotangents):
     g_y, g_aux, _ = cotangents  # the shares count choices: no gradient
     # the bias only moves the top-k choice: its gradient is 0 (`moe.into_backward` gives it
     # the loads, outside this function)
-    if _reruns(moe):
-        return _rerunning_bwd(moe, sequences, saved, g_y, g_aux)
     d_x, d_logits, d_bias, _, *d_experts = _keeping_bwd(saved, g_y, g_aux)
     return (d_x, d_logits, d_bias, *d_experts)
 

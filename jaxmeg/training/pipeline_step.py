@@ -93,9 +93,9 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
         return layer(own, x, pick(extra))
 
     policy = REMAT_POLICY[remat]
-    if remat != "full" and trainable.pipe * trainable.chunks == 1:
-        # one computation: the dropless exchange keeps what it computed (a pipeline's B slot
-        # reruns it, `jaxmeg.parallel.experts`)
+    if remat != "full":
+        # the dropless exchange keeps what it computed: the backward runs only its transpose
+        # (`jaxmeg.parallel.experts`)
         policy = jax.checkpoint_policies.save_from_both_policies(
             policy, jax.checkpoint_policies.save_only_these_names(EXCHANGE_KEPT)
         )
