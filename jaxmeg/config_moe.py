@@ -62,6 +62,18 @@ class MoeConfig:
     normalize: bool = True
     """Renormalise a softmax router's top-k weights to sum to 1 (Mixtral; Qwen1.5-MoE keeps
     them as they are). A sigmoid router's are always normalised."""
+    router_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's node-limited routing): the experts in this many
+    groups of moe.experts / router_groups consecutive ones, each token choosing its top k among
+    its `router_group_topk` best groups (a group scores the sum of its two highest scores).
+    Laid over expert ranks, a token's choices reach at most that many groups of ranks. 1 = off
+    (DeepSeek-V3: 8)."""
+    router_group_topk: int = 1
+    """The groups each token chooses its experts from, M (1 <= M <= router_groups, and M x
+    experts / router_groups >= top_k; DeepSeek-V3: 4). Read only with router_groups > 1."""
+    routed_scaling: float = 1.0
+    """A factor on the routed experts' combine weights, after their normalisation (DeepSeek-V3's
+    routed_scaling_factor: 2.5)."""
     capacity_factor: float = 0.0
     """Choices an expert takes from each sequence, as a multiple of its even share: C =
     ceil(cf s k / E) slots, first come in token order, the rest dropped (Switch Transformer's

@@ -41,6 +41,7 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
         raise ConfigError(
             f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"
         )
+    _validate_groups(moe)
     if not 0 <= moe.first_dense < cfg.model.layers:
         raise ConfigError(
             f"moe.first_dense (dense leading layers) must be between 0 and model.layers - 1 "
@@ -76,3 +77,22 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
     for on, what in not_yet:
         if on:
             raise ConfigError(f"moe.experts = {moe.experts} does not run with {what} yet")
+
+
+def _validate_groups(moe) -> None:
+    """Group-limited routing and the routed scaling factor."""
+    groups, topk = moe.router_groups, moe.router_group_topk
+    if groups < 1 or moe.experts % groups:
+        raise ConfigError(
+            f"moe.router_groups ({groups}) splits the {moe.experts} experts (moe.experts) into "
+            f"equal groups: make it a divisor >= 1 (1 = no groups)"
+        )
+    per = moe.experts // groups
+    if groups > 1 and not (1 <= topk <= groups and topk * per >= moe.top_k):
+        raise ConfigError(
+            f"moe.router_group_topk ({topk}) must be between 1 and moe.router_groups ({groups}), "
+            f"and its groups must hold moe.top_k ({moe.top_k}) experts: {topk} x {per} experts "
+            f"per group = {topk * per}"
+        )
+    if not (math.isfinite(moe.routed_scaling) and moe.routed_scaling > 0):
+        raise ConfigError(f"moe.routed_scaling must be > 0, got {moe.routed_scaling}")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmeg.models import grouped_gemm, moe
+from jaxmeg.models import grouped_gemm, moe, router
 
 T, H, F, E = 24, 16, 8, 4
 
@@ -41,23 +41,23 @@ def weights(seed, gated):
     return w
 
 
-def loss_of(ffn, top_k, router, bias=None):
+def loss_of(ffn, top_k, router_name, bias=None):
     def loss(w):
-        routing = moe.route(w["x"] @ w["router"], top_k, router, bias=bias)
+        routing = router.route(w["x"] @ w["router"], top_k, router_name, bias=bias)
         y = ffn(w["x"], routing, w["w_in"], w["w_out"], w.get("w_gate"))
-        aux = moe.load_balancing_loss(routing, E) + 1e-3 * moe.z_loss(routing)
+        aux = router.load_balancing_loss(routing, E) + 1e-3 * router.z_loss(routing)
         return jnp.sum(y * w["target"]) + 0.01 * aux
 
     return loss
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("router_name", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_grouped_experts_equal_the_dense_reference(top_k, router, gated):
+def test_grouped_experts_equal_the_dense_reference(top_k, router_name, gated):
     w = weights(top_k, gated)
-    grouped = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, top_k, router)))
-    reference = jax.jit(jax.value_and_grad(loss_of(dense, top_k, router)))
+    grouped = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, top_k, router_name)))
+    reference = jax.jit(jax.value_and_grad(loss_of(dense, top_k, router_name)))
     (loss, grads), (ref_loss, ref_grads) = grouped(w), reference(w)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for key in ("x", "router", "w_in", "w_out"):
@@ -73,8 +73,8 @@ def test_every_token_to_one_expert_leaves_the_others_untouched():
     grouped = jax.value_and_grad(loss_of(moe.experts_ffn, 1, "softmax", bias))
     reference = jax.value_and_grad(loss_of(dense, 1, "softmax", bias))
     (loss, grads), (ref_loss, ref_grads) = grouped(w), reference(w)
-    routing = moe.route(w["x"] @ w["router"], 1, bias=bias)
-    assert np.asarray(moe.expert_load(routing, E)).tolist() == [0, 0, T, 0]
+    routing = router.route(w["x"] @ w["router"], 1, bias=bias)
+    assert np.asarray(router.expert_load(routing, E)).tolist() == [0, 0, T, 0]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(grads["w_in"], ref_grads["w_in"], rtol=1e-4, atol=1e-5)
     others = np.delete(np.asarray(grads["w_in"]), 2, axis=0)
@@ -83,26 +83,72 @@ def test_every_token_to_one_expert_leaves_the_others_untouched():
 
 def test_routing_weights_and_balance_loss():
     logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]))
-    routing = moe.route(logits, 2)  # softmax, renormalised over the two chosen
+    routing = router.route(logits, 2)  # softmax, renormalised over the two chosen
     assert np.asarray(routing.experts).tolist() == [[3, 2], [0, 1]]
     np.testing.assert_allclose(routing.weights, [[4 / 7, 3 / 7], [4 / 7, 3 / 7]], rtol=1e-6)
-    kept = moe.route(logits, 2, normalize=False)
+    kept = router.route(logits, 2, normalize=False)
     np.testing.assert_allclose(kept.weights, [[0.4, 0.3], [0.4, 0.3]], rtol=1e-6)
-    uniform = moe.route(jnp.zeros((8, E)).at[jnp.arange(8), jnp.arange(8) % E].set(1e-3), 1)
-    np.testing.assert_allclose(moe.load_balancing_loss(uniform, E), 1.0, rtol=1e-3)
-    skewed = moe.route(jnp.zeros((8, E)).at[:, 0].set(5.0), 1)
-    assert float(moe.load_balancing_loss(skewed, E)) > 3.0  # all load on one expert
+    uniform = router.route(jnp.zeros((8, E)).at[jnp.arange(8), jnp.arange(8) % E].set(1e-3), 1)
+    np.testing.assert_allclose(router.load_balancing_loss(uniform, E), 1.0, rtol=1e-3)
+    skewed = router.route(jnp.zeros((8, E)).at[:, 0].set(5.0), 1)
+    assert float(router.load_balancing_loss(skewed, E)) > 3.0  # all load on one expert
+
+
+def test_group_limited_routing_chooses_within_each_tokens_best_groups():
+    """DeepSeek-V3's group-limited routing, against a loop written from its definition: 8
+    experts in 4 groups of 2, a group scored by the sum of its two (biased) scores, each token's
+    2 best groups kept and its top 3 chosen among their 4 experts; the weights the unbiased
+    scores of the chosen ones, normalised, times the routed scaling factor."""
+    tokens, experts, groups, keep, k, scale = 16, 8, 4, 2, 3, 2.5
+    keys = jax.random.split(jax.random.key(5), 2)
+    logits = np.asarray(jax.random.normal(keys[0], (tokens, experts)))
+    bias = np.asarray(jax.random.normal(keys[1], (experts,))) * 0.1
+    got = router.route(jnp.asarray(logits), k, "sigmoid", bias=jnp.asarray(bias), groups=groups,
+                       group_topk=keep, scaling=scale)  # fmt: skip
+    scores = 1 / (1 + np.exp(-logits))
+    for t in range(tokens):
+        biased = (scores[t] + bias).reshape(groups, -1)
+        best = np.argsort(-np.sort(biased, axis=1)[:, -2:].sum(axis=1), kind="stable")[:keep]
+        allowed = np.concatenate([np.arange(g * 2, g * 2 + 2) for g in best])
+        chosen = allowed[np.argsort(-(scores[t] + bias)[allowed], kind="stable")[:k]]
+        assert sorted(np.asarray(got.experts[t]).tolist()) == sorted(chosen.tolist()), t
+        want = scores[t][chosen] / scores[t][chosen].sum() * scale
+        np.testing.assert_allclose(np.sort(np.asarray(got.weights[t])), np.sort(want), rtol=1e-5)
+    # every token's choices lie in at most `keep` groups; one group: the same as no groups
+    assert max(len(set((np.asarray(got.experts[t]) // 2).tolist())) for t in range(tokens)) <= keep
+    plain = router.route(jnp.asarray(logits), k, "sigmoid", bias=jnp.asarray(bias))
+    one = router.route(jnp.asarray(logits), k, "sigmoid", bias=jnp.asarray(bias), groups=1)
+    np.testing.assert_array_equal(plain.experts, one.experts)
+
+
+def test_the_balance_loss_is_deepseek_v3s_sequence_wise_one():
+    """`sequence_balance_loss` with a sigmoid router is DeepSeek-V3's sequence-wise balance loss
+    (its eq. 17-20): per sequence, sum_i f_i P_i with f_i = E / (k T) x the count of tokens
+    choosing i and P_i the mean over tokens of the scores normalised per token; averaged over
+    the sequences."""
+    sequences, per, k = 3, 8, 2
+    logits = jax.random.normal(jax.random.key(7), (sequences * per, E))
+    routing = router.route(logits, k, "sigmoid")
+    got = router.sequence_balance_loss(routing, sequences, "sigmoid")
+    scores = np.asarray(jax.nn.sigmoid(logits)).reshape(sequences, per, E)
+    chosen = np.asarray(routing.experts).reshape(sequences, per, k)
+    want = []
+    for n in range(sequences):
+        f = E / (k * per) * np.bincount(chosen[n].reshape(-1), minlength=E)
+        p = (scores[n] / scores[n].sum(axis=1, keepdims=True)).mean(axis=0)
+        want.append(np.sum(f * p))
+    np.testing.assert_allclose(got, np.mean(want), rtol=1e-5)
 
 
 @pytest.mark.parametrize(
-    "top_k, router, message",
+    "top_k, router_name, message",
     [(5, "softmax", "top_k must be between 1 and the 4 experts, got 5"),
      (0, "softmax", "top_k must be between 1 and the 4 experts, got 0"),
      (1, "relu", "router must be one of ['softmax', 'sigmoid'], got 'relu'")],
 )  # fmt: skip
-def test_bad_routing_is_named(top_k, router, message):
+def test_bad_routing_is_named(top_k, router_name, message):
     with pytest.raises(ValueError) as error:
-        moe.route(jnp.zeros((2, E)), top_k, router)
+        router.route(jnp.zeros((2, E)), top_k, router_name)
     assert str(error.value) == message
 
 

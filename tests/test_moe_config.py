@@ -20,6 +20,14 @@ BAD = [
     ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
     ({"experts": 4, "every": 0}, "moe.every = 0: the layers after the dense leading ones"),
     ({"experts": 4, "grouped_gemm": "dense"}, "moe.grouped_gemm"),
+    ({"experts": 4, "router_groups": 3}, "moe.router_groups (3) splits the 4 experts"),
+    (
+        {"experts": 8, "top_k": 4, "router_groups": 4, "router_group_topk": 1},
+        "moe.router_group_topk (1) must be between 1 and moe.router_groups (4), and its groups "
+        "must hold moe.top_k (4) experts: 1 x 2 experts per group = 2",
+    ),
+    ({"experts": 4, "router_groups": 2, "router_group_topk": 3}, "moe.router_group_topk (3)"),
+    ({"experts": 4, "routed_scaling": 0.0}, "moe.routed_scaling must be > 0, got 0.0"),
     ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
     # a dense model passed the divisibility check (0 % e = 0) and trained on without a word
     (

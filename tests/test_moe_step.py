@@ -44,6 +44,11 @@ SIGMOID_TOP1 = dataclasses.replace(TOP2, top_k=1, router="sigmoid", normalize=Fa
 CAPACITY = dataclasses.replace(TOP2, capacity_factor=1.0)  # 4 slots per expert and sequence
 FIRST_DENSE = dataclasses.replace(TOP2, first_dense=1)  # a dense layer, then the MoE ones
 EVERY2 = dataclasses.replace(TOP2, every=2)  # dense, MoE, dense, MoE: groups of 2 per stage
+# DeepSeek-V3's router: sigmoid scores, 4 experts in 2 groups, each token's top 2 within its
+# best group, the weights scaled by 2.5
+GROUPED = dataclasses.replace(
+    SIGMOID_TOP1, top_k=2, router_groups=2, router_group_topk=1, routed_scaling=2.5
+)
 TOL = 2e-5
 
 
@@ -175,6 +180,12 @@ CASES = {
     # dropless top-1: a B slot's bound all-reduce and F's send, which no data ordered, met in
     # different orders on different devices (the step hung; `slots.ordered_tick`)
     "e4p2-top1": ((1, 2, 1), dataclasses.replace(TOP2, top_k=1), LLAMA, "1f1b", 1, {"expert": 4}),
+    # group-limited routing with a routed scaling factor, dropless and with a capacity factor
+    "e2p2t2-zb_h1-groups": ((1, 2, 2), GROUPED, LLAMA, "zb_h1", 1, {"expert": 2}),
+    "e4p2-groups-capacity": (
+        (1, 2, 1), dataclasses.replace(GROUPED, capacity_factor=1.0), GPT, "1f1b", 1,
+        {"expert": 4},
+    ),
 }  # fmt: skip
 
 

@@ -28,7 +28,8 @@ from jaxmeg.config import ModelConfig, MoeConfig
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 MOE_JSON_FIELDS = ("experts", "top_k", "ffn_hidden", "shared_experts", "shared_ffn_hidden",
-                   "shared_gate", "router", "normalize")  # fmt: skip
+                   "shared_gate", "router", "normalize", "router_groups", "router_group_topk",
+                   "routed_scaling")  # fmt: skip
 """The MoeConfig fields that config.json fixes (`moe_config`)."""
 EXPERT_NAMES = {  # jaxmeg weight -> (HF module under the layer, its expert weights)
     "MixtralForCausalLM": ("block_sparse_moe", {"w_gate": "w1", "w_in": "w3", "w_out": "w2"}),
@@ -95,6 +96,12 @@ def architecture_of(model: ModelConfig, moe: MoeConfig) -> str:
         )
     if model.block != "llama":
         raise HFCheckpointError("Mixtral and Qwen2-MoE are llama blocks; this model's block is gpt")
+    if moe.router_groups > 1 or moe.routed_scaling != 1.0:
+        raise HFCheckpointError(
+            f"moe.router_groups = {moe.router_groups}, moe.routed_scaling = "
+            f"{moe.routed_scaling}: Mixtral and Qwen2-MoE route over all experts, unscaled "
+            f"(1 and 1.0)"
+        )
     mixtral = moe.shared_experts == 0 and not model.qkv_bias and moe.normalize
     if mixtral and (moe.first_dense or moe.every > 1):
         raise HFCheckpointError(

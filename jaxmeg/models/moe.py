@@ -5,17 +5,8 @@ XLA's GPU compiler makes a dense GEMM over every expert, or a loop of dense GEMM
 each expert's rows). Dropless: every choice is computed, however uneven the load; an expert that
 receives no token is a group of size 0.
 
-Routers (the router's logits in fp32 whatever the compute dtype):
-  softmax   Mixtral and Qwen-MoE: probabilities over all experts, the top k chosen, their
-            weights renormalised to sum to 1 (`normalize`, Mixtral's) or kept as they are
-            (Qwen1.5-MoE's default)
-  sigmoid   DeepSeek-V3: independent scores, the top k chosen, weights normalised
-A per-expert `bias` (DeepSeek-V3's loss-free balancing) shifts which experts are chosen, never
-the weights they are combined with.
-
-Auxiliary losses, per layer and batch: Switch Transformer's load-balancing loss E sum_e f_e P_e
-(f_e the share of the k T choices that went to e, P_e the mean router probability of e) and
-ST-MoE's router z-loss, the mean squared log-sum-exp of the logits.
+The router (which experts, with what weights, and the auxiliary losses: Switch Transformer's
+load-balancing loss per sequence and ST-MoE's z-loss) is `jaxmeg.models.router`'s.
 
 The layer (`MoeMlp`, the `moe` config section) replaces a block's dense MLP. Its auxiliary
 losses are per sequence (the balance loss's f and P over one sequence's tokens, averaged over the
@@ -51,7 +42,6 @@ where the dropless exchange moves its bound's, max/mean block load rounded up to
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
@@ -60,7 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.config import MOE_ROUTERS, ModelConfig, MoeConfig
+from jaxmeg.config import ModelConfig, MoeConfig
 from jaxmeg.config_moe import EXCHANGE_BOUNDS, exchange_bounds
 from jaxmeg.models import parts, residual_switch
 from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_gemm, ragged_matmul
@@ -72,60 +62,19 @@ from jaxmeg.models.moe_exchange import (
     through_experts,
 )
 from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, normal, param
+from jaxmeg.models.router import (
+    Routing,
+    expert_load,
+    route_by,
+    router_logits,
+    sequence_balance_loss,
+    z_loss,
+)
 
-ROUTERS = MOE_ROUTERS
 MOE_STATS = "moe_stats"
 """The collection a MoE layer sows its `aux` (the weighted auxiliary losses, scalar) and `share`
 (each expert's share of the k T routing choices [E], summing to 1; with a capacity factor
 [2, E], and each expert's share of the choices it kept) in, when the caller makes it mutable."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """Where each token goes: `experts` [T, k] int32 and their combine `weights` [T, k] fp32,
-    with the router's `probs` [T, E] (softmax or sigmoid scores) and `logits` [T, E], fp32."""
-
-    experts: jax.Array
-    weights: jax.Array
-    probs: jax.Array
-    logits: jax.Array
-
-
-def route(
-    logits: jax.Array, top_k: int, router: str = "softmax", normalize: bool = True,
-    bias: jax.Array | None = None,
-) -> Routing:  # fmt: skip
-    """The top `top_k` experts of each row of `logits` [T, E] (see the module docstring)."""
-    if router not in ROUTERS:
-        raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
-    num_experts = logits.shape[-1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
-    logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits)
-    choose = probs if bias is None else probs + bias.astype(jnp.float32)
-    _, experts = jax.lax.top_k(choose, top_k)
-    weights = jnp.take_along_axis(probs, experts, axis=-1)
-    if router == "sigmoid" or normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return Routing(experts.astype(jnp.int32), weights, probs, logits)
-
-
-def expert_load(routing: Routing, num_experts: int) -> jax.Array:
-    """Tokens routed to each expert [E] (int32): the group sizes of the grouped GEMMs."""
-    return jnp.bincount(routing.experts.reshape(-1), length=num_experts).astype(jnp.int32)
-
-
-def load_balancing_loss(routing: Routing, num_experts: int) -> jax.Array:
-    """Switch Transformer's E sum_e f_e P_e: 1 when the load and the probabilities are uniform."""
-    share = expert_load(routing, num_experts) / routing.experts.size
-    mean_prob = jnp.mean(routing.probs, axis=0)
-    return num_experts * jnp.sum(jax.lax.stop_gradient(share) * mean_prob)
-
-
-def z_loss(routing: Routing) -> jax.Array:
-    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2."""
-    return jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2)
 
 
 def experts_ffn(
@@ -288,27 +237,6 @@ def experts_ffn_capacity_exchanged(
     return combined.astype(x.dtype)
 
 
-def sequence_balance_loss(routing: Routing, sequences: int, router: str = "softmax") -> jax.Array:
-    """`load_balancing_loss` of each sequence's tokens (rows in sequence-major order), averaged
-    over the `sequences`. A sigmoid router's scores are normalised per token first (DeepSeek-V3's
-    sequence-wise loss), so the loss is 1 at an even load with either router."""
-    num_experts = routing.probs.shape[-1]
-    probs = routing.probs
-    if router == "sigmoid":
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    split = lambda a: a.reshape(sequences, -1, *a.shape[1:])  # noqa: E731
-
-    def one(experts, probs_):
-        return load_balancing_loss(Routing(experts, experts, probs_, probs_), num_experts)
-
-    return jnp.mean(jax.vmap(one)(split(routing.experts), split(probs)))
-
-
-def router_logits(x: Array, w_router: Array) -> Array:
-    """The router's logits [T, E] in float32, whatever the compute dtype."""
-    return jnp.einsum("td,de->te", x.astype(jnp.float32), w_router.astype(jnp.float32))
-
-
 def moe_ffn(
     moe: MoeConfig, sequences: int, x: Array, logits: Array, bias: Array, w_in: Array,
     w_out: Array, *w_gate: Array, axis: str | None = None, tensor_axis: str | None = None,
@@ -323,7 +251,7 @@ def moe_ffn(
     every device holds as many sequences, so that is the mean over all of them. `gmm`: the
     experts' grouped GEMM on one device. `taps` (dropless, with `axis`): as
     `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth."""
-    routing = route(logits, moe.top_k, moe.router, moe.normalize, bias)
+    routing = route_by(moe, logits, bias)
     gate = w_gate[0] if w_gate else None
     recorded = {}
     if moe.capacity_factor:

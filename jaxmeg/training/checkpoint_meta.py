@@ -33,7 +33,10 @@ SHAPE_FIELDS = (
 )
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_steps")
 # Fields that change what a mixture of experts computes with the same arrays: a resume says so.
-ROUTING_FIELDS = ("moe.top_k", "moe.router", "moe.normalize", "moe.capacity_factor")
+ROUTING_FIELDS = (
+    "moe.top_k", "moe.router", "moe.normalize", "moe.capacity_factor", "moe.router_groups",
+    "moe.router_group_topk", "moe.routed_scaling",
+)  # fmt: skip
 
 
 class IncompatibleCheckpoint(ValueError):
