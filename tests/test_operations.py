@@ -1,10 +1,9 @@
-"""Operations in one process: exact resume, resharding checkpoints across meshes, SIGTERM, kill -9
-during a save, a corrupted latest checkpoint, non-finite steps (multi-process runs:
-test_multiprocess.py)."""
+"""Operations in one process: exact resume, SIGTERM, kill -9 during a save, a corrupted latest
+checkpoint, non-finite steps (multi-process runs: test_multiprocess.py; resharding checkpoints
+across layouts: test_reshard.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -20,11 +19,10 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.training.checkpoint import Checkpointer
 from jaxmeg.training.checkpoint_meta import schedule_changes, schedule_of
 from jaxmeg.training.hooks import TrainingStopped, check_finite
 from jaxmeg.training.run_log import drop_records_after
-from jaxmeg.training.state import NO_VOCAB_DIM, init_state, to_canonical_layout, vocab_dims
+from jaxmeg.training.state import init_state
 from jaxmeg.training.step import make_train_step
 from tests.helpers import put_batch, random_batch, tiny_config, trainable_for
 from tests.test_train_cli import CLEAN_ENV, ROOT, read_metrics, run_train
@@ -113,91 +111,6 @@ def test_schedule_change_on_resume_is_named():
     longer = C.validate(C.Config(model=cfg.model, train=C.TrainConfig(steps=600)), 1)
     assert schedule_changes(meta, other) == ["optimizer.lr 0.001 -> 0.5"]
     assert schedule_changes(meta, longer) == ["optimizer.decay_steps 280 -> 580"]
-
-
-def reshard_config(data, pipe, tensor, schedule="1f1b", chunks=1, zero_stage=0):
-    cfg = tiny_config(
-        data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, zero_stage=zero_stage
-    )
-    model = dataclasses.replace(cfg.model, vocab_size=1024, layers=4, heads=8)
-    return dataclasses.replace(
-        cfg, model=model, train=C.TrainConfig(global_batch=16, microbatch_size=1)
-    )
-
-
-def one_step(trainable, state, tokens):
-    with jax.set_mesh(trainable.mesh):
-        state, metrics = make_train_step(trainable)(state, *put_batch(trainable, tokens))
-    canonical = to_canonical_layout(state["params"], trainable.layout)
-    return float(metrics["loss"]), jax.tree.map(np.asarray, canonical)
-
-
-def train_one_step_and_save(source, directory, meta):
-    """Init, one train step, a checkpoint of step 1; returns (state, tokens, host canonical)."""
-    tokens = random_batch(source.cfg)
-    with jax.set_mesh(source.mesh):
-        state = init_state(source, seed=0)
-        state, _ = make_train_step(source)(state, *put_batch(source, tokens))
-    saved = jax.tree.map(np.asarray, to_canonical_layout(state, source.layout))
-    writer = Checkpointer(directory, source)
-    writer.save(1, state, meta, wait=True)
-    writer.close()
-    return state, tokens, saved
-
-
-def padded_vocab_config(data, pipe, tensor, schedule="1f1b", chunks=1, zero_stage=0):
-    """V = 500 pads to 512 rows at tensor <= 4 and to 1024 at tensor = 8; untied, so both the
-    embedding rows and the unembedding columns change."""
-    cfg = reshard_config(data, pipe, tensor, schedule, chunks, zero_stage)
-    return dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, vocab_size=500, tie_embeddings=False)
-    )
-
-
-def real_rows(leaf: np.ndarray, dim: int) -> np.ndarray:
-    """A leaf's 500 real vocabulary rows (columns) along its vocabulary dim, or the whole leaf."""
-    return leaf if dim == NO_VOCAB_DIM else np.take(leaf, range(500), dim)
-
-
-def test_checkpoint_reshards_to_any_mesh_zero_stage_and_vocab_padding(tmp_path):
-    """A ZeRO-3 interleaved (2, 2, 2) run's checkpoint is canonical: runs on other meshes, with
-    ZeRO-1 or none, read the same arrays bit for bit, and their next step equals the source's.
-    The checkpoint holds the 500 real vocabulary rows; a reader pads them with zeros, to 512
-    rows at tensor 2 and to 1024 on (1, 1, 8) (params and Adam moments, embedding rows and
-    unembedding columns)."""
-    source = trainable_for(padded_vocab_config(2, 2, 2, "interleaved_1f1b", 2, zero_stage=3))
-    state, tokens, saved = train_one_step_and_save(
-        source, tmp_path, {"config": C.to_dict(source.cfg)}
-    )
-    ref_loss, ref_params = one_step(source, state, tokens)
-
-    for mesh, zero_stage in [((4, 1, 2), 1), ((1, 4, 2), 0), ((1, 1, 8), 0)]:
-        target = trainable_for(padded_vocab_config(*mesh, zero_stage=zero_stage))
-        assert (source.vocab, target.vocab) == (512, 1024 if mesh[2] == 8 else 512)
-        reader = Checkpointer(tmp_path, target)
-        step, restored, _ = reader.restore_latest()
-        reader.close()
-        assert step == 1
-        got = jax.tree.map(np.asarray, to_canonical_layout(restored, target.layout))
-        dims = vocab_dims(target)
-        for a, b, dim in zip(
-            jax.tree.leaves(got), jax.tree.leaves(saved), jax.tree.leaves(dims), strict=True
-        ):
-            np.testing.assert_array_equal(real_rows(a, dim), real_rows(b, dim))  # bit-identical
-            if dim != NO_VOCAB_DIM:
-                assert not np.take(a, range(500, target.vocab), dim).any()
-        # One more step from the restored state == the same step on the original mesh (fp32:
-        # loss to 1e-5 relative, parameters to 1e-5 absolute; the AdamW update itself is
-        # lr-sized, so this is far below one step's change).
-        loss, params = one_step(target, restored, tokens)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        for a, b, dim in zip(
-            jax.tree.leaves(params),
-            jax.tree.leaves(ref_params),
-            jax.tree.leaves(dims["params"]),
-            strict=True,
-        ):
-            np.testing.assert_allclose(real_rows(a, dim), real_rows(b, dim), rtol=0, atol=1e-5)
 
 
 def test_incompatible_config_is_refused_and_checkpoint_kept(tmp_path, small_corpus, four_steps):
