@@ -16,6 +16,19 @@ EXCHANGE_BOUNDS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32
 (sender, receiver) block as multiples of an even load, T k / E_ranks."""
 
 
+EXCHANGE_KEPT_BOUND = 2.0
+"""`moe.exchange_kept_bound`'s default: the bounds up to twice the even load keep their
+residuals."""
+
+
+def kept_bound(bounds: tuple[int, ...], choices: int, ranks: int, factor: float) -> int:
+    """The largest of `bounds` (block rows) at most `factor` times the even share T k / E_ranks,
+    and at least the first: the block rows whose residuals the dropless exchange's forward
+    keeps (`jaxmeg.models.moe_exchange`)."""
+    limit = factor * choices / ranks
+    return max([bounds[0], *(b for b in bounds if b <= limit)])
+
+
 def exchange_bounds(
     choices: int, ranks: int, factors: tuple[float, ...] = EXCHANGE_BOUNDS
 ) -> tuple[int, ...]:
@@ -93,6 +106,12 @@ class MoeConfig:
     takes the smallest its busiest block fits, and all of a device's T k choices (the largest
     bound, always there) when none does. Each bound is a branch of the step compiled at its
     shapes: fewer bounds compile faster and move more padding; [] = always the largest."""
+    exchange_kept_bound: float = EXCHANGE_KEPT_BOUND
+    """The dropless exchange's forward keeps its residuals (the received rows and the first
+    GEMMs' outputs) for the bounds up to this multiple of the even load, in buffers that size;
+    a step that takes a larger bound reruns the exchange's forward in its backward. Larger keeps
+    more memory per layer and microbatch in flight (at most E_ranks times the routed rows, all
+    bounds); smaller reruns more skewed steps. >= 1."""
     grouped_gemm: str = "ragged"
     """How a dropless layer runs its experts' grouped GEMMs, on one device and under the
     exchange (parallel.expert > 1): `ragged` (`jax.lax.ragged_dot`, which XLA's GPU compiler

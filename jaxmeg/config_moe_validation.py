@@ -37,6 +37,11 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
             f"moe.exchange_bounds must be increasing multiples >= 1 of an even load, got "
             f"{list(bounds)}"
         )
+    if not (math.isfinite(moe.exchange_kept_bound) and moe.exchange_kept_bound >= 1):
+        raise ConfigError(
+            f"moe.exchange_kept_bound must be a multiple >= 1 of an even load, got "
+            f"{moe.exchange_kept_bound}"
+        )
     if not 1 <= moe.top_k <= moe.experts:
         raise ConfigError(
             f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg import config as C
-from jaxmeg.config_moe import exchange_bounds
+from jaxmeg.config_moe import exchange_bounds, kept_bound
 from jaxmeg.models import grouped_gemm, moe, residual_switch
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
@@ -87,8 +87,11 @@ def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, factor
     device's T k = 16 choices); the skewed one 6 rows (the third bound, 1.5x), every choice to
     one expert all T k (the last). Every device takes that bound, and the loss and every
     gradient equal the experts run on one device, with either grouped GEMM
-    (`moe.grouped_gemm`) in the exchange's forward and backward. With `moe.exchange_bounds`
-    [2] the bounds are 8 rows and all 16, and the skewed route takes the first."""
+    (`moe.grouped_gemm`) in the exchange's forward and backward. The bounds up to 2x the even
+    load (8 rows) keep their residuals (`moe.exchange_kept_bound`); the one-expert route's
+    (16 rows) keeps only its inputs and reruns its forward in the backward. With
+    `moe.exchange_bounds` [2] the bounds are 8 rows and all 16, and the skewed route takes the
+    first."""
     moe_cfg = C.MoeConfig(experts=E, grouped_gemm=gemm)
     if factors is not None:
         moe_cfg = dataclasses.replace(moe_cfg, exchange_bounds=factors)
@@ -158,8 +161,9 @@ def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
     """(expert 4, one expert per device): per MoE layer and microbatch, the compiled step
     exchanges tokens by all-to-all over `expert` only, at each bound of the exchange (a branch
     each; a step runs one): dispatch and combine and their transposes (4 of each bound's [4, B,
-    h] row buffer; the forward keeps its residuals, so the backward reruns neither) and one of
-    the choices' expert ids. The first bound's row buffer holds exactly the routed tokens, T k
+    h] row buffer; up to `moe.exchange_kept_bound` the forward keeps its residuals, so the
+    backward reruns neither; past it the backward dispatches the ids and rows again) and one
+    of the choices' expert ids. The first bound's row buffer holds exactly the routed tokens, T k
     h, of which (E - 1) / E leave the device, and counted at that branch the step's matmul
     FLOPs are the model's active FLOPs (its vocabulary padding aside): no expert GEMM row
     beyond the routed ones, no rerun. At the next bound, 1.25x the even load, the experts do
@@ -193,9 +197,12 @@ def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
     assert buffers[bounds[0]] == choices * LLAMA.hidden * 2  # the routed tokens
     exchanges = [c.bytes for c in found if c.kind == "all-to-all"]
     assert all(c.axes == {"expert"} for c in found if c.kind == "all-to-all")
-    assert sorted(exchanges) == sorted(
-        [buffers[b] for b in bounds] * 4 * LLAMA.layers + [4 * b * 4 for b in bounds] * LLAMA.layers
-    )
+    kept = kept_bound(bounds, choices, 4, TOP2.exchange_kept_bound)
+    rerun = [b for b in bounds if b > kept]  # their backward: the ids' and rows' dispatch again
+    assert bounds[0] <= kept < bounds[-1] and rerun
+    rows_moved = [buffers[b] for b in bounds] * 4 + [buffers[b] for b in rerun]
+    ids_moved = [4 * b * 4 for b in bounds] + [4 * b * 4 for b in rerun]
+    assert sorted(exchanges) == sorted((rows_moved + ids_moved) * LLAMA.layers)
     gathers = [c for c in found if c.kind == "all-gather"]
     assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
     # the branch is the data's: every collective inside the exchange's conditionals stays in
@@ -265,3 +272,27 @@ def test_a_pipeline_slot_exchanges_each_microbatch_four_times_and_reruns_no_forw
     forward = {n for k, n in gemms.items() if k.startswith("f_")}
     backward = {n for k, n in gemms.items() if k.startswith(back)}
     assert len(forward) == 1 and backward == forward, gemms
+
+
+def test_a_pipeline_keeps_the_exchange_residuals_of_the_kept_bound_only():
+    """expert 4 x pipe 2, dropless top-2: a device's T k = 32 choices, blocks of 8 rows at an
+    even load, bounds 8, 10, 12, 16, 24 and 32 rows. What a stage keeps per microbatch for its
+    MoE layer (`trace_info["slot_bytes"]`) grows with `moe.exchange_kept_bound` by the received
+    rows and the first GEMMs' outputs (h + 2 f floats, stacked over the 4 expert ranks) and the
+    row order of each kept row: 1x keeps E_ranks x 8 rows, 2x (the default) 16 each, 64x all
+    32 (what every bound kept before); bounds past it rerun their forward in the backward
+    (`test_every_bound_gives_one_devices_outputs_and_gradients`, the one-expert route)."""
+    stored = {}
+    for factor in (1.0, 2.0, 64.0):
+        moe_cfg = dataclasses.replace(TOP2, exchange_kept_bound=factor)
+        trainable = trainable_for(config((1, 2, 1), moe_cfg, LLAMA, "1f1b", expert=4))
+        loss_and_grads = make_loss_and_grads(trainable)
+        with jax.set_mesh(trainable.mesh):
+            params = init_state(trainable, seed=0)["params"]
+            tokens = put_batch(trainable, random_batch(trainable.cfg))
+            jax.jit(loss_and_grads).lower(params, *tokens)
+        stored[factor] = loss_and_grads.program.trace_info["slot_bytes"]
+    ranks, f = 4, TOP2.ffn_hidden
+    per_row = ranks * (LLAMA.hidden + 2 * f) * 4 + 4
+    assert stored[2.0] - stored[1.0] == ranks * (16 - 8) * per_row
+    assert stored[64.0] - stored[2.0] == ranks * (32 - 16) * per_row

@@ -169,3 +169,31 @@ def test_the_planner_prices_fp8_where_it_pays():
     assert ratio(small, tensor=1, microbatch=4) > 0.98
     with pytest.raises(ValueError, match="--fp8 current needs FP8 GEMMs, which a100_dgx"):
         planner.plan(gpt_1_3b, 8, 32, load_hardware("a100_dgx"), fp8="current")
+
+
+def test_an_fp8_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    """`current` scaling keeps no state: a (1, 2, 2) FP8 run's checkpoint after one step,
+    restored into a new run, gives the second step's loss and params bit for bit as the run that
+    went on (the SIGTERM path of scripts/train.py saves and restores the same state:
+    tests/test_operations.py)."""
+    from jaxmeg.training.checkpoint import Checkpointer
+    from tests.test_reshard import one_step, train_one_step_and_save
+
+    cfg = C.Config(
+        model=MODEL, parallel=C.ParallelConfig(pipe=2, tensor=2),
+        train=C.TrainConfig(global_batch=4, microbatches=2),
+        optimizer=C.OptimizerConfig(lr=1e-3, warmup_steps=1),
+    )  # fmt: skip
+    source = trainable_for(cfg)
+    meta = {"config": C.to_dict(source.cfg)}
+    state, tokens, _ = train_one_step_and_save(source, tmp_path, meta)
+    went_on = one_step(source, state, tokens)
+    resumed = trainable_for(cfg)
+    reader = Checkpointer(tmp_path, resumed)
+    step, restored, _ = reader.restore_latest()
+    reader.close()
+    assert step == 1
+    loss, params = one_step(resumed, restored, tokens)
+    assert loss == went_on[0]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(went_on[1]), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -28,6 +28,7 @@ BAD = [
     ),
     ({"experts": 4, "router_groups": 2, "router_group_topk": 3}, "moe.router_group_topk (3)"),
     ({"experts": 4, "routed_scaling": 0.0}, "moe.routed_scaling must be > 0, got 0.0"),
+    ({"experts": 4, "exchange_kept_bound": 0.5}, "moe.exchange_kept_bound must be a multiple >= 1"),
     ({"experts": 6}, "parallel.expert = 4 splits the experts over 4 devices: moe.experts (6)"),
     # a dense model passed the divisibility check (0 % e = 0) and trained on without a word
     (

@@ -138,7 +138,7 @@ CASES = {
         (2, 2, 1), TOP2, GPT, "interleaved_1f1b", 2, {"expert": 2, "zero_stage": 1}
     ),
     # capacity limits: choices past an expert's slots in a sequence dropped, as on one device
-    # (the exchange keeps its residuals, in a pipeline as in one computation)
+    # (in a pipeline the backward reruns the exchange; in one computation it keeps it)
     "e4-capacity": ((1, 1, 1), CAPACITY, LLAMA, "1f1b", 1, {"expert": 4}),
     "e2p2t2-capacity-shared": (
         (1, 2, 2), dataclasses.replace(SHARED, capacity_factor=1.0), LLAMA, "1f1b", 1,

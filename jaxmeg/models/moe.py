@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig, MoeConfig
-from jaxmeg.config_moe import EXCHANGE_BOUNDS, exchange_bounds
+from jaxmeg.config_moe import EXCHANGE_BOUNDS, EXCHANGE_KEPT_BOUND, exchange_bounds, kept_bound
 from jaxmeg.models import parts, residual_switch
 from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_gemm, ragged_matmul
 from jaxmeg.models.moe_exchange import (
@@ -117,7 +117,7 @@ def experts_ffn_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
     taps: dict | None = None, gemm: tuple = (ragged_matmul, None),
-    factors: tuple[float, ...] = EXCHANGE_BOUNDS,
+    factors: tuple[float, ...] = EXCHANGE_BOUNDS, kept_factor: float = EXCHANGE_KEPT_BOUND,
 ) -> tuple[jax.Array, dict]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
@@ -148,7 +148,8 @@ def experts_ffn_exchanged(
     bounds = exchange_bounds(choices, ranks, factors)
     const = ((expert // local)[order], slot, expert[order] % local)
     diff = (x[order // k], w_in, w_out, w_gate, taps or {})
-    branches = [partial(through_experts, b, ranks * choices, axis, gemm) for b in bounds]
+    keep = ranks * kept_bound(bounds, choices, ranks, kept_factor)
+    branches = [partial(through_experts, b, ranks * choices, keep, axis, gemm) for b in bounds]
     index = bound_index(counts, bounds, (axis,) if tensor_axis is None else (axis, tensor_axis))
     sent, recorded = residual_switch.switch(index, branches, const, diff, EXCHANGE_KEPT)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(sent)
@@ -276,6 +277,7 @@ def moe_ffn(
             taps,
             grouped_gemm(moe),
             moe.exchange_bounds,
+            moe.exchange_kept_bound,
         )
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:

@@ -1,14 +1,17 @@
-"""The dropless expert exchange on one device of an expert axis, at one bound: the device's
+"""The dropless exchange on one device of an expert axis, at one bound: the device's
 choices go to their experts' devices in blocks of B rows (`all_to_all`), through the experts'
 grouped GEMMs, and back (`jaxmeg.models.moe.experts_ffn_exchanged` picks the bound per step).
 
 Its backward is written out (`through_experts`'s custom VJP) so that it keeps exactly the
-experts' GEMM inputs and outputs it needs: the sorted received rows [B_max, h] and the
-first GEMMs' outputs [B_max, f] (both of SwiGLU's, GeLU's one), each padded to the largest
-bound's E_ranks T k rows so every bound keeps the same buffers, and the row order. The
-activation and its derivative are recomputed elementwise; the exchange's transposes are the
-same all-to-alls backwards. Left to jax, the pullback kept every intermediate (the activation's
-too) and the bounds could not share them.
+experts' GEMM inputs and outputs it needs: the sorted received rows [B, h] and the first GEMMs'
+outputs [B, f] (both of SwiGLU's, GeLU's one), and the row order, each padded to the rows of
+the largest bound that keeps them (`keep`, `moe.exchange_kept_bound`) so every bound keeps the
+same buffers. A bound above it keeps only its inputs and its backward runs its forward again
+(the ids' and the rows' dispatch, the first GEMMs): a skewed step pays a rerun rather than every
+step holding buffers for the largest bound, E_ranks times the routed rows. The activation and
+its derivative are recomputed elementwise; the exchange's transposes are the same all-to-alls
+backwards. Left to jax, the pullback kept every intermediate (the activation's too) and the
+bounds could not share them.
 """
 
 from __future__ import annotations
@@ -139,36 +142,45 @@ def _recorded(taps, x, act, sizes, full: int) -> dict:
     }
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def through_experts(bound: int, full: int, axis: str, gemm: tuple, const, diff):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def through_experts(bound: int, full: int, keep: int, axis: str, gemm: tuple, const, diff):
     """One bound's exchange: `const` = (each sorted choice's device [T k], its slot in that
     device's block, its expert on that device), `diff` = (the choices' rows [T k, h] in that
     order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added to that grouped
     GEMM's output, whose cotangents are its dY); `gemm` = the experts' grouped GEMM and its
     weight gradient (`grouped_gemm.grouped_gemm`). (each choice's output [T k, h], name -> the
-    tapped GEMM's rows and group sizes padded to `full` = E_ranks T k rows)."""
+    tapped GEMM's rows and group sizes padded to `full` = E_ranks T k rows). The backward keeps
+    the GEMMs' rows padded to `keep` rows where E_ranks B fits them, else reruns the forward."""
     plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
     out, x, _, _, act = _forward(plan, diff, gemm[0])
     return out, _recorded(diff[4], x, act, plan.sizes, full)
 
 
-def _through_fwd(bound, full, axis, gemm, const, diff):
+def _through_fwd(bound, full, keep, axis, gemm, const, diff):
     plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
     out, x, a, g, act = _forward(plan, diff, gemm[0])
-    kept = (
-        _pad_rows(x, full), _pad_rows(a, full), None if g is None else _pad_rows(g, full),
-        _pad_rows(plan.by_expert, full), plan.sizes,
-    )  # fmt: skip
+    kept = None
+    if x.shape[0] <= keep:
+        kept = (
+            _pad_rows(x, keep), _pad_rows(a, keep), None if g is None else _pad_rows(g, keep),
+            _pad_rows(plan.by_expert, keep), plan.sizes,
+        )  # fmt: skip
     return (out, _recorded(diff[4], x, act, plan.sizes, full)), (const, diff, kept)
 
 
-def _through_bwd(bound, full, axis, gemm, residuals, cotangents):
-    const, diff, (x, a, g, by_expert, sizes) = residuals
+def _through_bwd(bound, full, keep, axis, gemm, residuals, cotangents):
+    const, diff, kept = residuals
     rows_in, w_in, w_out, w_gate, taps = diff
-    n = jax.lax.axis_size(axis) * bound
-    plan = _Blocks(const[0], const[1], bound, axis, by_expert[:n], sizes)
-    x, a = x[:n], a[:n]
-    g = None if g is None else g[:n]
+    if kept is None:  # a bound past `keep`: its forward again
+        plan = _Blocks.route(const, w_in.shape[0], bound, axis)
+        _, x, a, g, _ = _forward(plan, diff, gemm[0])
+        sizes = plan.sizes
+    else:
+        x, a, g, by_expert, sizes = kept
+        n = jax.lax.axis_size(axis) * bound
+        plan = _Blocks(const[0], const[1], bound, axis, by_expert[:n], sizes)
+        x, a = x[:n], a[:n]
+        g = None if g is None else g[:n]
     d_out, _ = cotangents  # the recorded rows take no gradient
     d_y = plan.dispatch(d_out.astype(a.dtype))  # collect's transpose
     matmul, weight_gradient = gemm

@@ -15,9 +15,12 @@ B (or I) slot as with the whole model in one computation: 4 all-to-alls of rows 
 microbatch. Named inside the map instead, the checkpoint stacked them over the whole mesh,
 pipe included, and the step failed to lower ("manual axis expert after free axis pipe"). A CPU
 tick orders its slots' loops and sends (`jaxmeg.pipeline.executor.slots.ordered_tick`), so the
-F slot's send and the B slot's exchange meet in one order on every device. The capacity
-factor's exchange keeps its pullback the same way (in a pipeline its backward had rerun its
-forward). The map holds no `dot_general` that a layer's checkpoint policy would keep: the
+F slot's send and the B slot's exchange meet in one order on every device. With a capacity
+factor in a pipeline the forward keeps nothing and the backward reruns it (`_reruns`): two more
+all-to-alls and the experts' forward GEMMs per layer and microbatch. Kept, its pullback (every
+intermediate of the experts' FFN, left to jax) doubled a Mixtral-shaped pipeline's temp memory
+on the H100 target for the same roofline (docs/benchmarks.md); with p v = 1 it keeps the
+pullback. The map holds no `dot_general` that a layer's checkpoint policy would keep: the
 router's matmul stays outside.
 
 For a split backward (zero-bubble schedules) `exchanged_tapped` adds zero taps to the experts'
@@ -233,8 +236,39 @@ def _keeping_bwd(saved, g_y, g_aux):
     return (d_x, d_logits, d_bias, d_taps, *d_experts)
 
 
+def _rerunning_fwd(moe, sequences, x, logits, bias, *experts):
+    return _forward(moe, sequences, x, logits, bias, *experts), (x, logits, bias, *experts)
+
+
+def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
+    """The backward as a map of its own that reruns the device's forward under `jax.vjp`."""
+    x, logits, bias, *experts = args
+    forward = _forward_keeping(moe, sequences, _nested_axes())
+
+    def local_vjp(x_, logits_, bias_, *more):
+        *experts_, g_y_, g_aux_ = more
+        d_x, d_logits, _, *d_experts = forward(x_, logits_, bias_, {}, *experts_)[1]((g_y_, g_aux_))
+        return (d_x, d_logits, *d_experts)
+
+    specs = _in_specs(len(experts) - 2)
+    grads = _nested_map(local_vjp, (*specs, ROWS, P()), (specs[0], specs[1], *specs[3:]))(
+        x, logits, bias, *experts, g_y, g_aux
+    )
+    d_x, d_logits, *d_experts = grads
+    return (d_x, d_logits, jax.lax.full_like(bias, 0), *d_experts)
+
+
+def _reruns(moe) -> bool:
+    """Whether the backward reruns the forward: with a capacity factor in a pipeline (see the
+    module docstring)."""
+    return bool(moe.capacity_factor) and jax.sharding.get_abstract_mesh().shape.get("pipe", 1) > 1
+
+
 def _exchanged_fwd(moe, sequences, x, logits, bias, *experts):
-    """Keeps the pullback (see the module docstring)."""
+    """Keeps the pullback, but with a capacity factor in a pipeline, whose backward reruns the
+    forward (see the module docstring)."""
+    if _reruns(moe):
+        return _rerunning_fwd(moe, sequences, x, logits, bias, *experts)
     (y, aux, shares, _), saved = _keeping_fwd(moe, sequences, x, logits, bias, {}, *experts)
     return (y, aux, shares), saved
 
@@ -243,6 +277,8 @@ def _exchanged_bwd(moe, sequences, saved, cotangents):
     g_y, g_aux, _ = cotangents  # the shares count choices: no gradient
     # the bias only moves the top-k choice: its gradient is 0 (`moe.into_backward` gives it
     # the loads, outside this function)
+    if _reruns(moe):
+        return _rerunning_bwd(moe, sequences, saved, g_y, g_aux)
     d_x, d_logits, d_bias, _, *d_experts = _keeping_bwd(saved, g_y, g_aux)
     return (d_x, d_logits, d_bias, *d_experts)
 
