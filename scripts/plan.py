@@ -327,11 +327,20 @@ def _header(args, context: bool, experts: bool = False) -> str:
         f"{'t':>3} {'p':>3}" + (f" {'c':>2}" if context else "") + (f" {'e':>2}" if experts else "")
         + f" {'d':>5} {'v':>2} {'b':>2} {'recomp':>9} {'TFLOP/s':>8} {'%peak':>6} "
         f"{'step s':>8} {'mem GB':>7} {'bubble':>7} {'TP GB':>8} {'PP GB':>7} {'DP GB':>7}"
-        + (f" {'ring MB':>7}" if context else "") + (f" {'EP GB':>7}" if experts else "")
+        + (f" {'ring MB':>7}" if context else "")
+        + (f" {'EP GB':>7} {'EP keep':>7}" if experts else "")
         + (f" {'days':>7} {'8TP/nX':>7}" if args.tokens else "")
         + (f" {'saved s':>7} {'compressed':<10}" if args.compression != "off" else "")
         + (f" {'schedule':<16}" if args.schedule == "any" else "")
     )  # fmt: skip
+
+
+def _kept(p) -> str:
+    """EP keep: the dropless exchange's kept bound (`moe.exchange_kept_bound`) as priced; 1x
+    reruns a balanced step's exchange in the backward; "-" where none is read (a capacity
+    factor, e = 1)."""
+    kept = p.layout.exchange_kept_bound
+    return "-" if kept is None else f"{kept:g}x"
 
 
 def _row(p, args, context: bool, experts: bool = False) -> str:
@@ -348,7 +357,7 @@ def _row(p, args, context: bool, experts: bool = False) -> str:
         f"{traffic['tensor'] / 1e9:>8.2f} {traffic['pipe'] / 1e9:>7.2f} "
         f"{traffic['data'] / 1e9:>7.2f}"
         + (f" {traffic['context_per_layer'] / 1e6:>7.1f}" if context else "")
-        + (f" {traffic['expert'] / 1e9:>7.2f}" if experts else "")
+        + (f" {traffic['expert'] / 1e9:>7.2f} {_kept(p):>7}" if experts else "")
     )  # fmt: skip
     if args.tokens:
         row += f" {p.training_days:>7.1f} {p.paper_days:>7.1f}"

@@ -183,7 +183,9 @@ def test_the_performance_model_prices_the_lockstep_pairs():
 def test_the_planner_picks_dualpipev_where_the_pairs_hide_the_exchange():
     """`plan.py --schedule any` prices every schedule that runs a layout: a Mixtral-8x7B
     stack on 32 H100s with expert 8 at batch 512 (m = 64 on pipe 4) runs fastest as
-    dualpipev, the all-to-all hidden in its pairs; a dense gpt_1.3b never picks it."""
+    dualpipev, the all-to-all hidden in its pairs, the exchange rerun in the backward (kept,
+    its residuals do not fit pipe 4: `moe.exchange_kept_bound` 1); a dense gpt_1.3b never
+    picks it."""
     from jaxmeg.config_io import load
     from jaxmeg.perf import planner
     from jaxmeg.perf.hardware import load_hardware
@@ -195,6 +197,7 @@ def test_the_planner_picks_dualpipev_where_the_pairs_hide_the_exchange():
     plans = planner.plan(shape_of(mixtral.model, mixtral.moe), 32, 512, hw,
                          schedule=planner.ANY, expert=8, recompute=("selective",))  # fmt: skip
     assert plans[0].layout.schedule == "dualpipev", plans[0].layout
+    assert (plans[0].layout.pipe, plans[0].layout.exchange_kept_bound) == (4, 1.0)
     names = {p.layout.schedule for p in plans}
     assert {"zbv", "interleaved_zb", "1f1b"} <= names
     dense = load(configs / "gpt_1.3b.yaml", ["model.vocab_size=51200"])

@@ -83,8 +83,10 @@ def test_the_exchange_sends_its_bound_of_the_routed_rows():
     """jaxmeg's dropless exchange sends (e - 1) B h per all-to-all, B the bound a balanced
     step takes (1.25 T k / e, `exchange_block`); at its largest bound (every choice to one
     GPU, B = T k) e times a ragged one's (e - 1) / e T k h; 4 all-to-alls per layer and
-    microbatch (dispatch and combine and their transposes), also with a capacity factor, 6 in a
-    pipeline (the backward reruns both), none without expert parallelism."""
+    microbatch (dispatch and combine and their transposes), also with a capacity factor and in
+    a pipeline; 6 where the backward reruns both: a capacity factor in a pipeline, and a
+    dropless exchange whose bound is past the kept one (`moe.exchange_kept_bound` 1: buffers for
+    the even load only); none without expert parallelism."""
     lay = Layout(tensor=1, pipe=1, data=1, expert=8, microbatch=1, microbatches=2, recompute="none")
     bounded = bytes_per_step(MIXTRAL, lay)
     padded = bytes_per_step(MIXTRAL, dataclasses.replace(lay, expert_exchange="padded"))
@@ -94,14 +96,25 @@ def test_the_exchange_sends_its_bound_of_the_routed_rows():
     assert padded["expert_message"] == 7 * rows * 4096 * 2
     assert routed["expert_message"] == pytest.approx(7 / 8 * rows * 4096 * 2)
     assert bounded["expert"] == 4 * 32 * 2 * bounded["expert_message"]
-    # in a pipeline's slots the B slot reruns the forward's exchange: 6
     piped = bytes_per_step(MIXTRAL, dataclasses.replace(lay, pipe=2))
-    assert piped["expert"] == 6 * 16 * 2 * piped["expert_message"]
+    assert piped["expert"] == 4 * 16 * 2 * piped["expert_message"]
+    rerun = bytes_per_step(MIXTRAL, dataclasses.replace(lay, pipe=2, exchange_kept_bound=1.0))
+    assert rerun["expert"] == 6 * 16 * 2 * rerun["expert_message"]
     capped = dataclasses.replace(
         MIXTRAL, experts=dataclasses.replace(MIXTRAL.experts, capacity_factor=1.0)
     )
     capacity = bytes_per_step(capped, lay)
     assert capacity["expert"] == 4 * 32 * 2 * capacity["expert_message"]
+    capacity_piped = bytes_per_step(capped, dataclasses.replace(lay, pipe=2))
+    assert capacity_piped["expert"] == 6 * 16 * 2 * capacity_piped["expert_message"]
+    # kept, the residuals cost memory; rerun, time
+    kept_lay = dataclasses.replace(lay, pipe=2, recompute="selective")
+    rerun_lay = dataclasses.replace(kept_lay, exchange_kept_bound=1.0)
+    assert (
+        memory_per_gpu(MIXTRAL, kept_lay, H100).total
+        > memory_per_gpu(MIXTRAL, rerun_lay, H100).total
+    )
+    assert step_time(MIXTRAL, kept_lay, H100).total < step_time(MIXTRAL, rerun_lay, H100).total
     assert bytes_per_step(MIXTRAL, dataclasses.replace(lay, expert=1, data=8))["expert"] == 0
     # the padding also runs through the experts' GEMMs: the larger the bound, the slower
     times = [

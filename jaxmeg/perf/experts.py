@@ -15,14 +15,15 @@ of `EXCHANGE_LOAD` times the even load T k / e, so B = 1.25 T k / e: a GPU sends
 each way and its grouped GEMMs take the e B rows it receives. `"padded"` prices the largest
 bound, B = T k (a router that sends every choice to one GPU); `"routed"` the routed rows only,
 (e - 1) / e T k rows each way (a ragged all-to-all, Megatron-Core's dispatcher), which jaxmeg
-does not run. With the whole model in one computation (p v = 1), the exchange keeps its
-residuals (the received rows and the experts' hidden activations) and its backward runs the two
-transposed all-to-alls: 2 forward, 2 backward. In a pipeline's slots (p v > 1) the layer's
-checkpoint policy does not keep them, so the B slot reruns the forward's exchange and expert
-GEMMs (2 forward, 4 backward). With a capacity factor cf (`moe.capacity_factor`) the exchange
-moves fixed buffers of E C rows per sequence, C = ceil(cf s k / E), whatever `expert_exchange`
-says: (e - 1) / e of them per all-to-all, the experts running on E C rows per sequence, about cf
-times the routed work. With e = 1 the experts run on the GPU with no exchange.
+does not run. The dropless exchange keeps its residuals (the received rows and the experts'
+hidden activations) in buffers for the largest bound up to `moe.exchange_kept_bound` (2x the
+even load) and its backward runs the two transposed all-to-alls: 2 forward, 2 backward; priced
+at a bound past that, its backward reruns the forward's exchange and expert GEMMs (2 forward, 4
+backward). With a capacity factor in a pipeline's slots (p v > 1) the backward reruns its
+forward too; with p v = 1 it keeps it. With a capacity factor cf (`moe.capacity_factor`) the
+exchange moves fixed buffers of E C rows per sequence, C = ceil(cf s k / E), whatever
+`expert_exchange` says: (e - 1) / e of them per all-to-all, the experts running on E C rows per
+sequence, about cf times the routed work. With e = 1 the experts run on the GPU with no exchange.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxmeg.config_moe import exchange_bounds
+from jaxmeg.config_moe import exchange_bounds, kept_bound
 from jaxmeg.perf.context import local_seq_len, send_seconds
 from jaxmeg.perf.hardware import Hardware, gemm_seconds
 from jaxmeg.perf.layout import Layout
@@ -129,11 +130,25 @@ def all_to_all_bytes(shape: Shape, layout: Layout, compute_bytes: int = 2) -> fl
     return (e - 1) / e * expert_rows(shape, layout) * shape.hidden * compute_bytes
 
 
+def kept_block(shape: Shape, layout: Layout) -> float:
+    """The rows of one (sender, receiver) block whose residuals a dropless exchange keeps: the
+    largest bound up to the kept multiple of the even load (`config_moe.kept_bound`): the
+    layout's, else the model's."""
+    x, e = shape.experts, layout.expert
+    choices = max(1, round(tokens(shape, layout) * x.top_k))
+    factor = layout.exchange_kept_bound or x.exchange_kept_bound
+    return kept_bound(exchange_bounds(choices, e, x.exchange_bounds), choices, e, factor)
+
+
 def reruns_exchange(shape: Shape, layout: Layout) -> bool:
-    """Whether the backward reruns the exchange's forward: with e > 1, in a pipeline's slots
-    (p v > 1), dropless or with a capacity factor."""
-    del shape
-    return layout.expert > 1 and layout.pipe * layout.chunks > 1
+    """Whether the backward reruns the exchange's forward (e > 1): dropless, where the priced
+    block (`exchange_block`) is past the kept one (`kept_block`); with a capacity factor, in a
+    pipeline's slots (p v > 1)."""
+    if layout.expert == 1:
+        return False
+    if shape.experts.capacity_factor:
+        return layout.pipe * layout.chunks > 1
+    return exchange_block(shape, layout) > kept_block(shape, layout)
 
 
 def all_to_alls(shape: Shape, layout: Layout) -> tuple[int, int]:
@@ -186,8 +201,9 @@ def kept_bytes_per_layer(shape: Shape, layout: Layout) -> float:
     (4 T E); with e = 1 also the sorted rows and the experts' hidden activations, 2 T k (h + M
     f / t), and the per-choice outputs in fp32 (4 T k h). With e > 1, where the exchange is not
     rerun (`reruns_exchange`), the exchange's (`jaxmeg.models.moe_exchange`): the rows the
-    experts received and their first GEMMs' outputs (M - 1 of them), over its largest bound's
-    e T k rows (every bound keeps the same buffers), and the per-choice outputs (2 T k h);
+    experts received and their first GEMMs' outputs (M - 1 of them), over the kept bound's
+    e B_kept rows (`kept_block`: those bounds keep the same buffers), and the per-choice
+    outputs (2 T k h);
     with a capacity factor its buffers and hidden activations over its E C rows per sequence;
     where it is rerun nothing."""
     x, h, n = shape.experts, shape.hidden, tokens(shape, layout)
@@ -199,7 +215,7 @@ def kept_bytes_per_layer(shape: Shape, layout: Layout) -> float:
         rows = capacity_rows(shape, layout)
         kept += 2 * rows * (h + x.matrices * x.width / layout.tensor)
     elif not reruns_exchange(shape, layout):
-        rows = layout.expert * n * x.top_k
+        rows = layout.expert * kept_block(shape, layout)
         kept += 2 * rows * (h + (x.matrices - 1) * x.width / layout.tensor) + 2 * n * x.top_k * h
     return kept
 
@@ -216,14 +232,13 @@ def dense_mlp_kept_bytes(shape: Shape, layout: Layout) -> float:
 def working_bytes(shape: Shape, layout: Layout) -> float:
     """The exchange's buffers while one MoE block runs (e > 1): the send, received, sorted,
     output and returned blocks, e B h each (`expert_rows`), and the experts' hidden
-    activations, M e B f / t, all 16-bit; where the backward reruns the exchange
-    (`reruns_exchange`), also the rerun's residuals, kept at the largest bound's e T k rows
-    until the layer's backward is done (`kept_bytes_per_layer`'s)."""
+    activations, M e B f / t, all 16-bit; where the backward reruns the dropless exchange
+    (`reruns_exchange`), also the rerun's residuals over its e B rows until the layer's
+    backward is done."""
     if layout.expert == 1:
         return 0.0
     x, rows = shape.experts, expert_rows(shape, layout)
     working = 2 * rows * (5 * shape.hidden + x.matrices * x.width / layout.tensor)
     if reruns_exchange(shape, layout) and not x.capacity_factor:
-        largest = layout.expert * tokens(shape, layout) * x.top_k
-        working += 2 * largest * (shape.hidden + (x.matrices - 1) * x.width / layout.tensor)
+        working += 2 * rows * (shape.hidden + (x.matrices - 1) * x.width / layout.tensor)
     return working

@@ -34,6 +34,11 @@ class Layout:
     dropless all-to-all at the smallest bound the step's load fits (priced at a balanced load);
     `padded`, at its largest bound; `routed`, the routed rows only (a ragged all-to-all, which
     jaxmeg does not run). See `jaxmeg.perf.experts`."""
+    exchange_kept_bound: float | None = None
+    """The largest bound whose residuals the dropless exchange keeps, as a multiple of the even
+    load (`moe.exchange_kept_bound`); None = the model's (`Experts.exchange_kept_bound`). 1 keeps
+    buffers for the even load only, so a balanced step (1.25x) reruns the exchange's forward in
+    the backward: less memory, more time (`jaxmeg.perf.experts`)."""
     chunks: int = 1
     microbatch: int = 1
     """b, sequences of one microbatch on one GPU (`train.microbatch_size` / e)."""
@@ -136,7 +141,7 @@ def config_layout(cfg) -> Layout:
     par = cfg.parallel
     return Layout(
         tensor=par.tensor, pipe=par.pipe, data=par.data, context=par.context,
-        expert=par.expert, chunks=par.chunks,
+        expert=par.expert, exchange_kept_bound=cfg.moe.exchange_kept_bound, chunks=par.chunks,
         microbatch=cfg.train.microbatch_size // par.expert, microbatches=cfg.train.microbatches,
         recompute=cfg.model.remat, pipe_scatter_gather=par.uses_scatter_gather,
         sequence_parallel=par.sequence_parallel,

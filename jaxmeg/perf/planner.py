@@ -61,6 +61,7 @@ class Plan:
             "context": lay.context,
             "expert": lay.expert,
             "expert_exchange": lay.expert_exchange,
+            "exchange_kept_bound": lay.exchange_kept_bound,
             "data": lay.data,
             "chunks": lay.chunks,
             "microbatch": lay.microbatch,
@@ -300,13 +301,33 @@ def plan(
             )
         pins["context"] = 1
     plans = []
-    for layout in candidate_layouts(shape, gpus, batch, hw, **pins):
+    for layout in _with_kept_bounds(shape, candidate_layouts(shape, gpus, batch, hw, **pins)):
         comp = None
         if compression != "off":
             comp = choose(shape, layout, hw, compression, compression_rank, pipe_grad_phase)
         plans.append(evaluate(shape, layout, hw, tokens, comp))
     fitting = [p for p in plans if p.memory_per_gpu_gb <= hw.memory_gb]
     return sorted(fitting, key=lambda p: (p.step_time_s, _model_parallel(p.layout)))
+
+
+RERUN_KEPT_BOUND = 1.0
+"""The kept bound the planner also prices for a dropless exchange: buffers for the even load
+only, so a balanced step reruns the exchange's forward in its backward (the memory of a rerun)."""
+
+
+def _with_kept_bounds(shape: Shape, layouts: Iterator[Layout]) -> Iterator[Layout]:
+    """Each layout; where it runs a dropless exchange (e > 1) with its kept bound named
+    (`Layout.exchange_kept_bound`, the model's unless pinned) and also with `RERUN_KEPT_BOUND`:
+    keeping the exchange's residuals costs memory a layout may not have, rerunning costs time."""
+    x = shape.experts
+    for layout in layouts:
+        if x is None or x.capacity_factor or layout.expert == 1:
+            yield layout
+            continue
+        kept = layout.exchange_kept_bound or x.exchange_kept_bound
+        yield dataclasses.replace(layout, exchange_kept_bound=kept)
+        if kept != RERUN_KEPT_BOUND:
+            yield dataclasses.replace(layout, exchange_kept_bound=RERUN_KEPT_BOUND)
 
 
 def _model_parallel(layout: Layout) -> int:

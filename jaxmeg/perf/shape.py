@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmeg.config import ModelConfig, MoeConfig
-from jaxmeg.config_moe import EXCHANGE_BOUNDS
+from jaxmeg.config_moe import EXCHANGE_BOUNDS, EXCHANGE_KEPT_BOUND
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +39,8 @@ class Experts:
     (`Shape.moe_share`)."""
     exchange_bounds: tuple[float, ...] = EXCHANGE_BOUNDS
     """The bounds of a dropless exchange (`moe.exchange_bounds`)."""
+    exchange_kept_bound: float = EXCHANGE_KEPT_BOUND
+    """The largest bound whose residuals the exchange keeps (`moe.exchange_kept_bound`)."""
 
     @property
     def matrices(self) -> int:
@@ -110,5 +112,5 @@ def experts_of(model: ModelConfig, moe: MoeConfig | None) -> Experts | None:
         count=moe.experts, top_k=moe.top_k, width=moe.expert_width(dense),
         shared_width=moe.shared_width(dense), gated=model.block != "gpt",
         capacity_factor=moe.capacity_factor, dense_layers=moe.first_dense, every=moe.every,
-        exchange_bounds=moe.exchange_bounds,
+        exchange_bounds=moe.exchange_bounds, exchange_kept_bound=moe.exchange_kept_bound,
     )  # fmt: skip
