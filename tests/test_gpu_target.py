@@ -47,7 +47,8 @@ def report_for(cfg: C.Config):
     from jaxmeg.training.trainer import prepare
 
     par = cfg.parallel
-    target = gpu_target.load_target("h100", par.data * par.pipe * par.tensor * par.context)
+    gpus = par.data * par.pipe * par.tensor * par.context * par.expert
+    target = gpu_target.load_target("h100", gpus)
     trainable = prepare(cfg, None, devices=target.devices)
     return trainable, cost_report(trainable, target)
 
@@ -130,6 +131,23 @@ def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     assert report["schedule_bound_seconds"] == pytest.approx(report["roofline_seconds"])
     assert report["kernel_classes"]["loss"] > 0 and report["kernel_classes"]["optimizer"] > 0
     assert report["fp8_gemms"]["calls"] == 0  # the default: 16-bit GEMMs
+
+
+def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100():
+    """expert 2, dropless top-2 over 4 experts: the report counts a balanced step (1.25x the
+    even load) and gives the step at each bound of the exchange as well, what a skewed router
+    costs: the larger the bound, the longer the roofline, the balanced bound's the report's,
+    and the bounds up to `moe.exchange_kept_bound` (2x) keep their residuals."""
+    cfg = gpu_config(parallel={"expert": 2})
+    cfg = dataclasses.replace(cfg, moe=C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024))
+    _, report = report_for(cfg)
+    bounds = report["exchange_bounds"]
+    assert [b["load"] for b in bounds] == [1.0, 1.25, 1.5, 2.0]  # 2 ranks: all choices at 2x
+    assert all(b["kept"] for b in bounds)
+    seconds = [b["roofline_seconds"] for b in bounds]
+    assert seconds == sorted(seconds) and len(set(seconds)) == len(seconds)
+    assert bounds[1]["roofline_seconds"] == pytest.approx(report["roofline_seconds"])
+    assert report["expert_exchange_block"] == bounds[1]["rows"]
 
 
 def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():

@@ -31,11 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxmeg.config_moe import exchange_bounds, kept_bound
 from jaxmeg.models.moe import EXCHANGE_KEPT
 from jaxmeg.parallel import hlo_gpu
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
-from jaxmeg.perf.experts import exchange_block, exchange_branch
+from jaxmeg.perf.experts import exchange_block, exchange_branch, tokens
 from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import flops_per_iteration, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
@@ -165,7 +166,48 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     if target is not None:
         report.update(gpu_figures(trainable, compiled, target, counter, model_flops))
         report["compile_seconds"] = round(seconds, 3)
+        if branch is not None:
+            text, columns = compiled.as_text(), loss_and_grads.program.branch_columns
+
+            def at_bound(j):
+                return StepCost(text, mesh, columns, roofline=roofline,
+                                chosen_branches={EXCHANGE_KEPT: j})  # fmt: skip
+
+            report["exchange_bounds"] = exchange_bound_figures(
+                trainable, shape, layout, at_bound, hw, model_flops
+            )
     return report
+
+
+def exchange_bound_figures(trainable, shape, layout, at_bound, hw, model_flops) -> list[dict]:
+    """The dropless exchange's step at each of its bounds (`config_moe.exchange_bounds`): a
+    skewed router's step takes a larger one than the balanced step the report counts. Per bound:
+    its block rows, that as a multiple of the even load, whether its residuals are kept
+    (`moe.exchange_kept_bound`; else its backward reruns the forward), and the roofline and
+    schedule bound with the MFU each allows, the step counted with that branch (`at_bound(j)`,
+    a `StepCost`)."""
+    x, e = shape.experts, layout.expert
+    choices = max(1, round(tokens(shape, layout) * x.top_k))
+    bounds = exchange_bounds(choices, e, x.exchange_bounds)
+    kept = kept_bound(bounds, choices, e, x.exchange_kept_bound)
+    peak, devices = hw.peak_tflops * 1e12, trainable.mesh.size
+    figures = []
+    for j, rows in enumerate(bounds):
+        counter = at_bound(j)
+        stages = counter.per_stage()
+
+        def seconds(cost):
+            return cost.roofline_seconds + _exposed_seconds(cost, trainable, hw)
+
+        roof = max(seconds(c) for c in stages)
+        bound = schedule_bound(counter, stages, seconds)
+        figures.append({
+            "rows": rows, "load": rows * e / choices, "kept": rows <= kept,
+            "roofline_seconds": roof, "roofline_mfu": model_flops / devices / roof / peak,
+            "schedule_bound_seconds": bound,
+            "schedule_bound_mfu": model_flops / devices / bound / peak,
+        })  # fmt: skip
+    return figures
 
 
 def _overlap(cost) -> dict[str, float | None]:
@@ -307,6 +349,14 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"the dropless exchange counted at {r['expert_exchange_block']:.0f} rows per block "
             "(a balanced load's bound; a step runs the bound its busiest block fits)"
+        )
+    for bound in r.get("exchange_bounds", []):
+        lines.append(
+            f"  at {bound['rows']:.0f} rows ({bound['load']:.2f}x the even load"
+            f"{', kept' if bound['kept'] else ', rerun in the backward'}): roofline "
+            f"{bound['roofline_seconds'] * 1e3:.2f} ms (MFU at most {bound['roofline_mfu']:.1%}), "
+            f"with the schedule's bubble {bound['schedule_bound_seconds'] * 1e3:.2f} ms "
+            f"({bound['schedule_bound_mfu']:.1%})"
         )
     if r["unweighted_conditionals"]:
         lines.append(
