@@ -318,4 +318,17 @@ def test_cluster_spec_sources():
     assert (spec.num_processes, spec.process_id, spec.source) == (2, 1, "slurm")
     assert spec.local_device_ids == (0, 1, 2, 3)  # one task per node drives all its GPUs
     per_gpu = distributed.cluster_spec(env={**step, "SLURM_STEP_TASKS_PER_NODE": "4"})
-    assert per_gpu.local_device_ids is None  # jax's own choice: one GPU per task
+    assert per_gpu.local_device_ids is None  # jax's own choice: the GPU of SLURM_LOCALID
+    # --ntasks-per-node=4 --gpus-per-task=1: SLURM shows each task its own GPU only, which jax's
+    # choice (SLURM_LOCALID = 3) would miss; two per task: both
+    bound = {**step, "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_LOCALID": "3"}
+    own = distributed.cluster_spec(env={**bound, "CUDA_VISIBLE_DEVICES": "3"})
+    assert own.local_device_ids == (0,)
+    pair = distributed.cluster_spec(env={**bound, "CUDA_VISIBLE_DEVICES": "6,7"})
+    assert pair.local_device_ids == (0, 1)
+    # one task per node without CUDA_VISIBLE_DEVICES: the GPUs SLURM gave the node
+    no_list = {k: v for k, v in step.items() if k != "CUDA_VISIBLE_DEVICES"}
+    assert distributed.cluster_spec(
+        env={**no_list, "SLURM_GPUS_ON_NODE": "8"}
+    ).local_device_ids == tuple(range(8))
+    assert distributed.cluster_spec(env=no_list).local_device_ids is None  # CPU nodes

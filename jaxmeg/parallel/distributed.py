@@ -6,8 +6,9 @@ three, or an error naming the missing one); a SLURM job step of more than one ta
 started by `srun` counts: the batch script itself also sees SLURM_NTASKS > 1 but is one process,
 so the task count is read from SLURM_STEP_NUM_TASKS (falling back to SLURM_NTASKS) only when
 SLURM_STEP_ID says this process is a task of a step. jax finds the coordinator from SLURM's node
-list; with one task per node the process is given all of the node's GPUs (jax's default under
-SLURM is one GPU per task). With none of them the run is single-process.
+list; which GPUs a task drives is `_slurm_local_device_ids`'s: all it sees with one task per
+node, its own with GPUs bound per task, else jax's default (the GPU numbered by SLURM_LOCALID).
+With none of them the run is single-process.
 
 A peer that never arrives would make XLA abort the process with a bare DEADLINE_EXCEEDED; a
 watchdog thread instead ends the run after `timeout_s` with a message that says which process
@@ -104,15 +105,24 @@ def cluster_spec(
 
 
 def _slurm_local_device_ids(env) -> tuple[int, ...] | None:
-    """Left alone, jax gives each SLURM task only the GPU numbered by its local task id (one
-    process per GPU). With one task per node (scripts/slurm/train.sbatch) the process must drive
-    all of the node's visible GPUs instead; None keeps jax's choice."""
+    """The GPUs this SLURM task drives, as indices among those it sees (CUDA_VISIBLE_DEVICES).
+    Left alone, jax gives each task the GPU numbered by its local task id (SLURM_LOCALID), right
+    when every task of a node sees all of its GPUs (`--ntasks-per-node=8 --gpus-per-node=8`).
+    With one task per node (scripts/slurm/train.sbatch's default) the process drives all the
+    GPUs it sees; with GPUs bound per task (`--gpus-per-task=1`: SLURM sets each task's
+    CUDA_VISIBLE_DEVICES to its own), it drives those, numbered from 0 (jax's local id would
+    name a GPU the task cannot see). None keeps jax's choice."""
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
-    if not per_node or any(part.split("(")[0] != "1" for part in per_node.split(",")):
+    if not per_node:
         return None
-    visible = env.get("CUDA_VISIBLE_DEVICES", "")
-    count = len(visible.split(",")) if visible else int(env.get("SLURM_GPUS_ON_NODE", "0") or 0)
-    return tuple(range(count)) if count else None
+    tasks_here = max(int(part.split("(")[0]) for part in per_node.split(","))
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if tasks_here == 1:
+        count = len(visible) if visible else int(env.get("SLURM_GPUS_ON_NODE", "0") or 0)
+        return tuple(range(count)) if count else None
+    if visible and len(visible) < tasks_here:  # bound per task: its own GPUs only
+        return tuple(range(len(visible)))
+    return None
 
 
 def initialize(spec: ClusterSpec | None, timeout_s: int = 300) -> None:
