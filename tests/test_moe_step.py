@@ -220,11 +220,19 @@ def test_the_layouts_docs_name_are_the_ones_tested():
     assert named == set(CASES), (named - set(CASES), set(CASES) - named)
 
 
-def test_every_token_to_one_expert_leaves_the_others_at_zero():
+@pytest.mark.parametrize(
+    "mesh,schedule,expert",
+    [((1, 1, 1), "1f1b", 2), ((1, 2, 1), "zb_h1", 4)],
+    ids=["e2", "e4p2-zb_h1"],
+)
+def test_every_token_to_one_expert_leaves_the_others_at_zero(mesh, schedule, expert):
     """A routing bias that makes expert 0 every token's only choice, with the experts split
     over 2 devices: the device of experts 2 and 3 receives no token, the other experts get no
-    rows (groups of size 0) and no gradient, and the bias slot says expert 0 took them all."""
-    cfg = config((1, 1, 1), dataclasses.replace(TOP2, top_k=1), expert=2)
+    rows (groups of size 0) and no gradient, and the bias slot says expert 0 took them all.
+    Over 4 devices in a split-backward pipeline the step takes the largest bound (4x the even
+    load), past the kept one: I reruns the exchange's forward, and W computes the expert
+    weights' gradients from the rows the forward recorded (at the largest bound's size)."""
+    cfg = config(mesh, dataclasses.replace(TOP2, top_k=1), schedule=schedule, expert=expert)
     grads = check(cfg, bias=(100.0, 0.0, 0.0, 0.0))
     experts = grads["blocks"]["layers"]["moe"]
     np.testing.assert_array_equal(
