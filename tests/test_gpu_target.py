@@ -150,6 +150,43 @@ def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100()
     assert report["expert_exchange_block"] == bounds[1]["rows"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_pipeline_slot_exchanges_each_microbatch_four_times_on_eight_h100(schedule):
+    """expert 4 x pipe 2, dropless, one bound: in the H100 program each F slot body starts 2
+    all-to-alls of rows (bf16 moved as u16) per copy of its layer loop (XLA unrolls it) and 1
+    of expert ids, and the B (I) slot body 2 of rows, the transposes, per copy: 4 per MoE layer
+    and microbatch, the forward's exchange not rerun (tests/test_expert_exchange.py counts the
+    same in the CPU step)."""
+    import re
+
+    from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
+    from jaxmeg.training.compilation import compile_step
+    from jaxmeg.training.pipeline_step import make_loss_and_grads
+    from jaxmeg.training.trainer import prepare
+
+    cfg = gpu_config(pipe=2, parallel={"expert": 4, "schedule": schedule}, attention="xla")
+    cfg = dataclasses.replace(
+        cfg, moe=C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, exchange_bounds=())
+    )
+    trainable = prepare(cfg, None, devices=gpu_target.load_target("h100", 8).devices)
+    compiled, _ = compile_step(trainable, make_loss_and_grads(trainable))
+    starts: dict[tuple[str, str], int] = {}
+    for line in compiled.as_text().splitlines():
+        found = re.search(r"= \(\((u16|s32)\[.* all-to-all-start\(.*op_name=\"([^\"]*)\"", line)
+        slot = found and re.search(r"closed_call/([fbi]_[a-z]+)/", found.group(2))
+        if slot and EXCHANGE_KEPT in found.group(2):
+            key = (slot.group(1), "rows" if found.group(1) == "u16" else "ids")
+            starts[key] = starts.get(key, 0) + 1
+    back = "i_" if schedule == "zb_h1" else "b_"
+    forward = {body for body, _ in starts if body.startswith("f_")}
+    backward = {body for body, _ in starts if body.startswith(back)}
+    assert forward and backward and forward | backward == {body for body, _ in starts}, starts
+    copies = {starts[body, "ids"] for body in forward}  # one ids all-to-all per copy
+    assert len(copies) == 1, starts
+    assert {starts[body, "rows"] for body in forward | backward} == {2 * copies.pop()}, starts
+    assert not any((body, "ids") in starts for body in backward), starts
+
+
 def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():
     """`model.fp8=current`: the forward, input-gradient and weight-gradient GEMMs of each of a
     GPT block's 4 linears (qkv, out, fc1, fc2) per layer and microbatch are
