@@ -1,16 +1,19 @@
 """Mixture-of-experts settings checked without compiling anything: refused by name (bad `moe`
 fields, dense leading layers and layer groups that do not fit the stages, an expert axis that
-does not fit the batch or the devices, what MoE does not run yet: compression, context), and
-the model FLOPs the MFU counts for them."""
+does not fit the batch or the devices, what MoE does not run yet: compression, context), the
+model FLOPs the MFU counts for them, and what a resume says of another routing or refuses of a
+dense checkpoint."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 
 from jaxmeg import config as C
-from tests.test_moe_step import FIRST_DENSE, GPT, TOP2, config
+from jaxmeg.training import checkpoint_meta
+from tests.test_moe_step import CAPACITY, FIRST_DENSE, GPT, LLAMA, TOP2, config
 
 BAD = [
     ({"experts": 4, "top_k": 5}, "moe.top_k must be between 1 and moe.experts (4), got 5"),
@@ -107,3 +110,39 @@ def test_mfu_counts_the_active_experts_not_all_of_them():
     lead = C.MoeConfig(experts=4, top_k=1, first_dense=1)
     router = 3 * 8 * model.seq_len * (model.layers - 1) * 2 * model.hidden * 4
     assert model_flops_per_step(model, 8, moe=lead) == pytest.approx(dense + router)
+
+
+def test_a_resume_with_other_routing_says_so_and_the_banner_names_the_expert_axis():
+    """Another moe.top_k (or router, normalisation, capacity) fits the checkpoint's arrays, so
+    it is not refused, as another moe.experts is: the resume names it. The start-up line and
+    generate.py's name every axis that splits anything, `expert` included."""
+    from jaxmeg import config as C
+    from jaxmeg.config import to_dict
+    from jaxmeg.parallel import make_mesh
+    from jaxmeg.parallel.mesh import mesh_words
+    from jaxmeg.training.checkpoint_meta import routing_changes
+
+    saved = config((1, 2, 1), TOP2, expert=4)
+    meta = {"config": to_dict(saved)}
+    top1 = dataclasses.replace(saved, moe=dataclasses.replace(TOP2, top_k=1))
+    assert routing_changes(meta, saved) == []
+    assert routing_changes(meta, top1) == ["moe.top_k 2 -> 1"]
+    assert routing_changes(meta, dataclasses.replace(saved, moe=C.MoeConfig())) == []  # dense
+    mesh = make_mesh(C.ParallelConfig(pipe=2, expert=4), jax.devices())
+    assert mesh_words(mesh) == "data=1 pipe=2 expert=4 tensor=1"
+
+
+def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
+    dense = C.validate(config((1, 1, 1), C.MoeConfig()), 1)
+    saved = {"config": {k: v for k, v in C.to_dict(dense).items() if k != "moe"}}
+    mismatches = checkpoint_meta.shape_mismatches(saved, C.validate(config((1, 1, 1), TOP2), 1))
+    assert ("moe.experts", 0, 4) in mismatches
+    # a capacity factor on or off adds or removes the kept-share slot; another factor does not
+    dropless = {"config": C.to_dict(C.validate(config((1, 1, 1), TOP2), 1))}
+    capped = C.validate(config((1, 1, 1), CAPACITY), 1)
+    assert checkpoint_meta.shape_mismatches(dropless, capped) == [("moe.capacity_factor", 0.0, 1.0)]
+    more = C.validate(config((1, 1, 1), dataclasses.replace(CAPACITY, capacity_factor=1.5)), 1)
+    assert checkpoint_meta.shape_mismatches({"config": C.to_dict(capped)}, more) == []
+    # dense leading layers move layers out of the stack the checkpoint saved
+    dense = C.validate(dataclasses.replace(config((1, 1, 1), FIRST_DENSE), model=LLAMA), 1)
+    assert checkpoint_meta.shape_mismatches(dropless, dense) == [("moe.first_dense", 0, 1)]

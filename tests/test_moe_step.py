@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.training import checkpoint_meta, expert_balance
+from jaxmeg.training import expert_balance
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.reference import make_plain_loss_and_grads
 from jaxmeg.training.state import (
@@ -412,48 +412,12 @@ def test_capacity_exchange_moves_its_buffers_and_the_experts_run_the_routed_flop
     assert report["matmul_flops"] == pytest.approx(report["model_flops"] + padding, rel=1e-6)
 
 
-def test_a_resume_with_other_routing_says_so_and_the_banner_names_the_expert_axis():
-    """Another moe.top_k (or router, normalisation, capacity) fits the checkpoint's arrays, so
-    it is not refused, as another moe.experts is: the resume names it. The start-up line and
-    generate.py's name every axis that splits anything, `expert` included."""
-    from jaxmeg import config as C
-    from jaxmeg.config import to_dict
-    from jaxmeg.parallel import make_mesh
-    from jaxmeg.parallel.mesh import mesh_words
-    from jaxmeg.training.checkpoint_meta import routing_changes
-
-    saved = config((1, 2, 1), TOP2, expert=4)
-    meta = {"config": to_dict(saved)}
-    top1 = dataclasses.replace(saved, moe=dataclasses.replace(TOP2, top_k=1))
-    assert routing_changes(meta, saved) == []
-    assert routing_changes(meta, top1) == ["moe.top_k 2 -> 1"]
-    assert routing_changes(meta, dataclasses.replace(saved, moe=C.MoeConfig())) == []  # dense
-    mesh = make_mesh(C.ParallelConfig(pipe=2, expert=4), jax.devices())
-    assert mesh_words(mesh) == "data=1 pipe=2 expert=4 tensor=1"
-
-
 def test_the_fit_check_does_not_price_moe_steps_as_dense_ones():
     """`train.py --compile-only --target` shows no planner figure for a MoE step: the step
     estimate (`jaxmeg.perf.jaxmeg_memory`) counts dense MLPs."""
     from jaxmeg.training.fit import predicted_step_bytes
 
     assert predicted_step_bytes(trainable_for(config((1, 1, 1), TOP2))) is None
-
-
-def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
-    dense = C.validate(config((1, 1, 1), C.MoeConfig()), 1)
-    saved = {"config": {k: v for k, v in C.to_dict(dense).items() if k != "moe"}}
-    mismatches = checkpoint_meta.shape_mismatches(saved, C.validate(config((1, 1, 1), TOP2), 1))
-    assert ("moe.experts", 0, 4) in mismatches
-    # a capacity factor on or off adds or removes the kept-share slot; another factor does not
-    dropless = {"config": C.to_dict(C.validate(config((1, 1, 1), TOP2), 1))}
-    capped = C.validate(config((1, 1, 1), CAPACITY), 1)
-    assert checkpoint_meta.shape_mismatches(dropless, capped) == [("moe.capacity_factor", 0.0, 1.0)]
-    more = C.validate(config((1, 1, 1), dataclasses.replace(CAPACITY, capacity_factor=1.5)), 1)
-    assert checkpoint_meta.shape_mismatches({"config": C.to_dict(capped)}, more) == []
-    # dense leading layers move layers out of the stack the checkpoint saved
-    dense = C.validate(dataclasses.replace(config((1, 1, 1), FIRST_DENSE), model=LLAMA), 1)
-    assert checkpoint_meta.shape_mismatches(dropless, dense) == [("moe.first_dense", 0, 1)]
 
 
 def test_the_expert_load_plot_reads_metrics_and_names_a_file_without_them(tmp_path, capsys):
