@@ -89,6 +89,27 @@ def assert_next_step_equal(target, params, ref_params) -> None:
         np.testing.assert_allclose(real_rows(a, dim), real_rows(b, dim), rtol=0, atol=1e-5)
 
 
+def restore_step_1(directory, target):
+    """The latest checkpoint in `directory` read for `target`: step 1's state."""
+    reader = Checkpointer(directory, target)
+    step, restored, _ = reader.restore_latest()
+    reader.close()
+    assert step == 1
+    return restored
+
+
+def assert_resharded(directory, target, tokens, saved, reference) -> None:
+    """Step 1's checkpoint restored on `target` equals `saved` (`assert_restored_exactly`),
+    and one more step from it equals the source's next step, `reference` (loss, params):
+    float32, the loss to 1e-5 relative, the params to 1e-5 absolute (the AdamW update itself is
+    lr-sized, so this is far below one step's change)."""
+    restored = restore_step_1(directory, target)
+    assert_restored_exactly(target, restored, saved)
+    loss, params = one_step(target, restored, tokens)
+    np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
+    assert_next_step_equal(target, params, reference[1])
+
+
 def test_checkpoint_reshards_to_any_mesh_zero_stage_and_vocab_padding(tmp_path):
     """A ZeRO-3 interleaved (2, 2, 2) run's checkpoint is canonical: runs on other meshes, with
     ZeRO-1 or none, read the same arrays bit for bit, and their next step equals the source's.
@@ -104,17 +125,7 @@ def test_checkpoint_reshards_to_any_mesh_zero_stage_and_vocab_padding(tmp_path):
     for mesh, zero_stage in [((4, 1, 2), 1), ((1, 4, 2), 0), ((1, 1, 8), 0)]:
         target = trainable_for(padded_vocab_config(*mesh, zero_stage=zero_stage))
         assert (source.vocab, target.vocab) == (512, 1024 if mesh[2] == 8 else 512)
-        reader = Checkpointer(tmp_path, target)
-        step, restored, _ = reader.restore_latest()
-        reader.close()
-        assert step == 1
-        assert_restored_exactly(target, restored, saved)
-        # One more step from the restored state == the same step on the original mesh (fp32:
-        # loss to 1e-5 relative, parameters to 1e-5 absolute; the AdamW update itself is
-        # lr-sized, so this is far below one step's change).
-        loss, params = one_step(target, restored, tokens)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        assert_next_step_equal(target, params, ref_params)
+        assert_resharded(tmp_path, target, tokens, saved, (ref_loss, ref_params))
 
 
 # A mixture of experts: 4 layers of 4 experts (top-2, a shared expert with its gate), dropless.
@@ -163,13 +174,6 @@ def test_a_moe_checkpoint_reshards_over_every_axis(name, moe_source):
     moments bit-identical (the checkpoint is canonical: whole experts, whole layers in model
     order, unpadded), and the next step's loss and params equal the source's next step within
     float32 round-off (the reductions' order differs between layouts: 1e-5)."""
-    directory, tokens, saved, (ref_loss, ref_params) = moe_source
-    target = trainable_for(moe_config(name))
-    reader = Checkpointer(directory, target)
-    step, restored, _ = reader.restore_latest()
-    reader.close()
-    assert step == 1
-    assert_restored_exactly(target, restored, saved)
-    loss, params = one_step(target, restored, tokens)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_next_step_equal(target, params, ref_params)
+    directory, tokens, saved, reference = moe_source
+    assert_resharded(directory, target=trainable_for(moe_config(name)), tokens=tokens,
+                     saved=saved, reference=reference)  # fmt: skip

@@ -27,16 +27,17 @@ per-GPU prediction (`jaxmeg.perf.model`), `per_stage_collective_bytes` one devic
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from jaxmeg.config_moe import exchange_bounds, kept_bound
+from jaxmeg.config_moe import exchange_bounds
 from jaxmeg.models.moe import EXCHANGE_KEPT
 from jaxmeg.parallel import hlo_gpu
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
-from jaxmeg.perf.experts import exchange_block, exchange_branch, tokens
+from jaxmeg.perf.experts import exchange_block, exchange_branch, kept_block, tokens
 from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import flops_per_iteration, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
@@ -188,17 +189,13 @@ def exchange_bound_figures(trainable, shape, layout, at_bound, hw, model_flops) 
     a `StepCost`)."""
     x, e = shape.experts, layout.expert
     choices = max(1, round(tokens(shape, layout) * x.top_k))
-    bounds = exchange_bounds(choices, e, x.exchange_bounds)
-    kept = kept_bound(bounds, choices, e, x.exchange_kept_bound)
+    kept = kept_block(shape, layout)
     peak, devices = hw.peak_tflops * 1e12, trainable.mesh.size
+    seconds = partial(_step_seconds, trainable=trainable, hw=hw)
     figures = []
-    for j, rows in enumerate(bounds):
+    for j, rows in enumerate(exchange_bounds(choices, e, x.exchange_bounds)):
         counter = at_bound(j)
         stages = counter.per_stage()
-
-        def seconds(cost):
-            return cost.roofline_seconds + _exposed_seconds(cost, trainable, hw)
-
         roof = max(seconds(c) for c in stages)
         bound = schedule_bound(counter, stages, seconds)
         figures.append({
@@ -216,6 +213,11 @@ def _overlap(cost) -> dict[str, float | None]:
     sent = _collective_bytes(cost.collective_bytes)
     overlapped = _collective_bytes(cost.overlapped_bytes)
     return {k: (overlapped.get(k, 0.0) / v if v else None) for k, v in sent.items()}
+
+
+def _step_seconds(cost, trainable: Trainable, hw) -> float:
+    """A device's cost at the roofline, plus its collectives not overlapped (`_exposed_seconds`)."""
+    return cost.roofline_seconds + _exposed_seconds(cost, trainable, hw)
 
 
 def _exposed_seconds(cost, trainable: Trainable, hw) -> float:
@@ -253,9 +255,7 @@ def gpu_figures(trainable, compiled, target, counter: StepCost, model_flops) -> 
     fit = fit_report(trainable, compiled, target)
     total, stages = counter.total(), counter.per_stage()
 
-    def seconds(cost) -> float:
-        return cost.roofline_seconds + _exposed_seconds(cost, trainable, hw)
-
+    seconds = partial(_step_seconds, trainable=trainable, hw=hw)
     per_stage = [seconds(c) for c in stages]
     busiest = int(np.argmax(per_stage))
     devices = trainable.mesh.size
