@@ -22,8 +22,9 @@ ZERO_STAGES = (0, 1, 3)
 REMAT_POLICIES = ("none", "selective", "full")
 """The `model.remat` choices; the performance model and the planner take them from here."""
 DTYPES = ("float32", "bfloat16", "float16")
-FP8_RECIPES = ("none", "current")
-"""`model.fp8`: none (16-bit GEMMs) or current (per-tensor scales from this step's amax)."""
+FP8_RECIPES = ("none", "current", "delayed")
+"""`model.fp8`: none (16-bit GEMMs), current (per-tensor scales from this step's amax) or
+delayed (scales from an amax history kept in the train state)."""
 PLACEMENTS = ("auto", "megatron")
 """The `parallel.placement` choices (see `jaxmeg.parallel.placement`)."""
 STAGE_LAYERS_MODES = ("auto", "measured")
@@ -111,10 +112,18 @@ class ModelConfig:
     XLA otherwise), `xla` or `cudnn`."""
     fp8: str = "none"
     """FP8 GEMMs for the attention projections and the dense MLPs (the experts' grouped GEMMs,
-    the embedding, the LM head, norms and attention scores stay 16-bit): `none` or `current`
-    (per-tensor scales from this step's amax; E4M3 activations and weights, E5M2 gradients;
-    `jaxmeg/models/fp8.py`). On an H100 each linear's three GEMMs are cuBLASLt FP8 GEMMs; on a
-    CPU the same rounding runs in 16/32-bit GEMMs."""
+    the embedding, the LM head, norms and attention scores stay 16-bit): `none`, `current`
+    (per-tensor scales from this step's amax) or `delayed` (per-tensor scales from the largest
+    amax of the last `fp8_history` steps, kept in the train state, as Transformer Engine's
+    delayed scaling); E4M3 activations and weights, E5M2 gradients (`jaxmeg/models/fp8.py`).
+    On an H100 each linear's three GEMMs are cuBLASLt FP8 GEMMs; on a CPU the same rounding
+    runs in 16/32-bit GEMMs."""
+    fp8_history: int = 1024
+    """`fp8: delayed`: the steps of amax history each tensor keeps (Transformer Engine's and
+    flax's default length)."""
+    fp8_margin: int = 0
+    """`fp8: delayed`: a tensor's scale is 2^margin times the smallest power of two that maps its
+    history's amax into the format (a margin for amaxes that grow faster than the history)."""
 
     @property
     def head_dim(self) -> int:

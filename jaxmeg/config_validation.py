@@ -268,6 +268,9 @@ def validate(cfg: Config, num_devices: int) -> Config:
     check_choice("model.remat", m.remat, REMAT_POLICIES)
     check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
     check_choice("model.fp8", m.fp8, FP8_RECIPES)
+    check_positive("model.fp8_history", m.fp8_history)
+    if m.fp8_margin < 0:
+        raise ConfigError(f"model.fp8_margin must be >= 0, got {m.fp8_margin}")
     check_choice("parallel.schedule", par.schedule, schedules.NAMES)
     check_choice("parallel.pipeline_warmup", par.pipeline_warmup, schedules.WARMUPS)
     check_choice("parallel.outer_axis", par.outer_axis, OUTER_AXES)

@@ -87,6 +87,29 @@ def _padded_to(params, trainable, pad: bool):
     return jax.tree.map(fit, params, vocab_dims(trainable)["params"])
 
 
+def _with_empty_fp8_state(params, trainable):
+    """The imported params with `model.fp8: delayed`'s leaves that Hugging Face checkpoints do
+    not hold (each linear's amax history and seen bins, `jaxmeg.models.fp8`) added as zeros:
+    an empty history."""
+    import flax.traverse_util as traverse
+    import jax
+    import numpy as np
+
+    from jaxmeg.models import fp8
+    from jaxmeg.training.state import abstract_state, to_canonical_layout
+
+    if trainable.cfg.model.fp8 != "delayed":
+        return params
+    expected = jax.eval_shape(
+        lambda p: to_canonical_layout(p, trainable.layout), abstract_state(trainable)["params"]
+    )
+    flat = traverse.flatten_dict(params)
+    for key, shape in traverse.flatten_dict(expected).items():
+        if key[-1].endswith((fp8.HISTORY, fp8.SEEN)) and key not in flat:
+            flat[key] = np.zeros(shape.shape, np.float32)
+    return traverse.unflatten_dict(flat)
+
+
 def _check_shapes(params, trainable) -> None:
     import jax
 
@@ -158,7 +181,8 @@ def import_checkpoint(
         )
     single = _one_device_config(cfg)
     trainable = _trainable(single)
-    params = _padded_to(hf.from_hf(tensors, single.model, single.moe), trainable, pad=True)
+    params = _with_empty_fp8_state(hf.from_hf(tensors, single.model, single.moe), trainable)
+    params = _padded_to(params, trainable, pad=True)
     _check_shapes(params, trainable)
     params = to_stage_layout(params, trainable.layout)
 

@@ -114,7 +114,7 @@ def parse_args(argv):
     parser.add_argument(
         "--fp8", choices=FP8_RECIPES, default="none",
         help="price the linears' GEMMs in FP8 (model.fp8): at the GPU's FP8 peak, with the "
-        "passes and reductions current scaling adds",
+        "passes scaling adds and, for current scaling, its amax reductions on the way",
     )  # fmt: skip
     for pin in ("tensor", "pipe", "chunks", "microbatch"):
         parser.add_argument(f"--{pin}", type=int, help=f"pin {pin}")

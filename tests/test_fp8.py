@@ -1,12 +1,14 @@
-"""FP8 GEMMs (`model.fp8: current`, `jaxmeg/models/fp8.py`): the recipe's rounding and its three
-GEMMs, the step on a pipeline x tensor mesh against one device, and the config's refusals. The
-H100 program's cuBLASLt FP8 calls: tests/test_gpu_target.py."""
+"""FP8 GEMMs (`model.fp8: current | delayed`, `jaxmeg/models/fp8.py`): the recipes' rounding and
+their three GEMMs, delayed scaling's amax bins and history, the step on a pipeline x tensor
+(x data) mesh against one device, and the config's refusals. The H100 program's cuBLASLt FP8
+calls: tests/test_gpu_target.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 
+import flax.traverse_util as traverse
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,9 @@ import pytest
 
 from jaxmeg import config as C
 from jaxmeg.models import fp8
+from jaxmeg.training.amax_history import take_seen
 from jaxmeg.training.pipeline_step import make_loss_and_grads
-from jaxmeg.training.state import init_state, to_canonical_layout
+from jaxmeg.training.state import init_state, to_canonical_layout, to_stage_layout
 from tests.helpers import put_batch, random_batch, run_checked, trainable_for
 
 SPEC = "bsd,df->bsf"
@@ -64,13 +67,59 @@ def test_the_three_gemms_read_fp8_operands():
         assert 1e-4 < error < 0.15, error  # rounded, but by FP8's steps only
 
 
+def test_delayed_scaling_bins_each_amax_by_its_power_of_two_and_keeps_a_history():
+    """An amax counts in the bin of the smallest power of two at or above it; the bound of
+    summed bins is the largest amax's; the history takes it first; scales are powers of two
+    that map the history's amax into the format (x 2^margin), 1 while it is empty."""
+    for amax, e in ((1.0, 0), (1.5, 1), (0.5, -1), (3.0, 2), (1e-3, -9), (448.0, 9)):
+        assert int(fp8.exponent(jnp.float32(amax))) == e, amax
+    counts = fp8.seen(jnp.float32(0.3)) + 2 * fp8.seen(jnp.float32(5.0)) + fp8.seen(0.0)
+    assert float(counts.sum()) == 3 and float(fp8.bound(counts)) == 8.0
+    assert float(fp8.bound(jnp.zeros(fp8.BINS))) == 0.0
+    history = jnp.array([[1.0, 2.0, 4.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]])
+    step = jnp.stack([fp8.seen(jnp.float32(a)) for a in (0.3, 0.0, 6.0)])
+    np.testing.assert_array_equal(
+        fp8.advance(history, step), [[0.5, 1.0, 2.0], [0.0, 0.0, 0.0], [8.0, 0.5, 0.0]]
+    )
+    np.testing.assert_array_equal(fp8.delayed_scales(history), [4 / 256, 1.0, 0.5 / 32768])
+    np.testing.assert_array_equal(fp8.delayed_scales(history, 2), [16 / 256, 1.0, 2 / 32768])
+
+
+def test_the_delayed_gemms_read_operands_at_the_historys_scales_and_report_their_amaxes():
+    """Forward and both backward GEMMs on operands divided by the given scales, saturated at the
+    format's largest value and rounded; the seen leaf's cotangent is the bins of x's, w's and
+    dy's amaxes, the scales' zero."""
+    x, w, dy = _operands()
+    scales = jnp.array([2.0**-8, 2.0**-9, 2.0**-14])  # x saturates: |x| > 448 / 256
+    counts = jnp.zeros((3, fp8.BINS))
+
+    def rounded(a, scale, fmt):
+        return fp8.dequantize(fp8.quantize_scaled(a, scale, fmt), scale, a.dtype)
+
+    y, pullback = jax.vjp(functools.partial(fp8.delayed_einsum, SPEC), x, w, scales, counts)
+    dx, dw, d_scales, d_counts = pullback(dy)
+    rx, rw = rounded(x, scales[0], fp8.E4M3), rounded(w, scales[1], fp8.E4M3)
+    assert float(jnp.abs(rx).max()) == 448 * 2.0**-8 < float(jnp.abs(x).max())
+    want_y, want_pullback = jax.vjp(functools.partial(jnp.einsum, SPEC), rx, rw)
+    want_dx, want_dw = want_pullback(rounded(dy, scales[2], fp8.E5M2))
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    want_counts = jnp.stack([fp8.seen(jnp.abs(a).max()) for a in (x, w, dy)])
+    np.testing.assert_array_equal(d_counts, want_counts)
+    np.testing.assert_array_equal(d_scales, 0.0)
+
+
 MODEL = C.ModelConfig(
     vocab_size=256, hidden=64, layers=4, heads=4, seq_len=16, compute_dtype="float32",
     fp8="current",
 )  # fmt: skip
 
 
-def _loss_and_grads(data, pipe, tensor, model=MODEL, microbatches=2, **parallel):
+def _loss_and_grads(
+    data, pipe, tensor, model=MODEL, microbatches=2, histories=None, **parallel
+):  # fmt: skip
+    """(loss, canonical grads) of the FP8 step; `histories`: {canonical path: amax history}
+    set into the params first."""
     cfg = C.Config(
         model=model,
         parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor, **parallel),
@@ -80,6 +129,12 @@ def _loss_and_grads(data, pipe, tensor, model=MODEL, microbatches=2, **parallel)
     tokens = random_batch(dataclasses.replace(cfg, parallel=C.ParallelConfig()))
     with jax.set_mesh(trainable.mesh):
         params = init_state(trainable, seed=0)["params"]
+        if histories:
+            shardings = jax.tree.map(lambda a: a.sharding, params)
+            canonical = traverse.flatten_dict(to_canonical_layout(params, trainable.layout))
+            canonical.update(histories)
+            params = to_stage_layout(traverse.unflatten_dict(canonical), trainable.layout)
+            params = jax.device_put(params, shardings)
     loss, grads = run_checked(
         trainable, make_loss_and_grads(trainable), params, *put_batch(trainable, tokens)
     )
@@ -120,27 +175,87 @@ def test_fp8_step_on_a_mesh_equals_one_device(mesh, schedule):
     assert fp8_error > 1e-2, fp8_error
 
 
+DELAYED = dataclasses.replace(MODEL, fp8="delayed", fp8_history=4)
+
+
+@functools.cache
+def _first_histories():
+    """{canonical path: history} after one step of the one-device delayed run (from empty
+    histories: scales of 1), so the compared step scales by real amaxes."""
+    _, grads = _loss_and_grads(1, 1, 1, DELAYED)
+    _, counts = take_seen(grads)
+    zeros = np.zeros((DELAYED.layers, 3, DELAYED.fp8_history), np.float32)
+    return {key: np.asarray(fp8.advance(zeros, c)) for key, c in counts.items()}
+
+
+@functools.cache
+def _one_device_delayed(microbatches: int):
+    return _loss_and_grads(1, 1, 1, DELAYED, microbatches, histories=_first_histories())
+
+
+@pytest.mark.parametrize(
+    "mesh,schedule,sequence_parallel",
+    [((2, 2, 1), "1f1b", False), ((1, 2, 2), "zb_h1", True)],
+    ids=["d2p2", "p2t2-sp-zb_h1"],
+)
+def test_delayed_fp8_step_on_a_mesh_equals_one_device(mesh, schedule, sequence_parallel):
+    """Delayed scales come from the history, the same on every replica, microbatch and tensor
+    rank: a data x pipe (or pipe x tensor, with W's split backward at the forward's scales)
+    FP8 step equals one device running all its microbatches: loss, gradients and the amax
+    bounds the step saw (the largest over microbatches and replicas; dy's relative to the
+    loss each replica differentiates). With sequence parallelism the split operands are put
+    into FP8 split and gathered as FP8 (`fp8.Layouts`)."""
+    data = mesh[0]
+    histories = _first_histories()
+    assert all(h[..., 0].min() > 0 for h in histories.values())  # the scales are the history's
+    loss, grads = _loss_and_grads(
+        *mesh, DELAYED, histories=histories, schedule=schedule,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    ref_loss, ref_grads = _one_device_delayed(2 * data)
+    assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
+    grads, counts = take_seen(grads)
+    ref_grads, ref_counts = take_seen(ref_grads)
+    assert counts.keys() == ref_counts.keys() and len(counts) == 4  # qkv, out, fc1, fc2
+    # a replica's loss is the mean over its own tokens: its dy are `data` x one device's
+    relative = np.array([1.0, 1.0, data])
+    for key, c in counts.items():
+        np.testing.assert_array_equal(fp8.bound(c), fp8.bound(ref_counts[key]) * relative, key)
+        assert fp8.bound(c).min() > 0
+    for (path, ref), got in zip(
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
+    ):
+        scale = float(np.abs(ref).max()) or 1.0
+        assert float(np.abs(got - ref).max()) / scale < 1e-5, jax.tree_util.keystr(path)
+
+
 def test_fp8_is_named_in_a_bad_config_and_on_a_gpu_without_it():
-    cfg = C.apply_overrides(C.Config(), ["model.vocab_size=512", "model.fp8=delayed"])
-    with pytest.raises(C.ConfigError, match="model.fp8"):
-        C.validate(cfg, 1)
+    for bad, field in (("model.fp8=delayd", "model.fp8"), ("model.fp8_history=0", "fp8_history"),
+                       ("model.fp8_margin=-1", "fp8_margin")):  # fmt: skip
+        cfg = C.apply_overrides(C.Config(), ["model.vocab_size=512", bad])
+        with pytest.raises(C.ConfigError, match=field):
+            C.validate(cfg, 1)
 
 
 def test_gpt_tiny_trains_in_fp8_within_3_percent_of_32_bit(tmp_path, small_corpus):
-    """scripts/train.py, gpt_tiny, 60 steps: with `model.fp8=current` the mean loss of the last
-    10 steps is within 3% of the 32-bit run's, and the two differ (the rounding ran)."""
+    """scripts/train.py, gpt_tiny, 60 steps: with `model.fp8=current` and with
+    `model.fp8=delayed` the mean loss of the last 10 steps is within 3% of the 32-bit run's,
+    and each differs from it (the rounding ran)."""
     from tests.test_train_cli import OPTIMIZED_ENV, train
 
     def losses(name, *sets):
         args = ["--steps", "60", *small_corpus, *[a for s in sets for a in ("--set", s)]]
         return np.array([r["loss"] for r in train(args, tmp_path, name, OPTIMIZED_ENV)])
 
-    fp8_run, full = losses("fp8", "model.fp8=current"), losses("full")
-    assert len(fp8_run) == len(full) == 60
-    last, last_full = fp8_run[-10:].mean(), full[-10:].mean()
-    assert abs(last - last_full) <= 0.03 * last_full, (last, last_full)
-    assert not np.allclose(fp8_run, full, rtol=1e-6)
-    assert last < fp8_run[:10].mean() - 1.0  # it trained
+    full = losses("full")
+    last_full = full[-10:].mean()
+    for recipe in ("current", "delayed"):
+        fp8_run = losses(recipe, f"model.fp8={recipe}")
+        assert len(fp8_run) == len(full) == 60
+        last = fp8_run[-10:].mean()
+        assert abs(last - last_full) <= 0.03 * last_full, (recipe, last, last_full)
+        assert not np.allclose(fp8_run, full, rtol=1e-6)
+        assert last < fp8_run[:10].mean() - 1.0  # it trained
 
 
 def test_the_planner_prices_fp8_where_it_pays():
@@ -155,9 +270,9 @@ def test_the_planner_prices_fp8_where_it_pays():
 
     hw = load_hardware("h100_dgx")
 
-    def ratio(shape, **layout):
+    def ratio(shape, recipe="current", **layout):
         base = dict(data=1, pipe=1, microbatches=8, recompute="selective", **layout)
-        fp8_time = model.step_time(shape, Layout(**base, fp8="current"), hw).total
+        fp8_time = model.step_time(shape, Layout(**base, fp8=recipe), hw).total
         return fp8_time / model.step_time(shape, Layout(**base), hw).total
 
     gpt_1_3b = Shape(hidden=2048, layers=24, heads=16, seq_len=2048, vocab=51200, mlp_ratio=4)
@@ -166,20 +281,26 @@ def test_the_planner_prices_fp8_where_it_pays():
     small = Shape(hidden=512, layers=8, heads=8, seq_len=2048, vocab=51200, mlp_ratio=4)
     assert ratio(gpt_1_3b, tensor=1, microbatch=4) < 0.95
     assert ratio(llama, tensor=8, microbatch=1) > 1.0
+    # delayed scaling: the same passes, no amax all-reduce on the way (one GPU: the same)
+    delayed = ratio(llama, "delayed", tensor=8, microbatch=1)
+    assert delayed < ratio(llama, tensor=8, microbatch=1)
+    assert ratio(gpt_1_3b, "delayed", tensor=1, microbatch=4) == ratio(gpt_1_3b, tensor=1,
+                                                                        microbatch=4)  # fmt: skip
     assert ratio(small, tensor=1, microbatch=4) > 0.98
     with pytest.raises(ValueError, match="--fp8 current needs FP8 GEMMs, which a100_dgx"):
         planner.plan(gpt_1_3b, 8, 32, load_hardware("a100_dgx"), fp8="current")
 
 
 def test_an_fp8_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
-    """`current` scaling keeps no state: a (1, 2, 2) FP8 run's checkpoint after one step,
-    restored into a new run, gives the second step's loss and params bit for bit as the run that
-    went on (the SIGTERM path of scripts/train.py saves and restores the same state:
+    """Delayed scaling's amax histories are train state: a (1, 2, 2) FP8 run's checkpoint
+    after one step (the histories filled by it), restored into a new run, gives the second
+    step's loss and params (histories included) bit for bit as the run that went on (the
+    SIGTERM path of scripts/train.py saves and restores the same state:
     tests/test_operations.py)."""
     from tests.test_reshard import one_step, restore_step_1, train_one_step_and_save
 
     cfg = C.Config(
-        model=MODEL, parallel=C.ParallelConfig(pipe=2, tensor=2),
+        model=DELAYED, parallel=C.ParallelConfig(pipe=2, tensor=2),
         train=C.TrainConfig(global_batch=4, microbatches=2),
         optimizer=C.OptimizerConfig(lr=1e-3, warmup_steps=1),
     )  # fmt: skip
@@ -190,5 +311,36 @@ def test_an_fp8_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     resumed = trainable_for(cfg)
     loss, params = one_step(resumed, restore_step_1(tmp_path, resumed), tokens)
     assert loss == went_on[0]
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(went_on[1]), strict=True):
+    histories = 0
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(went_on[1]), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
+        if jax.tree_util.keystr(path).endswith(fp8.HISTORY + "']"):
+            histories += 1
+            assert np.all(np.asarray(a)[..., :2] > 0)  # both steps' bounds
+    assert histories == 4
+
+
+def test_a_checkpoint_resumes_only_with_the_same_amax_state():
+    """Delayed scaling on or off, or another history length, changes the saved tree: the
+    checkpoint's meta names the field before any read; current scaling keeps no state."""
+    from jaxmeg.training.checkpoint_meta import shape_mismatches
+
+    def cfg(**model):
+        return C.Config(model=dataclasses.replace(MODEL, **model))
+
+    def saved(**model):
+        return {"config": C.to_dict(cfg(**model))}
+
+    assert shape_mismatches(saved(fp8="none"), cfg(fp8="current")) == []
+    assert shape_mismatches(saved(fp8="current"), cfg(fp8="delayed")) == [
+        ("model.fp8", "current", "delayed")
+    ]
+    assert shape_mismatches(saved(fp8="delayed"), cfg(fp8="none")) == [
+        ("model.fp8", "delayed", "none")
+    ]
+    assert shape_mismatches(saved(fp8="delayed"), cfg(fp8="delayed", fp8_history=16)) == [
+        ("model.fp8_history", 1024, 16)
+    ]
+    assert shape_mismatches({"config": {"model": {}}}, cfg(fp8="delayed"))[0][1] == "none"

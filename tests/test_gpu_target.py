@@ -187,18 +187,44 @@ def test_a_pipeline_slot_exchanges_each_microbatch_four_times_on_eight_h100(sche
     assert not any((body, "ids") in starts for body in backward), starts
 
 
-def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():
-    """`model.fp8=current`: the forward, input-gradient and weight-gradient GEMMs of each of a
-    GPT block's 4 linears (qkv, out, fc1, fc2) per layer and microbatch are
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100(recipe):
+    """`model.fp8=current` and `=delayed`: the forward, input-gradient and weight-gradient GEMMs
+    of each of a GPT block's 4 linears (qkv, out, fc1, fc2) per layer and microbatch are
     `__cublas$lt$matmul$f8` calls (48 for 2 layers x 2 microbatches); the LM head stays 16-bit.
     They count at the H100's FP8 peak, so the roofline falls."""
-    trainable, report = report_for(gpu_config(fp8="current"))
+    trainable, report = report_for(gpu_config(fp8=recipe))
     cfg = trainable.cfg
     assert report["fp8_gemms"]["calls"] == 3 * 4 * cfg.model.layers * cfg.train.microbatches
     assert 0 < report["fp8_gemms"]["flops"] < report["gemm_flops"]
     _, bf16 = one_gpu()
     assert report["gemm_flops"] == pytest.approx(bf16["gemm_flops"], rel=1e-6)
     assert report["kernel_classes"]["gemm"] < 0.8 * bf16["kernel_classes"]["gemm"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["d2p2t2-sp-delayed", "expert4-shared-current"],
+)
+def test_fp8_gemms_with_sequence_parallelism_and_with_experts(layout):
+    """(2,2,2) with sequence parallelism, delayed scaling: the split operands (a column-parallel
+    linear's x, a row-parallel one's dy) go into FP8 before their all-gather, so all 12 GEMMs
+    of a GPT layer per microbatch are FP8 on every GPU (8 x 1 layer x 2 microbatches x 12;
+    gathered in 16 bits, 64 were); a MoE stack on expert 4: the attention's and the shared
+    expert's linears (4 x 2 layers x 2 microbatches x 4 linears x 3), the routed experts'
+    grouped GEMMs 16-bit."""
+    if layout.startswith("d2p2t2"):
+        cfg = gpu_config(2, 2, 2, parallel={"sequence_parallel": True}, fp8="delayed")
+        linears, layers = 4, 1
+    else:
+        cfg = gpu_config(parallel={"expert": 4}, fp8="current")
+        moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, shared_experts=1)
+        cfg = dataclasses.replace(cfg, moe=moe)
+        linears, layers = 4, 2
+    trainable, report = report_for(cfg)
+    devices, microbatches = trainable.mesh.size, trainable.cfg.train.microbatches
+    calls = devices * layers * microbatches * linears * 3  # weighted by trip counts: a float
+    assert report["fp8_gemms"]["calls"] == pytest.approx(calls, rel=1e-9)
 
 
 def test_data_two_keeps_cudnn_once_per_layer_and_reduces_beside_the_backward():

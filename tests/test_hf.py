@@ -174,6 +174,33 @@ def test_a_run_trained_with_expert_capacity_exports_with_a_warning(tmp_path, cap
     assert_trees_equal(exported, fixture_tensors)
 
 
+def test_a_delayed_fp8_run_imports_empty_histories_and_exports_only_the_weights(tmp_path):
+    """`model.fp8=delayed`: the import adds each linear's amax history and seen bins as zeros
+    (an empty history); the export writes the fixture's tensors and none of them."""
+    import flax.traverse_util as traverse
+
+    from jaxmeg.models import fp8
+
+    run = import_run("llama_gqa", tmp_path, "model.fp8=delayed")
+    cfg = C.load(run / "config.yaml")
+    assert cfg.model.fp8 == "delayed"
+    trainable = convert_hf._trainable(convert_hf._one_device_config(cfg))
+    checkpointer = Checkpointer(run / "checkpoints", trainable)
+    try:
+        _, state, _ = checkpointer.restore_latest()
+    finally:
+        checkpointer.close()
+    flat = traverse.flatten_dict(state["params"])
+    fp8_state = [k for k in flat if k[-1].endswith((fp8.HISTORY, fp8.SEEN))]
+    assert len(fp8_state) == 2 * 6  # two leaves of each linear: q, kv, out; in, gate, out
+    assert all(not np.asarray(flat[k]).any() for k in fp8_state)
+    convert_hf.export_checkpoint(run, tmp_path / "exported")
+    exported, fixture_tensors = (
+        hf.read_checkpoint(d)[1] for d in (tmp_path / "exported", FIXTURES / "llama_gqa")
+    )
+    assert_trees_equal(exported, fixture_tensors)
+
+
 def test_train_py_out_reads_the_run_config(tmp_path, imported):
     train = load_script("train")
     run = imported("llama_gqa")

@@ -60,11 +60,49 @@ def weight_matmul(
     for the matmul), the output's cotangent where it is "output" (a row-parallel matmul's,
     reduce-scattered right after it, and only when tapped)."""
     kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
+    scales = counts = None
+    if module.cfg.fp8 == "delayed":
+        scales, counts = _delayed_scaling(module, name)
+        kept = {fp8.SOWN_INPUT: kept, fp8.SOWN_SCALES: scales}  # W rounds as the forward did
     module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    y = fp8.einsum(spec, x, w) if module.cfg.fp8 != "none" else jnp.einsum(spec, x, w)
+    if scales is not None:
+        y = fp8.delayed_einsum(spec, x, w, scales, counts, _fp8_layouts(module, residual))
+    elif module.cfg.fp8 == "current":
+        y = fp8.einsum(spec, x, w, _fp8_layouts(module, residual))
+    else:
+        y = jnp.einsum(spec, x, w)
     if residual == "output" and module.has_variable(TAPS, name):
         y = module.constrain(y, RESIDUAL_AXES)
     return module.perturb(name, y, collection=TAPS)
+
+
+GATHERED_AXES = ("act_batch", "act_tokens", "act_embed")
+"""The residual stream as a column-parallel linear reads it and a row-parallel one writes it
+(whole on the sequence but for context parallelism)."""
+
+
+def _fp8_layouts(module: nn.Module, residual: str) -> fp8.Layouts:
+    """A linear's FP8 operand layouts (`fp8.Layouts`): with sequence parallelism the input of a
+    column-parallel linear (`residual` "input") and the output cotangent of a row-parallel one
+    ("output") are put into FP8 split on the sequence and gathered as FP8."""
+    split = lambda t: module.constrain(t, RESIDUAL_AXES)  # noqa: E731
+    whole = lambda t: module.constrain(t, GATHERED_AXES)  # noqa: E731
+    if residual == "input":
+        return fp8.Layouts(x_split=split, x_whole=whole)
+    if residual == "output":
+        return fp8.Layouts(dy_split=split, dy_whole=whole)
+    return fp8.SAME
+
+
+def _delayed_scaling(module: nn.Module, name: str) -> tuple[Array, Array]:
+    """(the scales [3] from the linear's amax history, its seen-amax leaf): `model.fp8:
+    delayed`'s two leaves beside the weight `name` (`jaxmeg.models.fp8`)."""
+    cfg = module.cfg
+    state = nn.with_logical_partitioning(nn.initializers.zeros, (None, None))
+    operands = len(fp8.FORMATS)
+    history = module.param(name + fp8.HISTORY, state, (operands, cfg.fp8_history), jnp.float32)
+    counts = module.param(name + fp8.SEEN, state, (operands, fp8.BINS), jnp.float32)
+    return fp8.delayed_scales(history, cfg.fp8_margin), counts
 
 
 class Mlp(nn.Module):

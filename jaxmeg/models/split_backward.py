@@ -81,10 +81,15 @@ def weight_gradients(
     `grouped_gradient`: the ragged GEMM's weight gradient, as the forward ran it
     (`jaxmeg.models.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose. `fp8_gemms`
     (`model.fp8`): a dense weight's dW reads X in E4M3 and dY in E5M2, as the whole backward's
-    (`jaxmeg.models.fp8.einsum`)."""
+    (`jaxmeg.models.fp8.einsum`); with delayed scaling X comes with the forward's scales
+    ({"fp8_input", "fp8_scales"}, `jaxmeg.models.fp8.delayed_einsum`)."""
 
     def dense(dy, x):
-        if fp8_gemms:
+        if isinstance(x, dict):  # delayed FP8 scaling: at the scales the forward used
+            s, x = x[fp8.SOWN_SCALES], x[fp8.SOWN_INPUT]
+            x = fp8.dequantize(fp8.quantize_scaled(x, s[0], fp8.E4M3), s[0], x.dtype)
+            dy = fp8.dequantize(fp8.quantize_scaled(dy, s[2], fp8.E5M2), s[2], dy.dtype)
+        elif fp8_gemms:
             x, dy = fp8.round_trip(x, fp8.E4M3), fp8.round_trip(dy, fp8.E5M2)
         contract = list(range(batch_dims))
         return jnp.tensordot(x, dy, axes=(contract, contract))
@@ -100,7 +105,7 @@ def weight_gradients(
         dense, grouped = jax.vmap(dense), _one_by_one(grouped)
 
     def one(path, dy, x):
-        if isinstance(x, dict):
+        if isinstance(x, dict) and fp8.SOWN_SCALES not in x:
             return grouped(dy, x, path[-1].key)
         return dense(dy, x)
 

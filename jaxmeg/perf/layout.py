@@ -66,8 +66,9 @@ class Layout:
     weights all-gathered per chunk per use and the gradients reduce-scattered. Modelled here
     only (jaxmeg's config has no such field)."""
     fp8: str = "none"
-    """`model.fp8`: `current` prices the linears' GEMMs at the GPU's FP8 peak, with the passes
-    and reductions current scaling adds (`model.fp8_scaling_seconds`)."""
+    """`model.fp8`: `current` and `delayed` price the linears' GEMMs at the GPU's FP8 peak, with
+    the passes and (current only) the amax reductions on the way that scaling adds
+    (`model.fp8_scaling_seconds`)."""
 
     def __post_init__(self) -> None:
         for name in ("context", "expert"):

@@ -264,16 +264,18 @@ amax, read again to scale and cast, written as one byte."""
 
 
 def fp8_scaling_seconds(linears, layout: Layout, hw: Hardware) -> tuple[float, float]:
-    """(forward, backward) seconds that current FP8 scaling adds to a layer's linears
+    """(forward, backward) seconds that FP8 scaling adds to a layer's linears
     ([((m, n, k), count)]): per linear the forward puts x [m, k] and w [k, n] into FP8, the
     backward the output's cotangent [m, n] (it reuses the forward's FP8 x and w), each at
-    `FP8_SCALING_BYTES` per element of HBM traffic and, with tensor parallelism, one amax
-    all-reduce over `tensor` (latency: the scalar's bytes are nothing) before it can scale.
-    The compiled H100 program (docs/benchmarks.md, FP8) shows both: the amax passes as
-    elementwise kernels, and the all-reduces exposed."""
+    `FP8_SCALING_BYTES` per element of HBM traffic and, for current scaling with tensor
+    parallelism, one amax all-reduce over `tensor` (latency: the scalar's bytes are nothing)
+    before it can scale. The compiled H100 program (docs/benchmarks.md, FP8) shows both: the
+    amax passes as elementwise kernels, and the all-reduces exposed. Delayed scaling still
+    passes over each operand for its amax (recorded for the next steps; XLA does not fuse it
+    into the cast), but nothing waits on that all-reduce."""
     bandwidth = hw.hbm_tb_per_s * 1e12
     latency = 0.0
-    if layout.tensor > 1:
+    if layout.tensor > 1 and layout.fp8 == "current":
         latency = ring_all_reduce_seconds(4.0, layout.tensor, tensor_link(layout, hw))
     forward = backward = 0.0
     for (m, n, k), count in linears:

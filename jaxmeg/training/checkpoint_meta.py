@@ -91,6 +91,14 @@ def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     saved_cf = _field(saved, "moe.capacity_factor")
     if saved_cf is not None and (saved_cf > 0) != (cfg.moe.capacity_factor > 0):
         mismatches.append(("moe.capacity_factor", saved_cf, cfg.moe.capacity_factor))
+    # Delayed FP8 scaling on or off adds or removes each linear's amax history and seen bins.
+    saved_fp8 = _field(saved, "model.fp8") or "none"
+    if (saved_fp8 == "delayed") != (cfg.model.fp8 == "delayed"):
+        mismatches.append(("model.fp8", saved_fp8, cfg.model.fp8))
+    elif saved_fp8 == "delayed" and _field(saved, "model.fp8_history") != cfg.model.fp8_history:
+        mismatches.append(
+            ("model.fp8_history", _field(saved, "model.fp8_history"), cfg.model.fp8_history)
+        )
     # Clipping on or off adds or removes a state in the optimizer chain.
     saved_clip = _field(saved, "optimizer.grad_clip")
     if saved_clip is not None and (saved_clip > 0) != (cfg.optimizer.grad_clip > 0):

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.parallel.gpu_target import compiler_options
-from jaxmeg.training import expert_balance
+from jaxmeg.training import amax_history, expert_balance
 from jaxmeg.training.optimizer import learning_rate_schedule
 from jaxmeg.training.pipeline_step import make_loss_and_grads, sends_point_to_point
 from jaxmeg.training.state import Trainable, state_shardings
@@ -42,12 +42,14 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         loss, grads, *links = loss_and_grads(state["params"], tokens, targets, *links, **step_arg)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         grads, loads, kept = expert_balance.take_loads(grads)  # [] without MoE layers
+        grads, amaxes = amax_history.take_seen(grads)  # {} without delayed FP8 scaling
         with jax.named_scope("optimizer"):  # the cost report's kernel class
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = trainable.tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
         if moe.bias_update_rate:
             params = expert_balance.move_biases(params, loads, moe.bias_update_rate)
+        params = amax_history.advance_histories(params, state["params"], amaxes)
         # A non-finite loss or gradient leaves params and optimizer state as they were.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
