@@ -296,7 +296,8 @@ def test_an_fp8_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     after one step (the histories filled by it), restored into a new run, gives the second
     step's loss and params (histories included) bit for bit as the run that went on (the
     SIGTERM path of scripts/train.py saves and restores the same state:
-    tests/test_operations.py)."""
+    tests/test_operations.py); restored on (1, 4, 1) zb_h1 (another mesh and schedule, with
+    sequence parallelism off) it reads the same arrays and its next step equals the source's."""
     from tests.test_reshard import one_step, restore_step_1, train_one_step_and_save
 
     cfg = C.Config(
@@ -306,7 +307,7 @@ def test_an_fp8_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     )  # fmt: skip
     source = trainable_for(cfg)
     meta = {"config": C.to_dict(source.cfg)}
-    state, tokens, _ = train_one_step_and_save(source, tmp_path, meta)
+    state, tokens, saved = train_one_step_and_save(source, tmp_path, meta)
     went_on = one_step(source, state, tokens)
     resumed = trainable_for(cfg)
     loss, params = one_step(resumed, restore_step_1(tmp_path, resumed), tokens)
@@ -320,6 +321,17 @@ def test_an_fp8_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
             histories += 1
             assert np.all(np.asarray(a)[..., :2] > 0)  # both steps' bounds
     assert histories == 4
+    other = trainable_for(
+        dataclasses.replace(cfg, parallel=C.ParallelConfig(pipe=4, schedule="zb_h1"))
+    )
+    restored = restore_step_1(tmp_path, other)
+    got = jax.tree.leaves(to_canonical_layout(restored, other.layout))
+    for a, b in zip(got, jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(a, b)
+    loss, params = one_step(other, restored, tokens)
+    np.testing.assert_allclose(loss, went_on[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(went_on[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
 def test_a_checkpoint_resumes_only_with_the_same_amax_state():
