@@ -3,6 +3,9 @@
 # CPU devices among them, joined by jax.distributed over a free localhost port: the way to debug
 # multi-host behaviour without a cluster. Extra arguments go to every scripts/train.py. Process i
 # is node `local<i>` (JAXMEG_NODE_NAME); with `--cluster FILE` it takes the i-th node of the file.
+# The launch path is scripts/slurm/train.sbatch's: scripts/train.py in every process, the process
+# group read by jaxmeg/parallel/distributed.py (here from the flags, there from the SLURM step),
+# and this script in srun's place (--kill-on-bad-exit, TERM forwarded).
 #
 #   scripts/launch_local.sh 2 --config configs/gpt_tiny.yaml --set parallel.pipe=2 --out runs/a
 #
