@@ -29,6 +29,30 @@ def kept_bound(bounds: tuple[int, ...], choices: int, ranks: int, factor: float)
     return max([bounds[0], *(b for b in bounds if b <= limit)])
 
 
+BOUND_SLOTS = 16
+"""The slots of a dropless layer's exchange-bound counts (`moe.record_exchange_bounds`): one
+per factor of `moe.exchange_bounds` (at most 15), the last for all T k choices; a fixed size,
+so the bounds may change between runs of one checkpoint."""
+
+
+def bound_slots(
+    choices: int, ranks: int, factors: tuple[float, ...] = EXCHANGE_BOUNDS
+) -> tuple[int, ...]:
+    """For each of `exchange_bounds`' block sizes, its slot (`BOUND_SLOTS`): the first factor
+    that rounds to it, or the last slot for all T k choices."""
+    slots = []
+    for size in exchange_bounds(choices, ranks, factors):
+        at = [i for i, f in enumerate(factors) if math.ceil(f * choices / ranks) == size]
+        slots.append(at[0] if at and size < choices else BOUND_SLOTS - 1)
+    return tuple(slots)
+
+
+def slot_factors(factors: tuple[float, ...], ranks: int) -> tuple[float, ...]:
+    """Each slot's bound as a multiple of an even load: the factors, 0 for unused slots, and
+    `ranks` (E_ranks x an even load is all T k choices) in the last."""
+    return (*factors, *[0.0] * (BOUND_SLOTS - 1 - len(factors)), float(ranks))
+
+
 def exchange_bounds(
     choices: int, ranks: int, factors: tuple[float, ...] = EXCHANGE_BOUNDS
 ) -> tuple[int, ...]:
@@ -106,6 +130,11 @@ class MoeConfig:
     takes the smallest its busiest block fits, and all of a device's T k choices (the largest
     bound, always there) when none does. Each bound is a branch of the step compiled at its
     shapes: fewer bounds compile faster and move more padding; [] = always the largest."""
+    record_exchange_bounds: bool = True
+    """Dropless: each MoE layer keeps `exchange_taken` [BOUND_SLOTS], never
+    trained, whose "gradient" counts the bounds its exchange took in the step, and the step
+    reports the largest as `moe_exchange_bound` (a skewed router made it pay that multiple of
+    an even load). false for checkpoints written before the leaf existed."""
     exchange_kept_bound: float = EXCHANGE_KEPT_BOUND
     """The dropless exchange's forward keeps its residuals (the received rows and the first
     GEMMs' outputs) for the bounds up to this multiple of the even load, in buffers that size;

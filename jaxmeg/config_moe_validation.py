@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from jaxmeg.config_moe import GROUPED_GEMMS, MOE_ROUTERS
+from jaxmeg.config_moe import BOUND_SLOTS, GROUPED_GEMMS, MOE_ROUTERS
 from jaxmeg.config_sections import Config, ConfigError, check_choice
 
 
@@ -36,6 +36,11 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
         raise ConfigError(
             f"moe.exchange_bounds must be increasing multiples >= 1 of an even load, got "
             f"{list(bounds)}"
+        )
+    if len(bounds) >= BOUND_SLOTS:
+        raise ConfigError(
+            f"moe.exchange_bounds holds {len(bounds)} factors; at most {BOUND_SLOTS - 1} "
+            f"(each a branch of the step)"
         )
     if not (math.isfinite(moe.exchange_kept_bound) and moe.exchange_kept_bound >= 1):
         raise ConfigError(

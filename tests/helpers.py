@@ -105,3 +105,15 @@ def run_script_main(name: str, *argv: str):
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess([name, *argv], code or 0, out.getvalue(), err.getvalue())
+
+
+def without_bound_counts(grads):
+    """The gradients with each dropless MoE layer's exchange-bound counts (`exchange_taken`,
+    a statistic of the expert exchange, which one device does not run) zeroed, for comparing
+    a layout's gradients with one device's."""
+    from jaxmeg.models.moe import TAKEN
+
+    def zeroed(path, g):
+        return np.zeros_like(g) if jax.tree_util.keystr(path).endswith(f"'{TAKEN}']") else g
+
+    return jax.tree_util.tree_map_with_path(zeroed, grads)

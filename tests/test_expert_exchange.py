@@ -19,6 +19,7 @@ from jaxmeg.config_moe import exchange_bounds, kept_bound
 from jaxmeg.models import grouped_gemm, moe, residual_switch
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
+from jaxmeg.training.step import make_train_step
 from tests.helpers import put_batch, random_batch, trainable_for
 from tests.test_moe_step import LLAMA, TOP2, config
 
@@ -62,7 +63,7 @@ def exchanged(mesh, gemm, factors):
 
     def local(x, ids, weights, w_in, w_out, w_gate):
         routing = moe.Routing(ids, weights, None, None)
-        y, _ = moe.experts_ffn_exchanged(
+        y, _, _ = moe.experts_ffn_exchanged(
             x, routing, w_in, w_out, w_gate, "expert", "tensor", gemm=gemm, factors=factors
         )
         return y
@@ -296,3 +297,32 @@ def test_a_pipeline_keeps_the_exchange_residuals_of_the_kept_bound_only():
     per_row = ranks * (LLAMA.hidden + 2 * f) * 4 + 4
     assert stored[2.0] - stored[1.0] == ranks * (16 - 8) * per_row
     assert stored[64.0] - stored[2.0] == ranks * (32 - 16) * per_row
+
+
+def test_the_step_reports_the_largest_exchange_bound_each_layer_took():
+    """`moe_exchange_bound` (dropless, expert 2 x pipe 2): each layer's largest bound over the
+    step's microbatches, as a multiple of an even load. The initial router's near-even route
+    takes a small one (measured: 1.25 and 1.5); a bias that sends every choice to experts 0
+    and 1, both on expert rank 0, takes all T k choices per block, E_ranks = 2 x an even load.
+    The counting slot never trains: param and AdamW moments stay zero."""
+    trainable = trainable_for(config((1, 2, 1), TOP2, expert=2))
+    tokens = put_batch(trainable, random_batch(trainable.cfg))
+    step = make_train_step(trainable)
+    bounds = {}
+    with jax.set_mesh(trainable.mesh):
+        for route in ("initial", "to_rank_0"):
+            state = init_state(trainable, seed=0)
+            if route == "to_rank_0":
+                moe = state["params"]["blocks"]["layers"]["moe"]
+                moe["router_bias"] = moe["router_bias"].at[..., :2].set(100.0)
+            state, metrics = step(state, *tokens)
+            bounds[route] = np.asarray(metrics["moe_exchange_bound"].addressable_data(0))
+    assert bounds["initial"].shape == (LLAMA.layers,)
+    assert np.all(bounds["initial"] >= 1) and np.all(bounds["initial"] < 2), bounds
+    np.testing.assert_array_equal(bounds["to_rank_0"], 2.0)
+    leaves = [
+        np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+        if "exchange_taken" in jax.tree_util.keystr(path)
+    ]
+    assert len(leaves) == 3 and all(np.all(leaf == 0) for leaf in leaves)  # param, mu, nu

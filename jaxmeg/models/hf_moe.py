@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxmeg.config import ModelConfig, MoeConfig
+from jaxmeg.config_moe import BOUND_SLOTS
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -157,6 +158,8 @@ def layer_from_hf(
     layer = {"w_router": gate.T, "router_bias": np.zeros(gate.shape[0], np.float32)}
     if moe.capacity_factor > 0:  # the never-trained slot that carries the kept shares
         layer["router_kept"] = np.zeros(gate.shape[0], np.float32)
+    elif moe.record_exchange_bounds:  # the never-trained slot that counts exchange bounds
+        layer["exchange_taken"] = np.zeros(BOUND_SLOTS, np.float32)
     for ours, theirs in names.items():
         layer[ours] = np.stack(
             [get(f"{module}.experts.{e}.{theirs}.weight").T for e in range(moe.experts)]

@@ -51,7 +51,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig, MoeConfig
-from jaxmeg.config_moe import EXCHANGE_BOUNDS, EXCHANGE_KEPT_BOUND, exchange_bounds, kept_bound
+from jaxmeg.config_moe import (
+    BOUND_SLOTS,
+    EXCHANGE_BOUNDS,
+    EXCHANGE_KEPT_BOUND,
+    bound_slots,
+    exchange_bounds,
+    kept_bound,
+)
 from jaxmeg.models import parts, residual_switch
 from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_gemm, ragged_matmul
 from jaxmeg.models.moe_exchange import (
@@ -118,7 +125,7 @@ def experts_ffn_exchanged(
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
     taps: dict | None = None, gemm: tuple = (ragged_matmul, None),
     factors: tuple[float, ...] = EXCHANGE_BOUNDS, kept_factor: float = EXCHANGE_KEPT_BOUND,
-) -> tuple[jax.Array, dict]:  # fmt: skip
+) -> tuple[jax.Array, dict, jax.Array]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
     [e * E_l, (e + 1) * E_l) (w_* [E_l, ...], e its index on `axis`). Each choice goes to its
@@ -139,7 +146,8 @@ def experts_ffn_exchanged(
 
     `taps`: name -> zeros [E_ranks T k, out] added to that grouped GEMM's output (a split
     backward's, their cotangents are its dY). Returns (y [T, h], name -> the tapped GEMM's
-    rows and group sizes, padded to E_ranks T k rows)."""
+    rows and group sizes, padded to E_ranks T k rows, the bound taken as a one-hot over its
+    slots [BOUND_SLOTS] (`config_moe.bound_slots`), the same on every device of the exchange)."""
     tokens, k = routing.experts.shape
     ranks, local = jax.lax.axis_size(axis), w_in.shape[0]
     choices = tokens * k
@@ -156,7 +164,9 @@ def experts_ffn_exchanged(
     combined = _combine(per_choice, routing.weights)
     if tensor_axis is not None:  # each tensor rank's experts ran a slice of their width
         combined = jax.lax.psum(combined, tensor_axis)
-    return combined.astype(x.dtype), recorded
+    slot = jnp.asarray(bound_slots(choices, ranks, factors))[index]
+    taken = jax.nn.one_hot(slot, BOUND_SLOTS, dtype=jnp.float32)
+    return combined.astype(x.dtype), recorded, taken
 
 
 def capacity(moe: MoeConfig, tokens_per_sequence: int) -> int:
@@ -246,7 +256,8 @@ def moe_ffn(
     """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
     router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
     share of the k T choices [E]; with a capacity factor [2, E]: that and its share of the
-    choices it kept). w_gate: () or (the SwiGLU gate,). With `axis` (inside a map
+    choices it kept; dropless with `axis` [E + BOUND_SLOTS]: that and the
+    bound its exchange took, one-hot). w_gate: () or (the SwiGLU gate,). With `axis` (inside a map
     manual over it, each device holding its own rows and E_l experts) the choices travel by
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
     every device holds as many sequences, so that is the mean over all of them. `gmm`: the
@@ -254,7 +265,7 @@ def moe_ffn(
     `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth."""
     routing = route_by(moe, logits, bias)
     gate = w_gate[0] if w_gate else None
-    recorded = {}
+    recorded, taken = {}, None
     if moe.capacity_factor:
         cap = capacity(moe, x.shape[0] // sequences)
         if axis is None:
@@ -266,7 +277,7 @@ def moe_ffn(
     elif axis is None:
         y = experts_ffn(x, routing, w_in, w_out, gate, gmm)
     else:
-        y, recorded = experts_ffn_exchanged(
+        y, recorded, taken = experts_ffn_exchanged(
             x,
             routing,
             w_in,
@@ -292,6 +303,8 @@ def moe_ffn(
         share = jnp.stack([share, kept_share / routing.experts.size])
     if axis is not None:
         aux, share = jax.lax.pmean((aux, share), axis)
+    if taken is not None:  # the same on every device of the exchange
+        share = jnp.concatenate([share, taken])
     if taps is not None:
         return y, aux, share, recorded
     return y, aux, share
@@ -325,6 +338,11 @@ def _into_backward_bwd(grad_scale, residuals, g_y):
 into_backward.defvjp(_into_backward_fwd, _into_backward_bwd)
 
 
+TAKEN = "exchange_taken"
+"""Dropless with `moe.record_exchange_bounds`: a never-trained [BOUND_SLOTS] whose "gradient"
+counts the exchange bounds the layer took (`jaxmeg.training.expert_balance`)."""
+
+
 class MoeMlp(nn.Module):
     """The mixture-of-experts block in place of `Mlp`: router (`w_router` [D, E], float32),
     routing bias (`router_bias` [E]; with a capacity factor also `router_kept` [E], never
@@ -349,9 +367,11 @@ class MoeMlp(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
         w_router = param(self, "w_router", (d, e), ("embed", None), normal(cfg.init_std))
         bias = param(self, "router_bias", (e,), (None,), nn.initializers.zeros)
-        kept = None
+        kept = taken = None
         if moe.capacity_factor:  # its "gradient": each expert's share of the kept choices
             kept = param(self, "router_kept", (e,), (None,), nn.initializers.zeros)
+        elif moe.record_exchange_bounds:  # its "gradient": the exchange bounds taken
+            taken = param(self, TAKEN, (BOUND_SLOTS,), (None,), nn.initializers.zeros)
         expert_in = ("experts", "embed", "expert_mlp")
         expert_out = ("experts", "expert_mlp", "embed")
         w_in = param(self, "w_in", (e, d, f), expert_in, normal(cfg.init_std))
@@ -368,6 +388,7 @@ class MoeMlp(nn.Module):
         if not local and self._tapped_exchange():
             run = self._exchanged_tapped
         y_TxD, aux, share = run(moe, b, x_TxD, logits, bias, *experts)
+        share, bounds = share[..., :e], share[..., e:]  # bounds: [] but over an exchange
         y_BxSxD = y_TxD.reshape(b, s, d)
         if moe.shared_experts:
             shared = Mlp(cfg, self.constrain, moe.shared_width(cfg.mlp_hidden), name="shared")
@@ -384,9 +405,11 @@ class MoeMlp(nn.Module):
         if self.grad_scale:
             load = share if kept is None else share[0]
             y_BxSxD = into_backward(y_BxSxD, aux, bias, load, self.grad_scale)
-            if kept is not None:  # no second aux: its cotangent goes to a constant
-                none = jnp.zeros((), jnp.float32)
+            none = jnp.zeros((), jnp.float32)  # no second aux: its cotangent goes to a constant
+            if kept is not None:
                 y_BxSxD = into_backward(y_BxSxD, none, kept, share[1], self.grad_scale)
+            if taken is not None and bounds.size:  # with one expert rank nothing is exchanged
+                y_BxSxD = into_backward(y_BxSxD, none, taken, bounds, self.grad_scale)
         return y_BxSxD
 
     def _tapped_exchange(self) -> bool:

@@ -91,6 +91,15 @@ def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     saved_cf = _field(saved, "moe.capacity_factor")
     if saved_cf is not None and (saved_cf > 0) != (cfg.moe.capacity_factor > 0):
         mismatches.append(("moe.capacity_factor", saved_cf, cfg.moe.capacity_factor))
+    # A dropless MoE layer's exchange-bound counts (absent in checkpoints older than them).
+    if cfg.moe.experts and not cfg.moe.capacity_factor and _field(saved, "moe.experts"):
+        saved_counts = bool(_field(saved, "moe.record_exchange_bounds"))
+        if not _field(saved, "moe.capacity_factor") and saved_counts != (
+            cfg.moe.record_exchange_bounds
+        ):
+            mismatches.append(
+                ("moe.record_exchange_bounds", saved_counts, cfg.moe.record_exchange_bounds)
+            )
     # Delayed FP8 scaling on or off adds or removes each linear's amax history and seen bins.
     saved_fp8 = _field(saved, "model.fp8") or "none"
     if (saved_fp8 == "delayed") != (cfg.model.fp8 == "delayed"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmeg.config_moe import slot_factors
+from jaxmeg.models.moe import TAKEN
 from jaxmeg.pipeline.layout import StageLayout
 
 BIAS = "router_bias"
@@ -28,10 +30,11 @@ def _is_bias(path) -> bool:
     return _name(path) == BIAS
 
 
-def take_loads(grads) -> tuple[object, list[jax.Array], list[jax.Array]]:
-    """(the gradients with every routing bias's and kept slot's entry zeroed, the bias entries:
-    the loads, the kept slots' entries: the kept shares; [] where there are none)."""
-    taken = {BIAS: [], KEPT: []}
+def take_loads(grads) -> tuple[object, list[jax.Array], list[jax.Array], list[jax.Array]]:
+    """(the gradients with every routing bias's, kept slot's and taken-bounds slot's entry
+    zeroed, the bias entries: the loads, the kept slots' entries: the kept shares, the taken
+    slots' entries: the bounds' counts; [] where there are none)."""
+    taken = {BIAS: [], KEPT: [], TAKEN: []}
 
     def take(path, g):
         if _name(path) in taken:
@@ -39,7 +42,8 @@ def take_loads(grads) -> tuple[object, list[jax.Array], list[jax.Array]]:
             return jnp.zeros_like(g)
         return g
 
-    return jax.tree_util.tree_map_with_path(take, grads), taken[BIAS], taken[KEPT]
+    cleaned = jax.tree_util.tree_map_with_path(take, grads)
+    return cleaned, taken[BIAS], taken[KEPT], taken[TAKEN]
 
 
 def move_biases(params, loads: list[jax.Array], rate: float):
@@ -70,3 +74,13 @@ def dropped_share(kept: list[jax.Array], layout: StageLayout) -> jax.Array:
     [L - moe.first_dense], in model order (0 = none)."""
     (share,) = kept  # the stacked layers' one leaf, [v, p, Lc, E]
     return 1.0 - jnp.sum(layout.to_canonical(share), axis=-1)
+
+
+def largest_bound(counts: list[jax.Array], layout: StageLayout, factors, ranks: int) -> jax.Array:
+    """The largest exchange bound each MoE layer took in the step, as a multiple of an even
+    load (`moe.exchange_bounds`; all T k choices count as `ranks`, E_ranks x an even load)
+    [L - moe.first_dense], in model order; 0 where no exchange ran (one expert rank)."""
+    (count,) = counts  # the stacked layers' one leaf, [v, p, Lc, BOUND_SLOTS]
+    count = layout.to_canonical(count)
+    values = jnp.asarray(slot_factors(factors, ranks), jnp.float32)
+    return jnp.max(jnp.where(count > 0, values, 0.0), axis=-1)

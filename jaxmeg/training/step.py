@@ -41,7 +41,7 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         step_arg = {"step": state["step"]} if links else {}
         loss, grads, *links = loss_and_grads(state["params"], tokens, targets, *links, **step_arg)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
-        grads, loads, kept = expert_balance.take_loads(grads)  # [] without MoE layers
+        grads, loads, kept, bounds = expert_balance.take_loads(grads)  # [] without MoE layers
         grads, amaxes = amax_history.take_seen(grads)  # {} without delayed FP8 scaling
         with jax.named_scope("optimizer"):  # the cost report's kernel class
             grad_norm = optax.tree.norm(grads)
@@ -66,6 +66,11 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         if loads:  # max / mean tokens per expert, each MoE layer, whole on every device
             spread = expert_balance.load_spread(loads, trainable.layout)
             metrics["moe_load_spread"] = jax.lax.with_sharding_constraint(spread, replicated)
+        if bounds:  # dropless: the largest exchange bound taken, each MoE layer
+            largest = expert_balance.largest_bound(
+                bounds, trainable.layout, moe.exchange_bounds, trainable.mesh.shape["expert"]
+            )
+            metrics["moe_exchange_bound"] = jax.lax.with_sharding_constraint(largest, replicated)
         if kept:  # with a capacity factor: the share of choices dropped, each MoE layer
             dropped = expert_balance.dropped_share(kept, trainable.layout)
             metrics["moe_dropped"] = jax.lax.with_sharding_constraint(dropped, replicated)
