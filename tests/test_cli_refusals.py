@@ -149,3 +149,30 @@ def test_plot_schedule_refuses_a_zero_bubble_schedule_on_one_stage(tmp_path):
                         "--microbatches", "4", "--out", str(out))  # fmt: skip
     assert_clean_error(result, "error: zb_h1 needs --stages >= 2, got 1")
     assert not out.exists()
+
+
+def test_a_checkpoint_of_another_tree_is_refused_by_name_and_left_in_place(tmp_path):
+    """Arrays of another tree (here a delayed-FP8 run's amax histories, under a meta that
+    claims this run's config, as a checkpoint from other code would) are an incompatible
+    checkpoint, named, not an unreadable one moved aside."""
+    import jax
+
+    from jaxmeg.training.checkpoint import Checkpointer
+    from jaxmeg.training.checkpoint_meta import IncompatibleCheckpoint
+    from jaxmeg.training.state import init_state
+    from tests.helpers import replace_model, tiny_config, trainable_for
+
+    source = trainable_for(replace_model(tiny_config(), fp8="delayed", fp8_history=2))
+    target = trainable_for(tiny_config())
+    with jax.set_mesh(source.mesh):
+        state = init_state(source, seed=0)
+    writer = Checkpointer(tmp_path, source)
+    writer.save(1, state, {"config": C.to_dict(target.cfg)}, wait=True)
+    writer.close()
+    reader = Checkpointer(tmp_path, target)
+    try:
+        with pytest.raises(IncompatibleCheckpoint, match="another tree of arrays .*amax_history"):
+            reader.restore_latest()
+    finally:
+        reader.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]

@@ -382,6 +382,13 @@ class Checkpointer:
                     f"checkpoint {path} holds arrays of other shapes than this run's model "
                     f"({err}). Nothing was changed; resume with the config it was written with"
                 ) from err
+            # Nor is one whose arrays are another tree (a leaf this code adds or drops).
+            if "tree structures do not match" in str(err):
+                raise IncompatibleCheckpoint(
+                    f"checkpoint {path} holds another tree of arrays than this run's model "
+                    f"({read_error_reason(err)}). Nothing was changed; resume with the config "
+                    f"or the code it was written with"
+                ) from err
             return None, err
         except Exception as err:  # noqa: BLE001
             return None, _unless_out_of_memory(err)
