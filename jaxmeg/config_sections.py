@@ -111,7 +111,8 @@ class ModelConfig:
     """`jax.nn.dot_product_attention` implementation: `auto` (cuDNN on GPU for 16-bit compute,
     XLA otherwise), `xla` or `cudnn`."""
     fp8: str = "none"
-    """FP8 GEMMs for the attention projections and the dense MLPs (the experts' grouped GEMMs,
+    """FP8 GEMMs for the attention projections, the dense MLPs and, with a capacity factor, the
+    routed experts (current scales over all experts, whatever the recipe; dropless experts,
     the embedding, the LM head, norms and attention scores stay 16-bit): `none`, `current`
     (per-tensor scales from this step's amax) or `delayed` (per-tensor scales from the largest
     amax of the last `fp8_history` steps, kept in the train state, as Transformer Engine's

@@ -229,6 +229,51 @@ def test_delayed_fp8_step_on_a_mesh_equals_one_device(mesh, schedule, sequence_p
         assert float(np.abs(got - ref).max()) / scale < 1e-5, jax.tree_util.keystr(path)
 
 
+EXPERTS = C.MoeConfig(experts=4, top_k=2, ffn_hidden=32, capacity_factor=1.0)
+"""A capacity factor: the experts run batched GEMMs, in FP8 with `model.fp8`."""
+
+
+def _moe_loss_and_grads(fp8_recipe, global_batch, expert=1, pipe=1, tensor=1, schedule="1f1b"):
+    cfg = C.Config(
+        model=dataclasses.replace(MODEL, block="llama", layers=2, fp8=fp8_recipe),
+        moe=EXPERTS,
+        parallel=C.ParallelConfig(pipe=pipe, tensor=tensor, expert=expert, schedule=schedule),
+        train=C.TrainConfig(global_batch=global_batch, microbatches=2),
+    )
+    trainable = trainable_for(cfg)
+    tokens = random_batch(dataclasses.replace(cfg, parallel=C.ParallelConfig()))
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+    loss, grads = run_checked(
+        trainable, make_loss_and_grads(trainable), params, *put_batch(trainable, tokens)
+    )
+    return float(loss), to_canonical_layout(jax.tree.map(np.asarray, grads), trainable.layout)
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(expert=2, tensor=2), dict(pipe=2, schedule="zb_h1")], ids=["e2t2", "p2-zb_h1"]
+)
+def test_the_experts_batched_gemms_in_fp8_equal_one_device(layout):
+    """With a capacity factor the experts' batched GEMMs run on FP8 operands too, one scale per
+    operand over all experts: split over expert x tensor ranks each amax is reduced over them
+    (`grouped_gemm.fp8_batched`), and a split backward's W rounds the rows and dY as the
+    whole backward does; loss and gradients equal one device running the same microbatches,
+    far closer than the experts' FP8 is to 16/32-bit."""
+    batch = 4 * layout.get("expert", 1)  # 2 microbatches of 2 sequences per expert rank
+    loss, grads = _moe_loss_and_grads("current", batch, **layout)
+    ref_loss, ref_grads = _moe_loss_and_grads("current", batch)
+    _, full_grads = _moe_loss_and_grads("none", batch)
+    assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
+    for (path, ref), got in zip(
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
+    ):
+        scale = float(np.abs(ref).max()) or 1.0
+        assert float(np.abs(got - ref).max()) / scale < 1e-5, jax.tree_util.keystr(path)
+    experts, full = ref_grads["blocks"]["layers"]["moe"], full_grads["blocks"]["layers"]["moe"]
+    for name in ("w_in", "w_out", "w_gate"):  # the experts' FP8 did round
+        assert float(np.abs(experts[name] - full[name]).max()) > 1e-2 * np.abs(full[name]).max()
+
+
 def test_fp8_is_named_in_a_bad_config_and_on_a_gpu_without_it():
     for bad, field in (("model.fp8=delayd", "model.fp8"), ("model.fp8_history=0", "fp8_history"),
                        ("model.fp8_margin=-1", "fp8_margin")):  # fmt: skip

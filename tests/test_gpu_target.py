@@ -204,23 +204,26 @@ def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100(recipe):
 
 @pytest.mark.parametrize(
     "layout",
-    ["d2p2t2-sp-delayed", "expert4-shared-current"],
+    ["d2p2t2-sp-delayed", "expert4-capacity-shared-current"],
 )
 def test_fp8_gemms_with_sequence_parallelism_and_with_experts(layout):
     """(2,2,2) with sequence parallelism, delayed scaling: the split operands (a column-parallel
     linear's x, a row-parallel one's dy) go into FP8 before their all-gather, so all 12 GEMMs
     of a GPT layer per microbatch are FP8 on every GPU (8 x 1 layer x 2 microbatches x 12;
-    gathered in 16 bits, 64 were); a MoE stack on expert 4: the attention's and the shared
-    expert's linears (4 x 2 layers x 2 microbatches x 4 linears x 3), the routed experts'
-    grouped GEMMs 16-bit."""
+    gathered in 16 bits, 64 were); a MoE stack on expert 4 with a capacity factor and a
+    shared expert: the attention's 2 linears, the shared expert's 2 and the routed experts'
+    2 batched GEMMs (one scale over all experts, the amax reduced over the expert ranks),
+    4 x 2 layers x 2 microbatches x 6 x 3 (dropless experts run 16-bit)."""
     if layout.startswith("d2p2t2"):
         cfg = gpu_config(2, 2, 2, parallel={"sequence_parallel": True}, fp8="delayed")
         linears, layers = 4, 1
     else:
         cfg = gpu_config(parallel={"expert": 4}, fp8="current")
-        moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, shared_experts=1)
+        moe = C.MoeConfig(
+            experts=4, top_k=2, ffn_hidden=1024, shared_experts=1, capacity_factor=1.0
+        )
         cfg = dataclasses.replace(cfg, moe=moe)
-        linears, layers = 4, 2
+        linears, layers = 6, 2
     trainable, report = report_for(cfg)
     devices, microbatches = trainable.mesh.size, trainable.cfg.train.microbatches
     calls = devices * layers * microbatches * linears * 3  # weighted by trip counts: a float

@@ -46,10 +46,15 @@ E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 
 
-def quantize(x: jax.Array, fp8) -> tuple[jax.Array, jax.Array]:
+def _same(t: jax.Array) -> jax.Array:
+    return t
+
+
+def quantize(x: jax.Array, fp8, reduce_amax: Callable = _same) -> tuple[jax.Array, jax.Array]:
     """(x / scale as `fp8`, scale): scale = amax(|x|) / the format's largest value (1 where x is
-    all zero), an fp32 scalar."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    all zero), an fp32 scalar; `reduce_amax` takes a device's amax to the whole tensor's (a
+    `pmax` over the map's axes where x is one device's block)."""
+    amax = reduce_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
     scale = jnp.where(amax > 0, amax / float(jnp.finfo(fp8).max), 1.0)
     return (x / scale.astype(x.dtype)).astype(fp8), scale
 
@@ -117,10 +122,6 @@ def round_trip(x: jax.Array, fp8) -> jax.Array:
     return dequantize(*quantize(x, fp8), x.dtype)
 
 
-def _same(t: jax.Array) -> jax.Array:
-    return t
-
-
 @dataclasses.dataclass(frozen=True)
 class Layouts:
     """Where a linear's 16-bit operand is put into FP8 and where its FP8 values go for the GEMM.
@@ -135,6 +136,9 @@ class Layouts:
     x_whole: Callable = _same
     dy_split: Callable = _same
     dy_whole: Callable = _same
+    amax: Callable = _same
+    """Current scaling: a device's amax to the whole tensor's, where the operands are one
+    device's blocks inside a map (the experts' GEMMs under expert parallelism)."""
 
 
 SAME = Layouts()
@@ -151,8 +155,8 @@ def _current(spec, layouts, x, w):
 
 
 def _current_forward(spec, layouts, x, w):
-    xq, xs = quantize(layouts.x_split(x), E4M3)
-    wq, ws = quantize(w, E4M3)
+    xq, xs = quantize(layouts.x_split(x), E4M3, layouts.amax)
+    wq, ws = quantize(w, E4M3, layouts.amax)
     y = jnp.einsum(spec, dequantize(layouts.x_whole(xq), xs, x.dtype), dequantize(wq, ws, w.dtype))
     return y, (xq, xs, wq, ws, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
@@ -161,7 +165,7 @@ def _current_backward(spec, layouts, kept, dy):
     xq, xs, wq, ws, x_like, w_like = kept
     x = dequantize(layouts.x_whole(xq), xs, x_like.dtype)
     _, pullback = jax.vjp(functools.partial(jnp.einsum, spec), x, dequantize(wq, ws, w_like.dtype))
-    dyq, dys = quantize(layouts.dy_split(dy), E5M2)
+    dyq, dys = quantize(layouts.dy_split(dy), E5M2, layouts.amax)
     return pullback(dequantize(layouts.dy_whole(dyq), dys, dy.dtype))
 
 

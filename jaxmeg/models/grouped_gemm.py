@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import MoeConfig
+from jaxmeg.models import fp8
 
 GroupedMatmul = Callable[[str, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
 """gmm(name, rows, w [E, in, out], sizes) -> the grouped GEMM of the expert weight `name`:
@@ -32,6 +33,23 @@ def ragged_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | N
     if sizes is None:
         return jnp.einsum("eni,eio->eno", rows, w.astype(rows.dtype))
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes)
+
+
+def fp8_batched(axes: tuple[str, ...] = ()) -> GroupedMatmul:
+    """`ragged_matmul`'s batched GEMM of each expert's own rows (a capacity factor's buffers) on
+    FP8 operands with current scales (`model.fp8`, `fp8.einsum`): one scale per operand over
+    all experts, so the three GEMMs are each one cuBLASLt FP8 batched GEMM; inside a map over
+    `axes` (the experts split over `expert`, their width over `tensor`) each amax is reduced
+    over them, so every device scales by the whole tensor's, as one device would."""
+    layouts = fp8.SAME if not axes else fp8.Layouts(amax=lambda a: jax.lax.pmax(a, axes))
+
+    def gmm(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | None) -> jax.Array:
+        del name
+        if sizes is not None:
+            raise ValueError("FP8 experts run a capacity factor's batched GEMMs only")
+        return fp8.einsum("eni,eio->eno", rows, w.astype(rows.dtype), layouts)
+
+    return gmm
 
 
 BLOCK_ROWS = 256

@@ -60,7 +60,7 @@ from jaxmeg.config_moe import (
     kept_bound,
 )
 from jaxmeg.models import parts, residual_switch
-from jaxmeg.models.grouped_gemm import GroupedMatmul, grouped_gemm, ragged_matmul
+from jaxmeg.models.grouped_gemm import GroupedMatmul, fp8_batched, grouped_gemm, ragged_matmul
 from jaxmeg.models.moe_exchange import (
     EXCHANGE_KEPT,
     bound_index,
@@ -225,7 +225,7 @@ def experts_ffn_capacity(
 def experts_ffn_capacity_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, sequences: int, cap: int, axis: str,
-    tensor_axis: str | None = None,
+    tensor_axis: str | None = None, gmm: GroupedMatmul = ragged_matmul,
 ) -> jax.Array:  # fmt: skip
     """`experts_ffn_capacity` with the experts split over mesh `axis` (as
     `experts_ffn_exchanged`): this device's [E, sequences x cap] buffers go to the experts'
@@ -237,7 +237,7 @@ def experts_ffn_capacity_exchanged(
     send = buffers.reshape(ranks, local, sequences * cap, h)
     received = exchange(send, axis)  # [sender, E_l, n C, h]
     rows = received.transpose(1, 0, 2, 3).reshape(local, ranks * sequences * cap, h)
-    out = _batched_ffn(rows, w_in, w_out, w_gate).reshape(local, ranks, sequences * cap, h)
+    out = _batched_ffn(rows, w_in, w_out, w_gate, gmm).reshape(local, ranks, sequences * cap, h)
     back = exchange(out.transpose(1, 0, 2, 3), axis)
     combined = _capacity_combine(
         back.reshape(ranks * local, sequences * cap, h), expert, row, kept, routing.weights,
@@ -251,7 +251,7 @@ def experts_ffn_capacity_exchanged(
 def moe_ffn(
     moe: MoeConfig, sequences: int, x: Array, logits: Array, bias: Array, w_in: Array,
     w_out: Array, *w_gate: Array, axis: str | None = None, tensor_axis: str | None = None,
-    gmm: GroupedMatmul = ragged_matmul, taps: dict | None = None,
+    gmm: GroupedMatmul = ragged_matmul, taps: dict | None = None, fp8: bool = False,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
     """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
     router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
@@ -262,7 +262,9 @@ def moe_ffn(
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
     every device holds as many sequences, so that is the mean over all of them. `gmm`: the
     experts' grouped GEMM on one device. `taps` (dropless, with `axis`): as
-    `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth."""
+    `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth.
+    `fp8` (`model.fp8`; with `axis` and a capacity factor: on one device `gmm` says): the
+    experts' batched GEMMs on FP8 operands (`grouped_gemm.fp8_batched`)."""
     routing = route_by(moe, logits, bias)
     gate = w_gate[0] if w_gate else None
     recorded, taken = {}, None
@@ -271,8 +273,10 @@ def moe_ffn(
         if axis is None:
             y = experts_ffn_capacity(x, routing, w_in, w_out, gate, sequences, cap, gmm)
         else:
+            axes = (axis,) if tensor_axis is None else (axis, tensor_axis)
+            batched = fp8_batched(axes) if fp8 else ragged_matmul
             y = experts_ffn_capacity_exchanged(
-                x, routing, w_in, w_out, gate, sequences, cap, axis, tensor_axis
+                x, routing, w_in, w_out, gate, sequences, cap, axis, tensor_axis, batched
             )
     elif axis is None:
         y = experts_ffn(x, routing, w_in, w_out, gate, gmm)
@@ -446,4 +450,6 @@ class MoeMlp(nn.Module):
         keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
         self.sow(parts.MATMUL_INPUTS, name, grouped, **keep)
         matmul = grouped_gemm(self.moe)[0]
+        if sizes is None and self.cfg.fp8 != "none":  # a capacity factor's batched GEMMs
+            matmul = fp8_batched()
         return self.perturb(name, matmul(name, rows, w, sizes), collection=parts.TAPS)

@@ -72,12 +72,22 @@ def _in_specs(gated: int) -> tuple:
     return (ROWS, ROWS, P(), EXPERT_IN, EXPERT_OUT, *([EXPERT_IN] * gated))
 
 
-def _on_device(moe, sequences: int) -> Callable:
+@dataclasses.dataclass(frozen=True)
+class OnDevice:
+    """What a device's share of the layer runs with (a static of `exchanged`): the sequences
+    of the microbatch the expert group holds, and whether the experts' batched GEMMs run on
+    FP8 operands."""
+
+    sequences: int
+    fp8: bool = False
+
+
+def _on_device(moe, device: OnDevice) -> Callable:
     ranks = jax.sharding.get_abstract_mesh().shape[EXPERT]
 
     def local(x, logits, bias, *experts, taps=None):
-        return moe_ffn(moe, sequences // ranks, x, logits, bias, *experts, axis=EXPERT,
-                       tensor_axis=TENSOR, taps=taps)  # fmt: skip
+        return moe_ffn(moe, device.sequences // ranks, x, logits, bias, *experts, axis=EXPERT,
+                       tensor_axis=TENSOR, taps=taps, fp8=device.fp8)  # fmt: skip
 
     return local
 
@@ -100,10 +110,10 @@ def _tap_axes(axes) -> tuple[str, ...]:
     return tuple(a for a in axes if a in (EXPERT, TENSOR))
 
 
-def _differentiable(moe, sequences, bias, axes):
+def _differentiable(moe, device, bias, axes):
     """The device's layer as a function of what has a gradient: ((y, aux), (shares, the
     tapped GEMMs' rows and group sizes, stacked over `axes`))."""
-    local = _on_device(moe, sequences)
+    local = _on_device(moe, device)
     stacked = _tap_axes(axes)
 
     def fn(x, logits, taps, *experts):
@@ -115,9 +125,9 @@ def _differentiable(moe, sequences, bias, axes):
     return fn
 
 
-def _forward(moe, sequences, x, logits, bias, *experts):
+def _forward(moe, device, x, logits, bias, *experts):
     gated = len(experts) - 2
-    local = _on_device(moe, sequences)
+    local = _on_device(moe, device)
     return _nested_map(local, _in_specs(gated), (ROWS, P(), P()))(x, logits, bias, *experts)
 
 
@@ -129,11 +139,11 @@ def _varies(x, axes) -> tuple[str, ...]:
     return tuple(a for a in axes if a in jax.typeof(x).manual_axis_type.varying)
 
 
-def _forward_keeping(moe, sequences, axes) -> Callable:
+def _forward_keeping(moe, device, axes) -> Callable:
     """The device's forward and its pullback: ((y, aux, shares, recorded), pullback)."""
 
     def local(x, logits, bias, taps, *experts):
-        fn = _differentiable(moe, sequences, bias, axes)
+        fn = _differentiable(moe, device, bias, axes)
         (y, aux), pullback, (shares, kept) = jax.vjp(fn, x, logits, taps, *experts, has_aux=True)
         return (y, aux, shares, kept), pullback
 
@@ -174,14 +184,14 @@ def _decode(code, axes) -> list[tuple[str, ...]]:
     return [tuple(a for i, a in enumerate(axes) if len(c) >> i & 1) for c in code]
 
 
-def _keeping_fwd(moe, sequences, x, logits, bias, taps, *experts):
+def _keeping_fwd(moe, device, x, logits, bias, taps, *experts):
     """The forward, keeping each device's pullback: its residuals leave the map stacked over
     the axes each varies over, their types unchanged (the backward's map takes them apart
     again); the backward reruns no forward where they are kept (the module docstring).
     ((y, aux, shares, recorded), residuals); `taps` and `recorded` as `exchanged_tapped`'s."""
     axes = _nested_axes()
     gates = len(experts) - 2
-    local = _forward_keeping(moe, sequences, axes)
+    local = _forward_keeping(moe, device, axes)
     args = (x, logits, bias, taps, *experts)
     d_bias = jax.lax.full_like(bias, 0)  # the bias only moves the top-k choice (see bwd)
     names = {name: None for name in taps}  # an empty tree: which taps, for the backward
@@ -236,14 +246,14 @@ def _keeping_bwd(saved, g_y, g_aux):
     return (d_x, d_logits, d_bias, d_taps, *d_experts)
 
 
-def _rerunning_fwd(moe, sequences, x, logits, bias, *experts):
-    return _forward(moe, sequences, x, logits, bias, *experts), (x, logits, bias, *experts)
+def _rerunning_fwd(moe, device, x, logits, bias, *experts):
+    return _forward(moe, device, x, logits, bias, *experts), (x, logits, bias, *experts)
 
 
-def _rerunning_bwd(moe, sequences, args, g_y, g_aux):
+def _rerunning_bwd(moe, device, args, g_y, g_aux):
     """The backward as a map of its own that reruns the device's forward under `jax.vjp`."""
     x, logits, bias, *experts = args
-    forward = _forward_keeping(moe, sequences, _nested_axes())
+    forward = _forward_keeping(moe, device, _nested_axes())
 
     def local_vjp(x_, logits_, bias_, *more):
         *experts_, g_y_, g_aux_ = more
@@ -264,21 +274,21 @@ def _reruns(moe) -> bool:
     return bool(moe.capacity_factor) and jax.sharding.get_abstract_mesh().shape.get("pipe", 1) > 1
 
 
-def _exchanged_fwd(moe, sequences, x, logits, bias, *experts):
+def _exchanged_fwd(moe, device, x, logits, bias, *experts):
     """Keeps the pullback, but with a capacity factor in a pipeline, whose backward reruns the
     forward (see the module docstring)."""
     if _reruns(moe):
-        return _rerunning_fwd(moe, sequences, x, logits, bias, *experts)
-    (y, aux, shares, _), saved = _keeping_fwd(moe, sequences, x, logits, bias, {}, *experts)
+        return _rerunning_fwd(moe, device, x, logits, bias, *experts)
+    (y, aux, shares, _), saved = _keeping_fwd(moe, device, x, logits, bias, {}, *experts)
     return (y, aux, shares), saved
 
 
-def _exchanged_bwd(moe, sequences, saved, cotangents):
+def _exchanged_bwd(moe, device, saved, cotangents):
     g_y, g_aux, _ = cotangents  # the shares count choices: no gradient
     # the bias only moves the top-k choice: its gradient is 0 (`moe.into_backward` gives it
     # the loads, outside this function)
     if _reruns(moe):
-        return _rerunning_bwd(moe, sequences, saved, g_y, g_aux)
+        return _rerunning_bwd(moe, device, saved, g_y, g_aux)
     d_x, d_logits, d_bias, _, *d_experts = _keeping_bwd(saved, g_y, g_aux)
     return (d_x, d_logits, d_bias, *d_experts)
 
@@ -286,8 +296,8 @@ def _exchanged_bwd(moe, sequences, saved, cotangents):
 exchanged.defvjp(_exchanged_fwd, _exchanged_bwd)
 
 
-def _tapped_forward(moe, sequences, x, logits, bias, taps, *experts):
-    return _keeping_fwd(moe, sequences, x, logits, bias, taps, *experts)[0]
+def _tapped_forward(moe, device, x, logits, bias, taps, *experts):
+    return _keeping_fwd(moe, device, x, logits, bias, taps, *experts)[0]
 
 
 exchanged_tapped = jax.custom_vjp(_tapped_forward, nondiff_argnums=(0, 1))
@@ -298,11 +308,11 @@ backward gives the taps' cotangents (the GEMMs' dY); a split backward holds the 
 and computes their gradients in W (`weight_gradient`)."""
 
 
-def _tapped_fwd(moe, sequences, *args):
-    return _keeping_fwd(moe, sequences, *args)
+def _tapped_fwd(moe, device, *args):
+    return _keeping_fwd(moe, device, *args)
 
 
-def _tapped_bwd(moe, sequences, saved, cotangents):
+def _tapped_bwd(moe, device, saved, cotangents):
     g_y, g_aux, _, _ = cotangents
     return _keeping_bwd(saved, g_y, g_aux)
 
@@ -354,14 +364,22 @@ def weight_gradient(dy, recorded: dict, name: str, grouped_gradient: Callable | 
 @dataclasses.dataclass(frozen=True)
 class ExpertDispatch:
     """The MoE layers' `dispatch` with an expert axis: `exchanged`, and for a split backward
-    `exchanged_tapped` and `tap_shapes` (`jaxmeg.models.moe.MoeMlp`)."""
+    `exchanged_tapped` and `tap_shapes` (`jaxmeg.models.moe.MoeMlp`). `fp8` (`model.fp8`):
+    with a capacity factor the experts' batched GEMMs run on FP8 operands (`moe.moe_ffn`)."""
 
-    __call__ = staticmethod(exchanged)
-    tapped = staticmethod(exchanged_tapped)
+    fp8: bool = False
+
+    def __call__(self, moe, sequences, x, logits, bias, *experts):
+        return exchanged(moe, OnDevice(sequences, self.fp8), x, logits, bias, *experts)
+
+    def tapped(self, moe, sequences, x, logits, bias, taps, *experts):
+        """Dropless only, whose experts run 16-bit."""
+        return exchanged_tapped(moe, OnDevice(sequences), x, logits, bias, taps, *experts)
+
     tap_shapes = staticmethod(tap_shapes)
 
 
-def dispatch_for(mesh_shape) -> Callable | None:
+def dispatch_for(mesh_shape, fp8: bool = False) -> Callable | None:
     """The MoE layers' dispatch on a mesh of `mesh_shape`: `exchanged` with an expert axis > 1,
     else None (the layer's own, every expert on every device)."""
-    return ExpertDispatch() if mesh_shape.get(EXPERT, 1) > 1 else None
+    return ExpertDispatch(fp8) if mesh_shape.get(EXPERT, 1) > 1 else None

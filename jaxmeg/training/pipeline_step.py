@@ -173,7 +173,8 @@ def step_block(trainable: Trainable, constrain) -> Block | LayerGroup:
     its MoE auxiliary losses weighted 1/m in the backward, m the microbatches each replica's
     loss is the mean of (`jaxmeg.models.moe.into_backward`), its experts split over the
     `expert` axis (`jaxmeg.parallel.experts`)."""
-    cfg, dispatch = trainable.cfg, experts.dispatch_for(trainable.mesh.shape)
+    cfg = trainable.cfg
+    dispatch = experts.dispatch_for(trainable.mesh.shape, fp8=cfg.model.fp8 != "none")
     return layer_unit(cfg.moe)(trainable.model_cfg, constrain, model_order(trainable), cfg.moe,
                                1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
 
