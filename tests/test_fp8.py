@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import flax.traverse_util as traverse
 import jax
@@ -21,6 +22,7 @@ from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state, to_canonical_layout, to_stage_layout
 from tests.helpers import put_batch, random_batch, run_checked, trainable_for
 
+ROOT = Path(__file__).resolve().parent.parent
 SPEC = "bsd,df->bsf"
 
 
@@ -311,7 +313,7 @@ def test_the_planner_prices_fp8_where_it_pays():
     from jaxmeg.perf import model, planner
     from jaxmeg.perf.hardware import load_hardware
     from jaxmeg.perf.layout import Layout
-    from jaxmeg.perf.shape import Shape
+    from jaxmeg.perf.shape import Shape, shape_of
 
     hw = load_hardware("h100_dgx")
 
@@ -332,6 +334,18 @@ def test_the_planner_prices_fp8_where_it_pays():
     assert ratio(gpt_1_3b, "delayed", tensor=1, microbatch=4) == ratio(gpt_1_3b, tensor=1,
                                                                         microbatch=4)  # fmt: skip
     assert ratio(small, tensor=1, microbatch=4) > 0.98
+    # a Mixtral-shaped MoE stack: its routed experts in FP8 with a capacity factor only
+    mixtral = C.load(ROOT / "configs" / "mixtral_8x7b.yaml")
+    moe_layout = dict(data=1, pipe=1, tensor=1, expert=8, microbatches=1, microbatch=1)
+
+    def moe_ratio(capacity_factor):
+        moe = dataclasses.replace(mixtral.moe, capacity_factor=capacity_factor)
+        shape = shape_of(dataclasses.replace(mixtral.model, layers=4), moe)
+        step = [model.step_time(shape, Layout(**moe_layout, fp8=r), hw).total
+                for r in ("current", "none")]  # fmt: skip
+        return step[0] / step[1]
+
+    assert moe_ratio(1.0) < 0.85 < moe_ratio(0.0)
     with pytest.raises(ValueError, match="--fp8 current needs FP8 GEMMs, which a100_dgx"):
         planner.plan(gpt_1_3b, 8, 32, load_hardware("a100_dgx"), fp8="current")
 
