@@ -415,3 +415,30 @@ def test_a_checkpoint_resumes_only_with_the_same_amax_state():
         ("model.fp8_history", 1024, 16)
     ]
     assert shape_mismatches({"config": {"model": {}}}, cfg(fp8="delayed"))[0][1] == "none"
+
+
+def test_a_delayed_fp8_run_stopped_by_sigterm_resumes_bit_for_bit(tmp_path, small_corpus):
+    """scripts/train.py with `model.fp8=delayed`: SIGTERM mid-run checkpoints the step (amax
+    histories included), the run started again resumes there, and its next two steps' losses
+    equal, bit for bit, those of a run that went through without a stop."""
+    import signal
+
+    from tests.test_operations import FAST, metric_steps, start_train, wait_for
+    from tests.test_train_cli import read_metrics, run_train
+
+    fp8_args = [*small_corpus, *FAST, "--set", "model.fp8=delayed", "--set", "model.fp8_history=4"]
+    out = tmp_path / "stopped"
+    proc = start_train([*fp8_args, "--steps", "1000", "--out", str(out)])
+    wait_for(lambda: metric_steps(out / "metrics.jsonl") >= 3 or proc.poll() is not None)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "stopped by SIGTERM" in stderr, stderr[-2000:]
+    stopped = len(read_metrics(out / "metrics.jsonl"))
+    resumed = run_train([*fp8_args, "--steps", str(stopped + 2), "--out", str(out)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from step {stopped}" in resumed.stderr
+    whole = run_train([*fp8_args, "--steps", str(stopped + 2), "--out", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+    assert len(losses) == stopped + 2
+    assert losses == [r["loss"] for r in read_metrics(tmp_path / "whole" / "metrics.jsonl")]
