@@ -69,6 +69,7 @@ LONGEST_FIRST = (
     "tests/test_readme.py::",
     "tests/test_slurm.py::",
     "test_gpt_tiny_trains_in_fp8",
+    "test_a_delayed_fp8_run_stopped_by_sigterm",
     "tests/test_multiprocess.py::",
     "tests/test_cluster_run.py::",
     "test_train_py_at_context_4",
