@@ -112,6 +112,11 @@ def quantize_scaled(x: jax.Array, scale: jax.Array, fp8) -> jax.Array:
     return jnp.clip(x / scale.astype(x.dtype), -top, top).astype(fp8)
 
 
+def round_trip_scaled(x: jax.Array, scale: jax.Array, fp8) -> jax.Array:
+    """x as it comes out of FP8 at a given scale (`quantize_scaled`, then `dequantize`)."""
+    return dequantize(quantize_scaled(x, scale, fp8), scale, x.dtype)
+
+
 def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """q back in `dtype`, times its scale: what the GEMM reads."""
     return q.astype(dtype) * scale.astype(dtype)

@@ -134,12 +134,10 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
     d, n, kv, h = cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.head_dim
     compute = dtype_of(cfg.compute_dtype)
     q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "qkv", "kv_heads", "head_dim")
-    w_q = param(module, "w_q", (d, n, h), q_axes, normal(cfg.init_std))
-    w_kv = param(module, "w_kv", (d, 2, kv, h), kv_axes, normal(cfg.init_std))
-    q_BxSxNxH = weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q.astype(compute), "input")
-    kv_BxSx2xKxH = weight_matmul(
-        module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv.astype(compute), "input"
-    )
+    w_q = param(module, "w_q", (d, n, h), q_axes, normal(cfg.init_std)).astype(compute)
+    w_kv = param(module, "w_kv", (d, 2, kv, h), kv_axes, normal(cfg.init_std)).astype(compute)
+    q_BxSxNxH = weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q, "input")
+    kv_BxSx2xKxH = weight_matmul(module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv, "input")
     if cfg.block == "gpt" or cfg.qkv_bias:
         b_q = param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
         b_kv = param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)

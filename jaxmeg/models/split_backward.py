@@ -87,8 +87,10 @@ def weight_gradients(
     def dense(dy, x):
         if isinstance(x, dict):  # delayed FP8 scaling: at the scales the forward used
             s, x = x[fp8.SOWN_SCALES], x[fp8.SOWN_INPUT]
-            x = fp8.dequantize(fp8.quantize_scaled(x, s[0], fp8.E4M3), s[0], x.dtype)
-            dy = fp8.dequantize(fp8.quantize_scaled(dy, s[2], fp8.E5M2), s[2], dy.dtype)
+            x, dy = (
+                fp8.round_trip_scaled(x, s[0], fp8.E4M3),
+                fp8.round_trip_scaled(dy, s[2], fp8.E5M2),
+            )
         elif fp8_gemms:
             x, dy = fp8.round_trip(x, fp8.E4M3), fp8.round_trip(dy, fp8.E5M2)
         contract = list(range(batch_dims))

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from jaxmeg.models import fp8
 
 
-def _history_key(seen_key: tuple) -> tuple:
-    return (*seen_key[:-1], seen_key[-1].removesuffix(fp8.SEEN) + fp8.HISTORY)
+def _sibling(key: tuple, suffix: str, other: str) -> tuple:
+    """The path of the leaf beside `key` whose name ends in `other` instead of `suffix`."""
+    return (*key[:-1], key[-1].removesuffix(suffix) + other)
 
 
 def take_seen(grads) -> tuple[object, dict]:
@@ -24,7 +25,7 @@ def take_seen(grads) -> tuple[object, dict]:
     counts = {}
     for key, g in flat.items():
         if isinstance(key[-1], str) and key[-1].endswith(fp8.SEEN):
-            counts[_history_key(key)] = g
+            counts[_sibling(key, fp8.SEEN, fp8.HISTORY)] = g
             flat[key] = jnp.zeros_like(g)
     return (traverse.unflatten_dict(flat) if counts else grads), counts
 
@@ -37,6 +38,6 @@ def advance_histories(params, before, counts: dict):
     flat, old = traverse.flatten_dict(params), traverse.flatten_dict(before)
     for key, c in counts.items():
         flat[key] = fp8.advance(old[key], c)
-        seen_key = (*key[:-1], key[-1].removesuffix(fp8.HISTORY) + fp8.SEEN)
+        seen_key = _sibling(key, fp8.HISTORY, fp8.SEEN)
         flat[seen_key] = jnp.zeros_like(flat[seen_key])
     return traverse.unflatten_dict(flat)
