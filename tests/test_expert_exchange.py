@@ -326,3 +326,28 @@ def test_the_step_reports_the_largest_exchange_bound_each_layer_took():
         if "exchange_taken" in jax.tree_util.keystr(path)
     ]
     assert len(leaves) == 3 and all(np.all(leaf == 0) for leaf in leaves)  # param, mu, nu
+
+
+def test_a_layers_backward_runs_no_bound_all_reduce_beside_its_exchange(monkeypatch):
+    """(expert 2 x pipe 2 x tensor 2) dropless top-1, the layer's checkpoint keeping the
+    exchange's pullback: the routing's statistics are kept with it (`experts.kept_statistics`).
+    Recomputed instead (as before), each B slot's layer backward ran the bound's all-reduce
+    over expert x tensor again beside the transposed exchange (a conditional over `expert`) in
+    no order that data fixed; `deadlock_hazards` reads every computation and names that pair."""
+    from jaxmeg.parallel import experts, hlo_module
+
+    trainable = trainable_for(config((1, 2, 2), dataclasses.replace(TOP2, top_k=1), expert=2))
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+
+    def hazards():
+        with jax.set_mesh(trainable.mesh):
+            step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
+        return hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
+
+    assert hazards() == []
+    monkeypatch.setattr(experts, "kept_statistics", lambda aux, shares: (aux, shares))
+    found = hazards()
+    assert found and all("no data orders" in line for line in found), found
+    assert all("moe_exchange" in line and "pmax" in line for line in found), found

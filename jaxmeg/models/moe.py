@@ -50,6 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxmeg import ordering
 from jaxmeg.config import ModelConfig, MoeConfig
 from jaxmeg.config_moe import (
     BOUND_SLOTS,
@@ -60,7 +61,13 @@ from jaxmeg.config_moe import (
     kept_bound,
 )
 from jaxmeg.models import parts, residual_switch
-from jaxmeg.models.grouped_gemm import GroupedMatmul, fp8_batched, grouped_gemm, ragged_matmul
+from jaxmeg.models.grouped_gemm import (
+    GroupedMatmul,
+    cotangent_like,
+    fp8_batched,
+    grouped_gemm,
+    ragged_matmul,
+)
 from jaxmeg.models.moe_exchange import (
     EXCHANGE_KEPT,
     bound_index,
@@ -120,6 +127,35 @@ def _combine(per_choice: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.sum(per_choice * weights.astype(jnp.float32)[..., None], axis=1)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def combined_over(per_choice: jax.Array, weights: jax.Array, axis: str) -> jax.Array:
+    """`_combine` summed over mesh `axis` (inside a map manual over it: each rank's experts ran
+    a slice of their width). Its backward sums the weights' cotangent over `axis` before it
+    hands on the choices' cotangent, which carries zeros read from that sum (`ordering`): so the
+    exchange's transpose that follows (a conditional that holds the expert axis's all-to-alls)
+    starts after the sum on every device. Left to jax, no data ordered the two, and on CPU one
+    device could enter the sum while another of its group waited in the exchange."""
+    return jax.lax.psum(_combine(per_choice, weights), axis)
+
+
+def _combined_over_fwd(per_choice, weights, axis):
+    return combined_over(per_choice, weights, axis), (per_choice, weights)
+
+
+def _combined_over_bwd(axis, residuals, g):
+    per_choice, weights = residuals
+    tokens, k = weights.shape
+    g = g.astype(jnp.float32)
+    rows = per_choice.reshape(tokens, k, -1).astype(jnp.float32)
+    d_weights = cotangent_like(jnp.sum(g[:, None, :] * rows, axis=-1), weights)
+    after = ordering.zeros_from(d_weights).astype(jnp.float32)[..., None]
+    d_rows = g[:, None, :] * weights.astype(jnp.float32)[..., None] + after
+    return cotangent_like(d_rows.reshape(tokens * k, -1), per_choice), d_weights
+
+
+combined_over.defvjp(_combined_over_fwd, _combined_over_bwd)
+
+
 def experts_ffn_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
@@ -161,9 +197,10 @@ def experts_ffn_exchanged(
     index = bound_index(counts, bounds, (axis,) if tensor_axis is None else (axis, tensor_axis))
     sent, recorded = residual_switch.switch(index, branches, const, diff, EXCHANGE_KEPT)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(sent)
-    combined = _combine(per_choice, routing.weights)
-    if tensor_axis is not None:  # each tensor rank's experts ran a slice of their width
-        combined = jax.lax.psum(combined, tensor_axis)
+    if tensor_axis is None:
+        combined = _combine(per_choice, routing.weights)
+    else:  # each tensor rank's experts ran a slice of their width
+        combined = combined_over(per_choice, routing.weights, tensor_axis)
     slot = jnp.asarray(bound_slots(choices, ranks, factors))[index]
     taken = jax.nn.one_hot(slot, BOUND_SLOTS, dtype=jnp.float32)
     return combined.astype(x.dtype), recorded, taken

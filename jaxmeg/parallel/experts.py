@@ -184,6 +184,14 @@ def _decode(code, axes) -> list[tuple[str, ...]]:
     return [tuple(a for i, a in enumerate(axes) if len(c) >> i & 1) for c in code]
 
 
+def kept_statistics(aux, shares):
+    """The routing's statistics, named to be kept with the pullback: a layer's backward that
+    recomputed them would run the bound's all-reduce (over expert x tensor) again, beside the
+    transposed exchange and in no order that data fixes, so on CPU one device could enter the
+    all-reduce while another of its group waits in the exchange."""
+    return checkpoint_name((aux, shares), EXCHANGE_KEPT)
+
+
 def _keeping_fwd(moe, device, x, logits, bias, taps, *experts):
     """The forward, keeping each device's pullback: its residuals leave the map stacked over
     the axes each varies over, their types unchanged (the backward's map takes them apart
@@ -214,7 +222,8 @@ def _keeping_fwd(moe, device, x, logits, bias, taps, *experts):
         stacked, in_specs=specs, out_specs=(out_specs, [P(k) if k else P() for k in kinds]),
         axis_names=set(axes),
     )  # fmt: skip
-    out, leaves = mapped(*args)
+    (y, aux, shares, kept), leaves = mapped(*args)
+    out = (y, *kept_statistics(aux, shares), kept)
     # named out here, where they are one device's blocks of the map's axes: a name inside the
     # map would make the layer's checkpoint stack them over the whole mesh (pipe included)
     pullback = jax.tree.unflatten(tree[0], checkpoint_name(leaves, EXCHANGE_KEPT))

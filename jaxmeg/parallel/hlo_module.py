@@ -226,9 +226,10 @@ def deadlock_hazards(hlo_text: str, mesh) -> list[str]:
     - a CPU LAPACK call (`jnp.linalg` on CPU) anywhere in the step: it spreads a batch over
       the thread pool and waits for it, while other devices hold those threads waiting in a
       collective (PowerSGD's QR hung a 2 x 2 x 2 step this way);
-    - on CPU devices, two collectives of a tick that no data orders, the first inside a loop,
-      conditional or call (`unordered_collectives` of the tick loop's body: the executor
-      orders them, `slots.ordered_tick`). A GPU runs the one order its scheduler chose.
+    - on CPU devices, two collectives of one computation that no data orders, the first
+      inside a loop, conditional or call (`unordered_collectives` of every computation: the
+      tick's slots, which the executor orders, `slots.ordered_tick`, and inside them each
+      layer's forward and backward). A GPU runs the one order its scheduler chose.
     Costs a few hundred milliseconds of HLO text reading on a pipeline step."""
     comps = computations(hlo_text)
     found = []
@@ -249,6 +250,6 @@ def deadlock_hazards(hlo_text: str, mesh) -> list[str]:
         found += [
             f"collectives that no data orders, the first nested (a device may enter the "
             f"second while another waits in the first): {a} | {b}"
-            for a, b in unordered_collectives(hlo_text, mesh, tick_loop_body(hlo_text))
+            for a, b in unordered_collectives(hlo_text, mesh)
         ]
     return found
