@@ -70,6 +70,19 @@ def run_checked_text(trainable: Trainable, fn, *args):
         return compiled(*args), text
 
 
+def step_hazards(trainable: Trainable) -> list[str]:
+    """`hlo_module.deadlock_hazards` of the loss-and-gradients step traced and compiled now for
+    `trainable` (so a test's monkeypatches apply), on its initial parameters and a random batch."""
+    from jaxmeg.training.pipeline_step import make_loss_and_grads
+    from jaxmeg.training.state import init_state
+
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+        step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
+    return hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
+
+
 @contextlib.contextmanager
 def factors_at_any_rank(on: bool = True):
     """With `on`, compressed links take the factor path at any rank > 0, where a rank at the

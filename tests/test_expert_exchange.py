@@ -20,7 +20,7 @@ from jaxmeg.models import grouped_gemm, moe, residual_switch
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
 from jaxmeg.training.step import make_train_step
-from tests.helpers import put_batch, random_batch, trainable_for
+from tests.helpers import put_batch, random_batch, step_hazards, trainable_for
 from tests.test_moe_step import LLAMA, TOP2, config
 
 E, RANKS, TENSOR, T, K, H, F = 8, 4, 2, 8, 2, 16, 8
@@ -334,20 +334,11 @@ def test_a_layers_backward_runs_no_bound_all_reduce_beside_its_exchange(monkeypa
     Recomputed instead (as before), each B slot's layer backward ran the bound's all-reduce
     over expert x tensor again beside the transposed exchange (a conditional over `expert`) in
     no order that data fixed; `deadlock_hazards` reads every computation and names that pair."""
-    from jaxmeg.parallel import experts, hlo_module
+    from jaxmeg.parallel import experts
 
     trainable = trainable_for(config((1, 2, 2), dataclasses.replace(TOP2, top_k=1), expert=2))
-    with jax.set_mesh(trainable.mesh):
-        params = init_state(trainable, seed=0)["params"]
-        tokens = put_batch(trainable, random_batch(trainable.cfg))
-
-    def hazards():
-        with jax.set_mesh(trainable.mesh):
-            step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
-        return hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
-
-    assert hazards() == []
+    assert step_hazards(trainable) == []
     monkeypatch.setattr(experts, "kept_statistics", lambda aux, shares: (aux, shares))
-    found = hazards()
+    found = step_hazards(trainable)
     assert found and all("no data orders" in line for line in found), found
     assert all("moe_exchange" in line and "pmax" in line for line in found), found

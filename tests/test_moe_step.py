@@ -31,6 +31,7 @@ from tests.helpers import (
     put_batch,
     random_batch,
     run_checked,
+    step_hazards,
     trainable_for,
     without_bound_counts,
 )
@@ -325,18 +326,9 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
     pairs stay inside each stage but which meets all 8 devices: the step hung (the CPU
     rendezvous aborted after 40 s). `deadlock_hazards` names such a permute before any run
     (the e4p2 case of `test_moe_step_equals_one_device` runs the step as it is, checked)."""
-    from jaxmeg.parallel import hlo_module
     from jaxmeg.pipeline.executor import carry
 
     trainable = trainable_for(config((1, 2, 1), TOP2, LLAMA, expert=4))
-    with jax.set_mesh(trainable.mesh):
-        params = init_state(trainable, seed=0)["params"]
-        tokens = put_batch(trainable, random_batch(trainable.cfg))
-
-    def hazards():
-        with jax.set_mesh(trainable.mesh):
-            step = jax.jit(make_loss_and_grads(trainable)).lower(params, *tokens).compile()
-        return hlo_module.deadlock_hazards(step.as_text(), trainable.mesh)
 
     def block_of_rows(self, mb):
         take = lambda a: a.reshape(self.plan.m, -1, a.shape[-1])[mb]  # noqa: E731
@@ -344,7 +336,7 @@ def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
         return rows(self.tokens), rows(self.targets)
 
     monkeypatch.setattr(carry.Stage, "batch", block_of_rows)
-    found = hazards()
+    found = step_hazards(trainable)
     assert found and all(line.startswith("collective-permute over ['expert']") for line in found)
 
 
