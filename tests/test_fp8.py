@@ -20,7 +20,13 @@ from jaxmeg.models import fp8
 from jaxmeg.training.amax_history import take_seen
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state, to_canonical_layout, to_stage_layout
-from tests.helpers import put_batch, random_batch, run_checked, trainable_for
+from tests.helpers import (
+    put_batch,
+    random_batch,
+    run_checked,
+    trainable_for,
+    without_bound_counts,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "bsd,df->bsf"
@@ -228,13 +234,17 @@ def test_delayed_fp8_step_on_a_mesh_equals_one_device(mesh, schedule, sequence_p
 
 
 EXPERTS = C.MoeConfig(experts=4, top_k=2, ffn_hidden=32, capacity_factor=1.0)
-"""A capacity factor: the experts run batched GEMMs, in FP8 with `model.fp8`."""
+"""A capacity factor: the experts run batched GEMMs, in FP8 with `model.fp8`; dropless
+(capacity factor 0), ragged ones."""
 
 
-def _moe_loss_and_grads(fp8_recipe, global_batch, expert=1, pipe=1, tensor=1, schedule="1f1b"):
+@functools.cache
+def _moe_loss_and_grads(
+    fp8_recipe, global_batch, expert=1, pipe=1, tensor=1, schedule="1f1b", capacity=1.0
+):  # fmt: skip
     cfg = C.Config(
         model=dataclasses.replace(MODEL, block="llama", layers=2, fp8=fp8_recipe),
-        moe=EXPERTS,
+        moe=dataclasses.replace(EXPERTS, capacity_factor=capacity),
         parallel=C.ParallelConfig(pipe=pipe, tensor=tensor, expert=expert, schedule=schedule),
         train=C.TrainConfig(global_batch=global_batch, microbatches=2),
     )
@@ -245,22 +255,32 @@ def _moe_loss_and_grads(fp8_recipe, global_batch, expert=1, pipe=1, tensor=1, sc
     loss, grads = run_checked(
         trainable, make_loss_and_grads(trainable), params, *put_batch(trainable, tokens)
     )
-    return float(loss), to_canonical_layout(jax.tree.map(np.asarray, grads), trainable.layout)
+    grads = to_canonical_layout(jax.tree.map(np.asarray, grads), trainable.layout)
+    return float(loss), without_bound_counts(grads)
 
 
 @pytest.mark.parametrize(
-    "layout", [dict(expert=2, tensor=2), dict(pipe=2, schedule="zb_h1")], ids=["e2t2", "p2-zb_h1"]
+    "layout",
+    [
+        dict(expert=2, tensor=2),
+        dict(pipe=2, schedule="zb_h1"),
+        dict(expert=2, tensor=2, capacity=0.0),
+        dict(expert=2, pipe=2, schedule="zb_h1", capacity=0.0),
+    ],
+    ids=["e2t2", "p2-zb_h1", "e2t2-dropless", "e2p2-zb_h1-dropless"],
 )
-def test_the_experts_batched_gemms_in_fp8_equal_one_device(layout):
-    """With a capacity factor the experts' batched GEMMs run on FP8 operands too, one scale per
-    operand over all experts: split over expert x tensor ranks each amax is reduced over them
-    (`grouped_gemm.fp8_batched`), and a split backward's W rounds the rows and dY as the
-    whole backward does; loss and gradients equal one device running the same microbatches,
-    far closer than the experts' FP8 is to 16/32-bit."""
+def test_the_experts_grouped_gemms_in_fp8_equal_one_device(layout):
+    """The experts' grouped GEMMs run on FP8 operands too, one scale per operand over all
+    experts (`grouped_gemm.fp8_grouped`): with a capacity factor batched GEMMs, dropless the
+    ragged ones, whose exchange's written-out backward and a split backward's W quantize dY and
+    the rows as the whole backward does. Split over expert x tensor ranks each amax is reduced
+    over them; loss and gradients equal one device running the same microbatches, far closer
+    than the experts' FP8 is to 16/32-bit."""
     batch = 4 * layout.get("expert", 1)  # 2 microbatches of 2 sequences per expert rank
+    capacity = layout.get("capacity", 1.0)
     loss, grads = _moe_loss_and_grads("current", batch, **layout)
-    ref_loss, ref_grads = _moe_loss_and_grads("current", batch)
-    _, full_grads = _moe_loss_and_grads("none", batch)
+    ref_loss, ref_grads = _moe_loss_and_grads("current", batch, capacity=capacity)
+    _, full_grads = _moe_loss_and_grads("none", batch, capacity=capacity)
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     for (path, ref), got in zip(
         jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
@@ -273,9 +293,11 @@ def test_the_experts_batched_gemms_in_fp8_equal_one_device(layout):
 
 
 def test_fp8_is_named_in_a_bad_config_and_on_a_gpu_without_it():
+    blocked = "moe.experts=4 moe.grouped_gemm=blocked model.fp8=current"
     for bad, field in (("model.fp8=delayd", "model.fp8"), ("model.fp8_history=0", "fp8_history"),
-                       ("model.fp8_margin=-1", "fp8_margin")):  # fmt: skip
-        cfg = C.apply_overrides(C.Config(), ["model.vocab_size=512", bad])
+                       ("model.fp8_margin=-1", "fp8_margin"),
+                       (blocked, "moe.grouped_gemm = blocked has no FP8 form")):  # fmt: skip
+        cfg = C.apply_overrides(C.Config(), ["model.vocab_size=512", *bad.split()])
         with pytest.raises(C.ConfigError, match=field):
             C.validate(cfg, 1)
 
@@ -331,7 +353,7 @@ def test_the_planner_prices_fp8_where_it_pays():
     assert ratio(gpt_1_3b, "delayed", tensor=1, microbatch=4) == ratio(gpt_1_3b, tensor=1,
                                                                         microbatch=4)  # fmt: skip
     assert ratio(small, tensor=1, microbatch=4) > 0.98
-    # a Mixtral-shaped MoE stack: its routed experts in FP8 with a capacity factor only
+    # a Mixtral-shaped MoE stack: its routed experts in FP8 with a capacity factor and dropless
     mixtral = C.load(ROOT / "configs" / "mixtral_8x7b.yaml")
     moe_layout = dict(data=1, pipe=1, tensor=1, expert=8, microbatches=1, microbatch=1)
 
@@ -342,7 +364,7 @@ def test_the_planner_prices_fp8_where_it_pays():
                 for r in ("current", "none")]  # fmt: skip
         return step[0] / step[1]
 
-    assert moe_ratio(1.0) < 0.85 < moe_ratio(0.0)
+    assert moe_ratio(1.0) < 0.85 and moe_ratio(0.0) < 0.85
     with pytest.raises(ValueError, match="--fp8 current needs FP8 GEMMs, which a100_dgx"):
         planner.plan(gpt_1_3b, 8, 32, load_hardware("a100_dgx"), fp8="current")
 

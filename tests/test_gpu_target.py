@@ -204,24 +204,23 @@ def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():
 
 @pytest.mark.parametrize(
     "layout",
-    ["d2p2t2-sp-delayed", "expert4-capacity-shared-current"],
+    ["d2p2t2-sp-delayed", "expert4-dropless-shared-current"],
 )
 def test_fp8_gemms_with_sequence_parallelism_and_with_experts(layout):
     """(2,2,2) with sequence parallelism, delayed scaling: the split operands (a column-parallel
     linear's x, a row-parallel one's dy) go into FP8 before their all-gather, so all 12 GEMMs
     of a GPT layer per microbatch are FP8 on every GPU (8 x 1 layer x 2 microbatches x 12;
-    gathered in 16 bits, 64 were); a MoE stack on expert 4 with a capacity factor and a
-    shared expert: the attention's 2 linears, the shared expert's 2 and the routed experts'
-    2 batched GEMMs (one scale over all experts, the amax reduced over the expert ranks),
-    4 x 2 layers x 2 microbatches x 6 x 3 (dropless experts run 16-bit)."""
+    gathered in 16 bits, 64 were); a dropless MoE stack on expert 4 with a shared expert:
+    the attention's 2 linears, the shared expert's 2 and the routed experts' 2 ragged GEMMs
+    (one scale over all experts, the amax reduced over the expert ranks; the exchange's
+    written-out backward quantizes dY and the rows too), 4 x 2 layers x 2 microbatches x 6
+    x 3 at the balanced bound the report counts."""
     if layout.startswith("d2p2t2"):
         cfg = gpu_config(2, 2, 2, parallel={"sequence_parallel": True}, fp8="delayed")
         linears, layers = 4, 1
     else:
         cfg = gpu_config(parallel={"expert": 4}, fp8="current")
-        moe = C.MoeConfig(
-            experts=4, top_k=2, ffn_hidden=1024, shared_experts=1, capacity_factor=1.0
-        )
+        moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, shared_experts=1)
         cfg = dataclasses.replace(cfg, moe=moe)
         linears, layers = 6, 2
     trainable, report = report_for(cfg)

@@ -122,9 +122,9 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return q.astype(dtype) * scale.astype(dtype)
 
 
-def round_trip(x: jax.Array, fp8) -> jax.Array:
+def round_trip(x: jax.Array, fp8, reduce_amax: Callable = _same) -> jax.Array:
     """x as it comes out of FP8 (`quantize`, then `dequantize`)."""
-    return dequantize(*quantize(x, fp8), x.dtype)
+    return dequantize(*quantize(x, fp8, reduce_amax), x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,27 +154,61 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, layouts: Layouts = SAME) -> ja
     return _current(spec, layouts, x, w)
 
 
+def ragged_dot(rows: jax.Array, w: jax.Array, sizes: jax.Array, layouts: Layouts = SAME):
+    """`jax.lax.ragged_dot(rows, w, sizes)` (rows sorted by group, `sizes` [E] rows each, times
+    their group's w [E, in, out]) on FP8 operands with current scales, one per operand over
+    all groups: XLA's GPU compiler makes each of its three GEMMs one cuBLASLt FP8 GEMM."""
+    return _current_ragged(layouts, rows, w, sizes)
+
+
+def _product(spec, groups):
+    """The GEMM of an FP8 matmul: an einsum `spec`, or a ragged dot over `groups` (sizes)."""
+    if spec is None:
+        return lambda a, b: jax.lax.ragged_dot(a, b, groups)
+    return functools.partial(jnp.einsum, spec)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _current(spec, layouts, x, w):
     return _current_forward(spec, layouts, x, w)[0]
 
 
-def _current_forward(spec, layouts, x, w):
+def _current_forward(spec, layouts, x, w, groups=None):
     xq, xs = quantize(layouts.x_split(x), E4M3, layouts.amax)
     wq, ws = quantize(w, E4M3, layouts.amax)
-    y = jnp.einsum(spec, dequantize(layouts.x_whole(xq), xs, x.dtype), dequantize(wq, ws, w.dtype))
+    y = _product(spec, groups)(
+        dequantize(layouts.x_whole(xq), xs, x.dtype), dequantize(wq, ws, w.dtype)
+    )
     return y, (xq, xs, wq, ws, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
 
-def _current_backward(spec, layouts, kept, dy):
+def _current_backward(spec, layouts, kept, dy, groups=None):
     xq, xs, wq, ws, x_like, w_like = kept
     x = dequantize(layouts.x_whole(xq), xs, x_like.dtype)
-    _, pullback = jax.vjp(functools.partial(jnp.einsum, spec), x, dequantize(wq, ws, w_like.dtype))
+    _, pullback = jax.vjp(_product(spec, groups), x, dequantize(wq, ws, w_like.dtype))
     dyq, dys = quantize(layouts.dy_split(dy), E5M2, layouts.amax)
     return pullback(dequantize(layouts.dy_whole(dyq), dys, dy.dtype))
 
 
 _current.defvjp(_current_forward, _current_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _current_ragged(layouts, rows, w, sizes):
+    return _current_forward(None, layouts, rows, w, sizes)[0]
+
+
+def _current_ragged_forward(layouts, rows, w, sizes):
+    y, kept = _current_forward(None, layouts, rows, w, sizes)
+    return y, (kept, sizes)
+
+
+def _current_ragged_backward(layouts, saved, dy):
+    kept, sizes = saved
+    return (*_current_backward(None, layouts, kept, dy, sizes), None)
+
+
+_current_ragged.defvjp(_current_ragged_forward, _current_ragged_backward)
 
 
 def delayed_einsum(

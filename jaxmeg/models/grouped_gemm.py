@@ -11,6 +11,7 @@ With no group sizes, a batched GEMM of each expert's own rows (a capacity factor
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,21 +36,58 @@ def ragged_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | N
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes)
 
 
-def fp8_batched(axes: tuple[str, ...] = ()) -> GroupedMatmul:
-    """`ragged_matmul`'s batched GEMM of each expert's own rows (a capacity factor's buffers) on
-    FP8 operands with current scales (`model.fp8`, `fp8.einsum`): one scale per operand over
-    all experts, so the three GEMMs are each one cuBLASLt FP8 batched GEMM; inside a map over
+def fp8_grouped(axes: tuple[str, ...] = ()) -> GroupedMatmul:
+    """`ragged_matmul` on FP8 operands with current scales (`model.fp8`): one scale per operand
+    over all experts (`fp8.ragged_dot`, and `fp8.einsum` for a capacity factor's batched
+    GEMMs), so each of the three GEMMs is one cuBLASLt FP8 GEMM on the H100 target (a dropless
+    layer's the dense GEMM over every expert a `ragged_dot` becomes there). Inside a map over
     `axes` (the experts split over `expert`, their width over `tensor`) each amax is reduced
     over them, so every device scales by the whole tensor's, as one device would."""
-    layouts = fp8.SAME if not axes else fp8.Layouts(amax=lambda a: jax.lax.pmax(a, axes))
+    layouts = fp8.SAME if not axes else fp8.Layouts(amax=_amax_over(axes))
 
     def gmm(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | None) -> jax.Array:
         del name
-        if sizes is not None:
-            raise ValueError("FP8 experts run a capacity factor's batched GEMMs only")
-        return fp8.einsum("eni,eio->eno", rows, w.astype(rows.dtype), layouts)
+        if sizes is None:
+            return fp8.einsum("eni,eio->eno", rows, w.astype(rows.dtype), layouts)
+        # its output a kernel's own: XLA would fuse a GELU that follows into the cuBLASLt
+        # GEMM, and where the pre-activation is kept too (the exchange's backward keeps it)
+        # with an aux output, which XLA 0.10.2's FP8 GEMM thunk refuses (a RET_CHECK)
+        return jax.lax.optimization_barrier(
+            fp8.ragged_dot(rows, w.astype(rows.dtype), sizes, layouts)
+        )
 
     return gmm
+
+
+def _amax_over(axes: tuple[str, ...]) -> Callable:
+    return (lambda a: jax.lax.pmax(a, axes)) if axes else fp8.SAME.amax
+
+
+def fp8_weight_gradient(axes: tuple[str, ...] = ()) -> Callable:
+    """`grouped_weight_gradient` of `fp8_grouped`'s GEMMs, for a backward written out (the
+    exchange's, a split backward's W): the rows in E4M3, dY in E5M2, at current scales taken
+    over `axes` as the forward's."""
+    amax = _amax_over(axes)
+
+    def gradient(rows, sizes, dy):
+        rows = fp8.round_trip(rows, fp8.E4M3, amax)
+        return grouped_weight_gradient(rows, sizes, fp8.round_trip(dy.astype(rows.dtype),
+                                                                  fp8.E5M2, amax))  # fmt: skip
+
+    return gradient
+
+
+def fp8_input_gradient(axes: tuple[str, ...] = ()) -> Callable:
+    """dX = dY W^T of `fp8_grouped`'s ragged GEMM, for a backward written out: dY in E5M2,
+    W in E4M3, at current scales taken over `axes` as the forward's."""
+    amax = _amax_over(axes)
+
+    def gradient(name, dy, w, sizes):
+        del name
+        w = jnp.swapaxes(fp8.round_trip(w.astype(dy.dtype), fp8.E4M3, amax), 1, 2)
+        return jax.lax.ragged_dot(fp8.round_trip(dy, fp8.E5M2, amax), w, sizes)
+
+    return gradient
 
 
 BLOCK_ROWS = 256
@@ -170,13 +208,27 @@ def blocked_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | 
     return blocked_ragged_dot(rows, w, sizes)
 
 
-def grouped_gemm(moe: MoeConfig) -> tuple[GroupedMatmul, Callable | None]:
-    """(the grouped GEMM, its weight gradient (rows, sizes, dy) -> [E, in, out], None for
-    the transpose of `jax.lax.ragged_dot`) of `moe.grouped_gemm`: `blocked_matmul` for
-    `blocked`, else `ragged_matmul`."""
+class ExpertGemms(NamedTuple):
+    """How a layer runs its experts' grouped GEMMs: `matmul` (its backward jax's, or its own
+    custom VJP's), and for a backward written out (the exchange's, a split backward's W)
+    `weight_gradient` (rows, sizes, dY) -> [E, in, out] (None: `jax.lax.ragged_dot`'s
+    transpose) and `input_gradient` (name, dY, w, sizes) -> dX (None: `matmul` of dY and the
+    transposed w)."""
+
+    matmul: GroupedMatmul
+    weight_gradient: Callable | None = None
+    input_gradient: Callable | None = None
+
+
+def grouped_gemm(moe: MoeConfig, fp8_gemms: bool = False, axes: tuple[str, ...] = ()):
+    """The `ExpertGemms` of `moe.grouped_gemm`: `blocked_matmul` for `blocked`, else
+    `ragged_matmul`; with `fp8_gemms` (`model.fp8`; `ragged` only) `fp8_grouped` and its
+    written-out gradients, their amaxes reduced over `axes` (inside a map over them)."""
+    if fp8_gemms:
+        return ExpertGemms(fp8_grouped(axes), fp8_weight_gradient(axes), fp8_input_gradient(axes))
     if moe.grouped_gemm == "blocked":
-        return blocked_matmul, blocked_weight_gradient
-    return ragged_matmul, None
+        return ExpertGemms(blocked_matmul, blocked_weight_gradient)
+    return ExpertGemms(ragged_matmul)
 
 
 def grouped_weight_gradient(rows, sizes, dy, grouped_gradient: Callable | None = None):

@@ -64,7 +64,7 @@ from jaxmeg.models import parts, residual_switch
 from jaxmeg.models.grouped_gemm import (
     GroupedMatmul,
     cotangent_like,
-    fp8_batched,
+    fp8_grouped,
     grouped_gemm,
     ragged_matmul,
 )
@@ -300,18 +300,18 @@ def moe_ffn(
     every device holds as many sequences, so that is the mean over all of them. `gmm`: the
     experts' grouped GEMM on one device. `taps` (dropless, with `axis`): as
     `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth.
-    `fp8` (`model.fp8`; with `axis` and a capacity factor: on one device `gmm` says): the
-    experts' batched GEMMs on FP8 operands (`grouped_gemm.fp8_batched`)."""
+    `fp8` (`model.fp8`; with `axis`: on one device `gmm` says): the experts' grouped GEMMs on
+    FP8 operands (`grouped_gemm.fp8_grouped`), their amaxes reduced over the map's axes."""
     routing = route_by(moe, logits, bias)
     gate = w_gate[0] if w_gate else None
     recorded, taken = {}, None
+    axes = (axis,) if tensor_axis is None else (axis, tensor_axis)
     if moe.capacity_factor:
         cap = capacity(moe, x.shape[0] // sequences)
         if axis is None:
             y = experts_ffn_capacity(x, routing, w_in, w_out, gate, sequences, cap, gmm)
         else:
-            axes = (axis,) if tensor_axis is None else (axis, tensor_axis)
-            batched = fp8_batched(axes) if fp8 else ragged_matmul
+            batched = fp8_grouped(axes) if fp8 else ragged_matmul
             y = experts_ffn_capacity_exchanged(
                 x, routing, w_in, w_out, gate, sequences, cap, axis, tensor_axis, batched
             )
@@ -327,7 +327,7 @@ def moe_ffn(
             axis,
             tensor_axis,
             taps,
-            grouped_gemm(moe),
+            grouped_gemm(moe, fp8, axes),
             moe.exchange_bounds,
             moe.exchange_kept_bound,
         )
@@ -486,7 +486,5 @@ class MoeMlp(nn.Module):
         grouped = {"rows": rows} if sizes is None else {"rows": rows, "sizes": sizes}
         keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
         self.sow(parts.MATMUL_INPUTS, name, grouped, **keep)
-        matmul = grouped_gemm(self.moe)[0]
-        if sizes is None and self.cfg.fp8 != "none":  # a capacity factor's batched GEMMs
-            matmul = fp8_batched()
+        matmul = grouped_gemm(self.moe, self.cfg.fp8 != "none").matmul
         return self.perturb(name, matmul(name, rows, w, sizes), collection=parts.TAPS)

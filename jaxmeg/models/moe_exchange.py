@@ -147,8 +147,8 @@ def through_experts(bound: int, full: int, keep: int, axis: str, gemm: tuple, co
     """One bound's exchange: `const` = (each sorted choice's device [T k], its slot in that
     device's block, its expert on that device), `diff` = (the choices' rows [T k, h] in that
     order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added to that grouped
-    GEMM's output, whose cotangents are its dY); `gemm` = the experts' grouped GEMM and its
-    weight gradient (`grouped_gemm.grouped_gemm`). (each choice's output [T k, h], name -> the
+    GEMM's output, whose cotangents are its dY); `gemm` = the experts' grouped GEMMs
+    (`grouped_gemm.ExpertGemms`). (each choice's output [T k, h], name -> the
     tapped GEMM's rows and group sizes padded to `full` = E_ranks T k rows). The backward keeps
     the GEMMs' rows padded to `keep` rows where E_ranks B fits them, else reruns the forward."""
     plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
@@ -183,14 +183,15 @@ def _through_bwd(bound, full, keep, axis, gemm, residuals, cotangents):
         g = None if g is None else g[:n]
     d_out, _ = cotangents  # the recorded rows take no gradient
     d_y = plan.dispatch(d_out.astype(a.dtype))  # collect's transpose
-    matmul, weight_gradient = gemm
-    t = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
+    matmul, weight_gradient, input_gradient = gemm
+    if input_gradient is None:
+        input_gradient = lambda name, d, w, n: matmul(name, d, jnp.swapaxes(w, 1, 2), n)  # noqa: E731
     act, act_vjp = jax.vjp(_activation, a, g)
-    d_act = matmul("w_out", d_y, t(w_out), sizes)
+    d_act = input_gradient("w_out", d_y, w_out, sizes)
     d_a, d_g = act_vjp(d_act.astype(act.dtype))
-    d_x = matmul("w_in", d_a, t(w_in), sizes)
+    d_x = input_gradient("w_in", d_a, w_in, sizes)
     if g is not None:
-        d_x = d_x + matmul("w_gate", d_g, t(w_gate), sizes)
+        d_x = d_x + input_gradient("w_gate", d_g, w_gate, sizes)
     d_rows_in = plan.collect(d_x.astype(rows_in.dtype))  # dispatch's transpose
     weights = {"w_in": (w_in, x, d_a), "w_out": (w_out, act, d_y), "w_gate": (w_gate, x, d_g)}
     grads = {

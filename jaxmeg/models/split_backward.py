@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxmeg.models import fp8
 from jaxmeg.models.gpt import MATMUL_INPUTS, TAPS
-from jaxmeg.models.grouped_gemm import grouped_weight_gradient
+from jaxmeg.models.grouped_gemm import fp8_weight_gradient, grouped_weight_gradient
 
 
 def tapped(block: nn.Module) -> Callable:
@@ -77,10 +77,10 @@ def weight_gradients(
     grouped GEMM's input (`moe.MoeMlp`: {"rows" [N, in], "sizes" [E]} sorted by expert, or
     {"rows" [E, N, in]} each expert's own) gives each expert's X_e^T dY_e, [E, in, out]; one
     of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
-    name, grouped_gradient)`'s (`jaxmeg.parallel.experts.weight_gradient`).
+    name, grouped_gradient, fp8_gemms)`'s (`jaxmeg.parallel.experts.weight_gradient`).
     `grouped_gradient`: the ragged GEMM's weight gradient, as the forward ran it
     (`jaxmeg.models.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose. `fp8_gemms`
-    (`model.fp8`): a dense weight's dW reads X in E4M3 and dY in E5M2, as the whole backward's
+    (`model.fp8`): a weight's dW reads X in E4M3 and dY in E5M2, as the whole backward's
     (`jaxmeg.models.fp8.einsum`); with delayed scaling X comes with the forward's scales
     ({"fp8_input", "fp8_scales"}, `jaxmeg.models.fp8.delayed_einsum`)."""
 
@@ -98,13 +98,14 @@ def weight_gradients(
 
     def grouped(dy, x, name):
         if "device_rows" in x:
-            return exchanged(dy, x, name, grouped_gradient)
+            return exchanged(dy, x, name, grouped_gradient, fp8_gemms)
         if "sizes" not in x:  # a capacity factor's batched GEMM, in FP8 as its forward's
             rows, dy = x["rows"], dy.astype(x["rows"].dtype)
             if fp8_gemms:
                 rows, dy = fp8.round_trip(rows, fp8.E4M3), fp8.round_trip(dy, fp8.E5M2)
             return jnp.einsum("eni,eno->eio", rows, dy)
-        return grouped_weight_gradient(x["rows"], x["sizes"], dy, grouped_gradient)
+        gradient = fp8_weight_gradient() if fp8_gemms else grouped_gradient
+        return grouped_weight_gradient(x["rows"], x["sizes"], dy, gradient)
 
     for _ in range(lead):
         dense, grouped = jax.vmap(dense), _one_by_one(grouped)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.models.grouped_gemm import grouped_weight_gradient
+from jaxmeg.models.grouped_gemm import fp8_weight_gradient, grouped_weight_gradient
 from jaxmeg.models.moe import moe_ffn
 from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
 from jaxmeg.parallel.mesh import automatic_axes_here
@@ -75,7 +75,7 @@ def _in_specs(gated: int) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class OnDevice:
     """What a device's share of the layer runs with (a static of `exchanged`): the sequences
-    of the microbatch the expert group holds, and whether the experts' batched GEMMs run on
+    of the microbatch the expert group holds, and whether the experts' grouped GEMMs run on
     FP8 operands."""
 
     sequences: int
@@ -350,13 +350,18 @@ def tap_shapes(moe, sequences, x, logits, bias, *experts) -> dict:
     return jax.eval_shape(mapped, x, *experts)
 
 
-def weight_gradient(dy, recorded: dict, name: str, grouped_gradient: Callable | None = None):
+def weight_gradient(
+    dy, recorded: dict, name: str, grouped_gradient: Callable | None = None, fp8: bool = False
+):
     """The gradient of the expert weight `name` from `exchanged_tapped`'s recorded rows and
     group sizes and its tap's cotangent dy: each device's grouped X_e^T dY_e for its experts,
     in a map over the layer's axes ([E, h, f] or [E, f, h], split as the weight is), by
     `grouped_gradient` as the forward's grouped GEMM ran (`grouped_gemm.grouped_gemm`; None:
-    `jax.lax.ragged_dot`'s transpose)."""
+    `jax.lax.ragged_dot`'s transpose); with `fp8` (`model.fp8`) on FP8 operands scaled over
+    the expert group and its tensor ranks, as the forward's (`grouped_gemm.fp8_grouped`)."""
     axes = _tap_axes(_nested_axes())
+    if fp8:
+        grouped_gradient = fp8_weight_gradient((EXPERT, TENSOR))
 
     def local(rows, sizes, dy_):
         return grouped_weight_gradient(
@@ -374,7 +379,7 @@ def weight_gradient(dy, recorded: dict, name: str, grouped_gradient: Callable | 
 class ExpertDispatch:
     """The MoE layers' `dispatch` with an expert axis: `exchanged`, and for a split backward
     `exchanged_tapped` and `tap_shapes` (`jaxmeg.models.moe.MoeMlp`). `fp8` (`model.fp8`):
-    with a capacity factor the experts' batched GEMMs run on FP8 operands (`moe.moe_ffn`)."""
+    the experts' grouped GEMMs run on FP8 operands (`moe.moe_ffn`)."""
 
     fp8: bool = False
 
@@ -382,8 +387,9 @@ class ExpertDispatch:
         return exchanged(moe, OnDevice(sequences, self.fp8), x, logits, bias, *experts)
 
     def tapped(self, moe, sequences, x, logits, bias, taps, *experts):
-        """Dropless only, whose experts run 16-bit."""
-        return exchanged_tapped(moe, OnDevice(sequences), x, logits, bias, taps, *experts)
+        """Dropless only."""
+        return exchanged_tapped(moe, OnDevice(sequences, self.fp8), x, logits, bias, taps,
+                                *experts)  # fmt: skip
 
     tap_shapes = staticmethod(tap_shapes)
 

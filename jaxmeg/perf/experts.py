@@ -169,17 +169,16 @@ def moe_seconds(
     buffer passes and its all-to-alls over `links.expert_link`, a `hidden` share of them under
     compute (the schedule's F&B pairs, `jaxmeg.pipeline.analysis.paired_share`), the rest
     exposed. The backward: twice the forward's GEMMs, and where `reruns_exchange` the forward's
-    exchange and expert GEMMs once more. With `layout.fp8` the shared experts' GEMMs and, with
-    a capacity factor, the routed experts' run at the FP8 peak (their scaling passes are not
-    priced: the linears' `model.fp8_scaling_seconds` are)."""
+    exchange and expert GEMMs once more. With `layout.fp8` the shared and the routed experts'
+    GEMMs run at the FP8 peak (their scaling passes are not priced: the linears'
+    `model.fp8_scaling_seconds` are)."""
     x, h, t, e = shape.experts, shape.hidden, layout.tensor, layout.expert
     rows, local = expert_rows(shape, layout), x.count / e
     per_expert, f = rows / local, x.width / t
-    fp8 = layout.fp8 != "none"  # the shared experts; the routed ones with a capacity factor
-    routed_fp8 = fp8 and x.capacity_factor > 0
+    fp8 = layout.fp8 != "none"
     experts = local * (
-        (x.matrices - 1) * gemm_seconds(per_expert, f, h, hw, routed_fp8)
-        + gemm_seconds(per_expert, h, f, hw, routed_fp8)
+        (x.matrices - 1) * gemm_seconds(per_expert, f, h, hw, fp8)
+        + gemm_seconds(per_expert, h, f, hw, fp8)
     )
     shared = 0.0
     if x.shared_width:
