@@ -156,11 +156,15 @@ def test_a_pipeline_slot_exchanges_each_microbatch_four_times_on_eight_h100(sche
     all-to-alls of rows (bf16 moved as u16) per copy of its layer loop (XLA unrolls it) and 1
     of expert ids, and the B (I) slot body 2 of rows, the transposes, per copy: 4 per MoE layer
     and microbatch, the forward's exchange not rerun (tests/test_expert_exchange.py counts the
-    same in the CPU step)."""
+    same in the CPU step). The slots' all-to-alls share the collective stream with a
+    collective-permute, so the pipe sends leave as send and recv: every pipe byte has a GEMM
+    beside it (0% as a collective-permute)."""
     import re
 
     from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
+    from jaxmeg.parallel.hlo_cost import StepCost
     from jaxmeg.training.compilation import compile_step
+    from jaxmeg.training.cost_report import link_overlap
     from jaxmeg.training.pipeline_step import make_loss_and_grads
     from jaxmeg.training.trainer import prepare
 
@@ -169,7 +173,11 @@ def test_a_pipeline_slot_exchanges_each_microbatch_four_times_on_eight_h100(sche
         cfg, moe=C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, exchange_bounds=())
     )
     trainable = prepare(cfg, None, devices=gpu_target.load_target("h100", 8).devices)
-    compiled, _ = compile_step(trainable, make_loss_and_grads(trainable))
+    loss_and_grads = make_loss_and_grads(trainable)
+    compiled, _ = compile_step(trainable, loss_and_grads)
+    columns = loss_and_grads.program.branch_columns
+    overlap = link_overlap(StepCost(compiled.as_text(), trainable.mesh, columns).total())
+    assert overlap["pipe"] == 1.0, overlap
     starts: dict[tuple[str, str], int] = {}
     for line in compiled.as_text().splitlines():
         found = re.search(r"= \(\((u16|s32)\[.* all-to-all-start\(.*op_name=\"([^\"]*)\"", line)

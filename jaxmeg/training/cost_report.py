@@ -207,7 +207,7 @@ def exchange_bound_figures(trainable, shape, layout, at_bound, hw, model_flops) 
     return figures
 
 
-def _overlap(cost) -> dict[str, float | None]:
+def link_overlap(cost) -> dict[str, float | None]:
     """Per link (as `_collective_bytes` names them) the share of bytes whose collective has a
     GEMM scheduled between its start and done."""
     sent = _collective_bytes(cost.collective_bytes)
@@ -284,7 +284,7 @@ def gpu_figures(trainable, compiled, target, counter: StepCost, model_flops) -> 
         "copy_kernel_bytes": total.copy_kernel_bytes,
         "copy_share": total.copy_kernel_bytes / total.kernel_bytes if total.kernel_bytes else 0,
         "kernel_bytes_by_class": dict(total.kernel_bytes_by_class),
-        "collective_overlap": _overlap(total),
+        "collective_overlap": link_overlap(total),
         "roofline_seconds": per_stage[busiest],
         "roofline_mfu": model_flops / devices / per_stage[busiest] / peak,
         "roofline_stage": busiest,

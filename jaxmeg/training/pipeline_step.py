@@ -31,7 +31,7 @@ from jaxmeg.models.moe import EXCHANGE_KEPT
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
-from jaxmeg.pipeline.tick_table import build_tick_table
+from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 
@@ -53,7 +53,8 @@ def sends_point_to_point(trainable: Trainable, program=None) -> bool:
     layout, shape = trainable.layout, trainable.mesh.shape
     acyclic = layout.num_chunks == 1 or layout.placement == "v"
     reduces = program is not None and program.reduces_in_slots
-    slots_hold_collectives = shape["tensor"] > 1 or reduces
+    exchanges = _exchanges_in_slots(trainable, program)
+    slots_hold_collectives = shape["tensor"] > 1 or reduces or exchanges
     return (
         overlaps_sends(trainable)
         and layout.num_stages > 1
@@ -61,6 +62,18 @@ def sends_point_to_point(trainable: Trainable, program=None) -> bool:
         and acyclic
         and shape["context"] == 1
     )
+
+
+def _exchanges_in_slots(trainable: Trainable, program) -> bool:
+    """Whether the slots hold the expert exchange's all-to-alls (expert > 1), with sends XLA
+    schedules: not a V of one action per tick (zbv), where XLA 0.10.2's latency-hiding
+    scheduler fails on the sends ("failed to find a node to schedule ... kExceedsOverlapLimit"
+    on the Mixtral-shaped pipe 2 x expert 8 program). As send and recv the pipe bytes of that
+    program overlap a GEMM wholly (0% before) in 1f1b and dualpipev (m = 16: schedule bound
+    1117 -> 1102 and 1171 -> 1101 ms, docs/benchmarks.md)."""
+    if trainable.mesh.shape["expert"] == 1 or program is None:
+        return False
+    return not (trainable.layout.placement == "v" and program.table.ticks == ONE_ACTION)
 
 
 def unrolls_layers(trainable: Trainable) -> bool:
