@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxmeg import config as C
 from jaxmeg.parallel import hlo_module, make_mesh
+from jaxmeg.training.expert_balance import without_bound_counts  # noqa: F401  (the tests import it here)
 from jaxmeg.training.state import Trainable
 
 XLA_CACHE_VARIABLE = "JAXMEG_TEST_XLA_CACHE"
@@ -118,15 +119,3 @@ def run_script_main(name: str, *argv: str):
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess([name, *argv], code or 0, out.getvalue(), err.getvalue())
-
-
-def without_bound_counts(grads):
-    """The gradients with each dropless MoE layer's exchange-bound counts (`exchange_taken`,
-    a statistic of the expert exchange, which one device does not run) zeroed, for comparing
-    a layout's gradients with one device's."""
-    from jaxmeg.models.moe import TAKEN
-
-    def zeroed(path, g):
-        return np.zeros_like(g) if jax.tree_util.keystr(path).endswith(f"'{TAKEN}']") else g
-
-    return jax.tree_util.tree_map_with_path(zeroed, grads)

@@ -265,9 +265,10 @@ def _moe_loss_and_grads(
         dict(expert=2, tensor=2),
         dict(pipe=2, schedule="zb_h1"),
         dict(expert=2, tensor=2, capacity=0.0),
+        dict(pipe=2, schedule="zb_h1", capacity=0.0),
         dict(expert=2, pipe=2, schedule="zb_h1", capacity=0.0),
     ],
-    ids=["e2t2", "p2-zb_h1", "e2t2-dropless", "e2p2-zb_h1-dropless"],
+    ids=["e2t2", "p2-zb_h1", "e2t2-dropless", "p2-zb_h1-dropless", "e2p2-zb_h1-dropless"],
 )
 def test_the_experts_grouped_gemms_in_fp8_equal_one_device(layout):
     """The experts' grouped GEMMs run on FP8 operands too, one scale per operand over all

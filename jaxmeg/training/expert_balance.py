@@ -46,6 +46,15 @@ def take_loads(grads) -> tuple[object, list[jax.Array], list[jax.Array], list[ja
     return cleaned, taken[BIAS], taken[KEPT], taken[TAKEN]
 
 
+def without_bound_counts(grads):
+    """The gradients with each dropless MoE layer's exchange-bound counts (`TAKEN`, a statistic
+    of the expert exchange, which one device does not run) zeroed: a layout's gradients to
+    compare with one device's (numpy or jax arrays)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, g: g * 0 if _name(path) == TAKEN else g, grads
+    )
+
+
 def move_biases(params, loads: list[jax.Array], rate: float):
     """Each bias + rate x sign(its layer's mean load - the expert's load)."""
     moves = iter(loads)
