@@ -13,7 +13,9 @@ XLA's GPU compiler (H100, cuBLASLt GEMMs) fuses that pattern, `(x / s).astype(f8
 f32 one, so a CPU run's numerics are the GPU recipe's up to the GEMM's accumulation order.
 
 All three GEMMs of a linear run on FP8 operands: the forward (x and w in E4M3), and in the
-backward the input gradient (dy in E5M2 against w) and the weight gradient (x against dy). The
+backward the input gradient (dy in E5M2 against w) and the weight gradient (x against dy); a
+MoE layer's grouped GEMMs the same way (`ragged_dot`, one scale per operand over all groups,
+and `einsum` for a capacity factor's batched ones), with current scales under either recipe. The
 backward keeps x and w as FP8 with their scales, a quarter (fp32) or half (bf16) of their
 bytes. A tensor split over an automatic mesh axis (tensor parallelism, sequence parallelism)
 takes its amax over the whole tensor, so every rank uses one scale; data-parallel replicas and
