@@ -333,11 +333,11 @@ def test_a_layers_backward_runs_no_bound_all_reduce_beside_its_exchange(monkeypa
     exchange's pullback: the routing's statistics are kept with it (`experts.kept_statistics`).
     Recomputed instead (as before), each B slot's layer backward ran the bound's all-reduce
     over expert x tensor again beside the transposed exchange (a conditional over `expert`) in
-    no order that data fixed; `deadlock_hazards` reads every computation and names that pair."""
+    no order that data fixed; `deadlock_hazards` reads every computation and names that pair
+    (the step as it is passes the check in `test_moe_step_equals_one_device`'s e2p2t2 cases)."""
     from jaxmeg.parallel import experts
 
     trainable = trainable_for(config((1, 2, 2), dataclasses.replace(TOP2, top_k=1), expert=2))
-    assert step_hazards(trainable) == []
     monkeypatch.setattr(experts, "kept_statistics", lambda aux, shares: (aux, shares))
     found = step_hazards(trainable)
     assert found and all("no data orders" in line for line in found), found
