@@ -220,6 +220,10 @@ class ExpertGemms(NamedTuple):
     input_gradient: Callable | None = None
 
 
+RAGGED = ExpertGemms(ragged_matmul)
+"""`moe.grouped_gemm: ragged` in 16 bits: `jax.lax.ragged_dot` and its transposes."""
+
+
 def grouped_gemm(moe: MoeConfig, fp8_gemms: bool = False, axes: tuple[str, ...] = ()):
     """The `ExpertGemms` of `moe.grouped_gemm`: `blocked_matmul` for `blocked`, else
     `ragged_matmul`; with `fp8_gemms` (`model.fp8`; `ragged` only) `fp8_grouped` and its
@@ -228,7 +232,7 @@ def grouped_gemm(moe: MoeConfig, fp8_gemms: bool = False, axes: tuple[str, ...] 
         return ExpertGemms(fp8_grouped(axes), fp8_weight_gradient(axes), fp8_input_gradient(axes))
     if moe.grouped_gemm == "blocked":
         return ExpertGemms(blocked_matmul, blocked_weight_gradient)
-    return ExpertGemms(ragged_matmul)
+    return RAGGED
 
 
 def grouped_weight_gradient(rows, sizes, dy, grouped_gradient: Callable | None = None):

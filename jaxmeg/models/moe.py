@@ -62,6 +62,8 @@ from jaxmeg.config_moe import (
 )
 from jaxmeg.models import parts, residual_switch
 from jaxmeg.models.grouped_gemm import (
+    RAGGED,
+    ExpertGemms,
     GroupedMatmul,
     cotangent_like,
     fp8_grouped,
@@ -159,7 +161,7 @@ combined_over.defvjp(_combined_over_fwd, _combined_over_bwd)
 def experts_ffn_exchanged(
     x: jax.Array, routing: Routing, w_in: jax.Array, w_out: jax.Array,
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
-    taps: dict | None = None, gemm: tuple = (ragged_matmul, None),
+    taps: dict | None = None, gemm: ExpertGemms = RAGGED,
     factors: tuple[float, ...] = EXCHANGE_BOUNDS, kept_factor: float = EXCHANGE_KEPT_BOUND,
 ) -> tuple[jax.Array, dict, jax.Array]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),

@@ -143,7 +143,7 @@ def _recorded(taps, x, act, sizes, full: int) -> dict:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def through_experts(bound: int, full: int, keep: int, axis: str, gemm: tuple, const, diff):
+def through_experts(bound: int, full: int, keep: int, axis: str, gemm, const, diff):
     """One bound's exchange: `const` = (each sorted choice's device [T k], its slot in that
     device's block, its expert on that device), `diff` = (the choices' rows [T k, h] in that
     order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added to that grouped

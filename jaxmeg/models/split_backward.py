@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxmeg.models import fp8
 from jaxmeg.models.gpt import MATMUL_INPUTS, TAPS
-from jaxmeg.models.grouped_gemm import fp8_weight_gradient, grouped_weight_gradient
+from jaxmeg.models.grouped_gemm import grouped_weight_gradient
 
 
 def tapped(block: nn.Module) -> Callable:
@@ -79,7 +79,8 @@ def weight_gradients(
     of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
     name, grouped_gradient, fp8_gemms)`'s (`jaxmeg.parallel.experts.weight_gradient`).
     `grouped_gradient`: the ragged GEMM's weight gradient, as the forward ran it
-    (`jaxmeg.models.grouped_gemm`); None: `jax.lax.ragged_dot`'s transpose. `fp8_gemms`
+    (`grouped_gemm.grouped_gemm(...).weight_gradient`, FP8 ones with `model.fp8`); None:
+    `jax.lax.ragged_dot`'s transpose. `fp8_gemms`
     (`model.fp8`): a weight's dW reads X in E4M3 and dY in E5M2, as the whole backward's
     (`jaxmeg.models.fp8.einsum`); with delayed scaling X comes with the forward's scales
     ({"fp8_input", "fp8_scales"}, `jaxmeg.models.fp8.delayed_einsum`)."""
@@ -104,8 +105,7 @@ def weight_gradients(
             if fp8_gemms:
                 rows, dy = fp8.round_trip(rows, fp8.E4M3), fp8.round_trip(dy, fp8.E5M2)
             return jnp.einsum("eni,eno->eio", rows, dy)
-        gradient = fp8_weight_gradient() if fp8_gemms else grouped_gradient
-        return grouped_weight_gradient(x["rows"], x["sizes"], dy, gradient)
+        return grouped_weight_gradient(x["rows"], x["sizes"], dy, grouped_gradient)
 
     for _ in range(lead):
         dense, grouped = jax.vmap(dense), _one_by_one(grouped)

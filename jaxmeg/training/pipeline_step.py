@@ -207,7 +207,9 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
     """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`)."""
     block = step_block(trainable, constrain)
     tapped = split_backward.tapped(block)
-    grouped = grouped_gemm(trainable.cfg.moe)[1]  # W's grouped GEMMs as the forward's
+    fp8_gemms = trainable.cfg.model.fp8 != "none"
+    # W's grouped GEMMs as the forward's (an exchanged layer's scale over its map's axes)
+    grouped = grouped_gemm(trainable.cfg.moe, fp8_gemms).weight_gradient
 
     def recompute_under(policy):
         return _over_layers(trainable, lambda lp, x, taps: tapped(lp, x, taps), policy)
@@ -229,7 +231,7 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
             lead=1,
             exchanged=experts.weight_gradient,
             grouped_gradient=grouped,
-            fp8_gemms=trainable.cfg.model.fp8 != "none",
+            fp8_gemms=fp8_gemms,
         ),
     )
 
