@@ -59,8 +59,8 @@ def exchange_bounds(
     """The dropless exchange's block sizes for a device's `choices` (T k) over `ranks` expert
     ranks: each of `factors` (`moe.exchange_bounds`) times the even share T k / E_ranks,
     rounded up, below T k; then T k, which any routing fits
-    (`jaxmeg.models.moe.experts_ffn_exchanged` runs the smallest that fits the step's busiest
-    block)."""
+    (`jaxmeg.models.experts_ffn.experts_ffn_exchanged` runs the smallest that fits the step's
+    busiest block)."""
     sizes = {math.ceil(f * choices / ranks) for f in factors}
     return (*sorted(b for b in sizes if b < choices), choices)
 

@@ -1,7 +1,7 @@
 """The dropless exchange over an expert axis at a bound chosen per step
-(`moe.experts_ffn_exchanged`): the same outputs and gradients as the experts on one device
-(`moe.experts_ffn`) whatever the bound the routing needs, the bound the busiest block fits taken
-on every device, the switch whose branches share one set of residual buffers
+(`experts_ffn.experts_ffn_exchanged`): the same outputs and gradients as the experts on one
+device (`experts_ffn.experts_ffn`) whatever the bound the routing needs, the bound the busiest
+block fits taken on every device, the switch whose branches share one set of residual buffers
 (`residual_switch`), and what the compiled step exchanges and computes at each bound."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg import config as C
 from jaxmeg.config_moe import exchange_bounds, kept_bound
-from jaxmeg.models import grouped_gemm, moe, residual_switch
+from jaxmeg.models import experts_ffn, grouped_gemm, residual_switch
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import init_state
 from jaxmeg.training.step import make_train_step
@@ -51,7 +51,7 @@ def params(seed: int = 0) -> dict:
 
 def loss_of(ffn, ids):
     def loss(p):
-        routing = moe.Routing(ids, p["weights"], None, None)
+        routing = experts_ffn.Routing(ids, p["weights"], None, None)
         y = ffn(p["x"], routing, p["w_in"], p["w_out"], p["w_gate"])
         return jnp.sum(y.astype(jnp.float32) * p["target"])
 
@@ -62,8 +62,8 @@ def exchanged(mesh, gemm, factors):
     expert_in, expert_out = P("expert", None, "tensor"), P("expert", "tensor", None)
 
     def local(x, ids, weights, w_in, w_out, w_gate):
-        routing = moe.Routing(ids, weights, None, None)
-        y, _, _ = moe.experts_ffn_exchanged(
+        routing = experts_ffn.Routing(ids, weights, None, None)
+        y, _, _ = experts_ffn.experts_ffn_exchanged(
             x, routing, w_in, w_out, w_gate, "expert", "tensor", gemm=gemm, factors=factors
         )
         return y
@@ -115,7 +115,7 @@ def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, factor
     loss, grads = jax.jit(
         jax.value_and_grad(loss_of(exchanged(mesh, pair, moe_cfg.exchange_bounds), ids))
     )(p)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, ids)))(p)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of(experts_ffn.experts_ffn, ids)))(p)
     jax.effects_barrier()
     assert taken and set(taken) == {expected}, taken
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmeg.models import grouped_gemm, moe, router
+from jaxmeg.models import experts_ffn, grouped_gemm, router
 
 T, H, F, E = 24, 16, 8, 4
 
@@ -56,7 +56,7 @@ def loss_of(ffn, top_k, router_name, bias=None):
 @pytest.mark.parametrize("gated", [True, False])
 def test_grouped_experts_equal_the_dense_reference(top_k, router_name, gated):
     w = weights(top_k, gated)
-    grouped = jax.jit(jax.value_and_grad(loss_of(moe.experts_ffn, top_k, router_name)))
+    grouped = jax.jit(jax.value_and_grad(loss_of(experts_ffn.experts_ffn, top_k, router_name)))
     reference = jax.jit(jax.value_and_grad(loss_of(dense, top_k, router_name)))
     (loss, grads), (ref_loss, ref_grads) = grouped(w), reference(w)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -70,7 +70,7 @@ def test_every_token_to_one_expert_leaves_the_others_untouched():
     weights then get exactly zero gradient; the output is that one expert's FFN."""
     w = weights(7, gated=True)
     bias = jnp.zeros(E).at[2].set(100.0)
-    grouped = jax.value_and_grad(loss_of(moe.experts_ffn, 1, "softmax", bias))
+    grouped = jax.value_and_grad(loss_of(experts_ffn.experts_ffn, 1, "softmax", bias))
     reference = jax.value_and_grad(loss_of(dense, 1, "softmax", bias))
     (loss, grads), (ref_loss, ref_grads) = grouped(w), reference(w)
     routing = router.route(w["x"] @ w["router"], 1, bias=bias)

@@ -1,6 +1,7 @@
 """The dropless exchange on one device of an expert axis, at one bound: the device's
 choices go to their experts' devices in blocks of B rows (`all_to_all`), through the experts'
-grouped GEMMs, and back (`jaxmeg.models.moe.experts_ffn_exchanged` picks the bound per step).
+grouped GEMMs, and back (`jaxmeg.models.experts_ffn.experts_ffn_exchanged` picks the bound
+per step).
 
 Its backward is written out (`through_experts`'s custom VJP) so that it keeps exactly the
 experts' GEMM inputs and outputs it needs: the sorted received rows [B, h] and the first GEMMs'

@@ -7,8 +7,8 @@ conditional's outputs would copy them), the rest as they are where every branch 
 of the same shapes, else packed into flat buffers, one per dtype and set of varying manual
 axes, each as large as the largest branch needs; the backward switches again and unpacks its
 branch's residuals. The residuals cost what the costliest branch keeps, not their sum: what
-the bounded exchange of `jaxmeg.models.moe.experts_ffn_exchanged` needs, whose branches are the
-same computation at fixed shapes of different sizes.
+the bounded exchange of `jaxmeg.models.experts_ffn.experts_ffn_exchanged` needs, whose branches
+are the same computation at fixed shapes of different sizes.
 
 Each branch is `branch(const, diff) -> out`: `const` a pytree without gradients (integers: row
 indices), `diff` the pytree it is differentiated in. The backward ignores the cotangents of

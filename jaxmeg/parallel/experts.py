@@ -2,7 +2,7 @@
 (`parallel.expert`), run under a map manual over the axes the executor leaves automatic
 (context, expert, tensor), as `jaxmeg.parallel.attention` runs cuDNN. Each device routes its
 own rows, sends every choice to its expert's device and gets the output back by all-to-all
-(`jaxmeg.models.moe.experts_ffn_exchanged`); the experts' width is split over `tensor`.
+(`jaxmeg.models.experts_ffn.experts_ffn_exchanged`); the experts' width is split over `tensor`.
 
 `exchanged` is the layer's `dispatch` (`jaxmeg.models.moe.MoeMlp`), given the router's logits
 (computed outside the map), with a custom VJP. Dropless, its forward keeps each device's

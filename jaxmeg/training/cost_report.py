@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from jaxmeg.config_moe import exchange_bounds
-from jaxmeg.models.moe import EXCHANGE_KEPT
+from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
 from jaxmeg.parallel import hlo_gpu
 from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES

@@ -27,7 +27,7 @@ from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY, LayerGroup, layer_unit
 from jaxmeg.models.grouped_gemm import grouped_gemm
-from jaxmeg.models.moe import EXCHANGE_KEPT
+from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
