@@ -117,6 +117,34 @@ def test_the_delayed_gemms_read_operands_at_the_historys_scales_and_report_their
     np.testing.assert_array_equal(d_scales, 0.0)
 
 
+def test_the_delayed_ragged_dot_rounds_every_group_at_one_scale_and_reports_its_amaxes():
+    """The experts' grouped GEMM at delayed scales: each group's rows times its expert's
+    weight on operands rounded at the given scales (one per operand over all groups), dY too;
+    the seen leaf's cotangent is the bins of the rows', the weights' and dY's amaxes."""
+    rows = jax.random.normal(jax.random.key(1), (12, 8)) * 3.0
+    w = jax.random.normal(jax.random.key(2), (3, 8, 5)) * 0.05
+    dy = jax.random.normal(jax.random.key(3), (12, 5)) * 1e-3
+    sizes = jnp.array([5, 0, 6], jnp.int32)  # an empty group; the last row in none
+    scales = jnp.array([2.0**-7, 2.0**-12, 2.0**-24])
+    counts = jnp.zeros((3, fp8.BINS))
+
+    def delayed(r, w_, s, c):
+        return fp8.delayed_ragged_dot(r, w_, sizes, s, c)
+
+    y, pullback = jax.vjp(delayed, rows, w, scales, counts)
+    d_rows, d_w, d_scales, d_counts = pullback(dy)
+    rr, rw = (fp8.round_trip_scaled(a, scales[i], fp8.E4M3) for i, a in enumerate((rows, w)))
+    want_y, want_pullback = jax.vjp(lambda r, w_: jax.lax.ragged_dot(r, w_, sizes), rr, rw)
+    for got, want in zip((y, d_rows, d_w),
+                         (want_y, *want_pullback(fp8.round_trip_scaled(dy, scales[2], fp8.E5M2))),
+                         strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert float(jnp.abs(y - jax.lax.ragged_dot(rows, w, sizes)).max()) > 1e-3  # it rounded
+    want_counts = fp8.seen(jnp.stack([jnp.abs(a).max() for a in (rows, w, dy)]))
+    np.testing.assert_array_equal(d_counts, want_counts)
+    np.testing.assert_array_equal(d_scales, 0.0)
+
+
 MODEL = C.ModelConfig(
     vocab_size=256, hidden=64, layers=4, heads=4, seq_len=16, compute_dtype="float32",
     fp8="current",
@@ -133,6 +161,11 @@ def _loss_and_grads(
         parallel=C.ParallelConfig(data=data, pipe=pipe, tensor=tensor, **parallel),
         train=C.TrainConfig(global_batch=2 * data * microbatches, microbatches=microbatches),
     )
+    return _run(cfg, histories)
+
+
+def _run(cfg: C.Config, histories=None):
+    """(loss, canonical grads) of cfg's step from seed 0's params, `histories` set first."""
     trainable = trainable_for(cfg)
     tokens = random_batch(dataclasses.replace(cfg, parallel=C.ParallelConfig()))
     with jax.set_mesh(trainable.mesh):
@@ -182,14 +215,17 @@ def test_fp8_step_on_a_pipe_x_tensor_mesh_equals_one_device():
 DELAYED = dataclasses.replace(MODEL, fp8="delayed", fp8_history=4)
 
 
+def _histories_after(grads, length: int) -> dict:
+    """{canonical path: history} after a step whose gradients are `grads`, from empty
+    histories (scales of 1), so a step that starts there scales by real amaxes."""
+    _, counts = take_seen(grads)
+    zeros = lambda c: np.zeros((*c.shape[:-1], length), np.float32)  # noqa: E731
+    return {key: np.asarray(fp8.advance(zeros(c), c)) for key, c in counts.items()}
+
+
 @functools.cache
 def _first_histories():
-    """{canonical path: history} after one step of the one-device delayed run (from empty
-    histories: scales of 1), so the compared step scales by real amaxes."""
-    _, grads = _loss_and_grads(1, 1, 1, DELAYED)
-    _, counts = take_seen(grads)
-    zeros = np.zeros((DELAYED.layers, 3, DELAYED.fp8_history), np.float32)
-    return {key: np.asarray(fp8.advance(zeros, c)) for key, c in counts.items()}
+    return _histories_after(_loss_and_grads(1, 1, 1, DELAYED)[1], DELAYED.fp8_history)
 
 
 @functools.cache
@@ -240,23 +276,22 @@ EXPERTS = C.MoeConfig(experts=4, top_k=2, ffn_hidden=32, capacity_factor=1.0)
 
 @functools.cache
 def _moe_loss_and_grads(
-    fp8_recipe, global_batch, expert=1, pipe=1, tensor=1, schedule="1f1b", capacity=1.0
+    fp8_recipe, global_batch, expert=1, pipe=1, tensor=1, schedule="1f1b", capacity=1.0,
+    warm=False,
 ):  # fmt: skip
+    """`warm` (delayed scaling): the histories after one device's first step set first."""
     cfg = C.Config(
-        model=dataclasses.replace(MODEL, block="llama", layers=2, fp8=fp8_recipe),
+        model=dataclasses.replace(MODEL, block="llama", layers=2, fp8=fp8_recipe, fp8_history=4),
         moe=dataclasses.replace(EXPERTS, capacity_factor=capacity),
         parallel=C.ParallelConfig(pipe=pipe, tensor=tensor, expert=expert, schedule=schedule),
         train=C.TrainConfig(global_batch=global_batch, microbatches=2),
     )
-    trainable = trainable_for(cfg)
-    tokens = random_batch(dataclasses.replace(cfg, parallel=C.ParallelConfig()))
-    with jax.set_mesh(trainable.mesh):
-        params = init_state(trainable, seed=0)["params"]
-    loss, grads = run_checked(
-        trainable, make_loss_and_grads(trainable), params, *put_batch(trainable, tokens)
-    )
-    grads = to_canonical_layout(jax.tree.map(np.asarray, grads), trainable.layout)
-    return float(loss), without_bound_counts(grads)
+    histories = None
+    if warm:
+        first = _moe_loss_and_grads(fp8_recipe, global_batch, capacity=capacity)[1]
+        histories = _histories_after(first, cfg.model.fp8_history)
+    loss, grads = _run(cfg, histories)
+    return loss, without_bound_counts(grads)
 
 
 @pytest.mark.parametrize(
@@ -291,6 +326,48 @@ def test_the_experts_grouped_gemms_in_fp8_equal_one_device(layout):
     experts, full = ref_grads["blocks"]["layers"]["moe"], full_grads["blocks"]["layers"]["moe"]
     for name in ("w_in", "w_out", "w_gate"):  # the experts' FP8 did round
         assert float(np.abs(experts[name] - full[name]).max()) > 1e-2 * np.abs(full[name]).max()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(expert=2, tensor=2),
+        dict(expert=2, tensor=2, capacity=0.0),
+        dict(pipe=2, schedule="zb_h1", capacity=0.0),
+        dict(expert=2, pipe=2, schedule="zb_h1", capacity=0.0),
+    ],
+    ids=["e2t2", "e2t2-dropless", "p2-zb_h1-dropless", "e2p2-zb_h1-dropless"],
+)
+def test_the_experts_delayed_fp8_scales_equal_one_device(layout):
+    """Delayed scaling for the experts' grouped GEMMs too: each expert weight keeps its amax
+    history and seen bins (one scale per operand over all experts); the exchange's written-out
+    backward reports x's, w's and dY's amaxes over expert x tensor ranks, and a split
+    backward's W rounds at the forward's scales. From histories of one device's first step,
+    loss, gradients and the bounds each expert GEMM saw equal one device's, and the history's
+    scales are the ones used (the gradients differ from a step at empty histories)."""
+    batch = 4 * layout.get("expert", 1)
+    capacity = layout.get("capacity", 1.0)
+    loss, grads = _moe_loss_and_grads("delayed", batch, warm=True, **layout)
+    ref_loss, ref_grads = _moe_loss_and_grads("delayed", batch, capacity=capacity, warm=True)
+    _, cold_grads = _moe_loss_and_grads("delayed", batch, capacity=capacity)
+    assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
+    grads, counts = take_seen(grads)
+    ref_grads, ref_counts = take_seen(ref_grads)
+    moe = ("blocks", "layers", "moe")
+    experts = {(*moe, name + fp8.HISTORY) for name in ("w_in", "w_out", "w_gate")}
+    assert experts <= counts.keys() == ref_counts.keys()
+    for key, c in counts.items():
+        np.testing.assert_array_equal(fp8.bound(c), fp8.bound(ref_counts[key]), key)
+        assert fp8.bound(c).min() > 0
+    for (path, ref), got in zip(
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
+    ):
+        scale = float(np.abs(ref).max()) or 1.0
+        assert float(np.abs(got - ref).max()) / scale < 1e-5, jax.tree_util.keystr(path)
+    warm, cold = ref_grads["blocks"]["layers"]["moe"], take_seen(cold_grads)[0]
+    for name in ("w_in", "w_out", "w_gate"):
+        cold_w = cold["blocks"]["layers"]["moe"][name]
+        assert float(np.abs(warm[name] - cold_w).max()) > 1e-3 * np.abs(cold_w).max(), name
 
 
 def test_fp8_is_named_in_a_bad_config_and_on_a_gpu_without_it():

@@ -212,7 +212,7 @@ def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():
 
 @pytest.mark.parametrize(
     "layout",
-    ["d2p2t2-sp-delayed", "expert4-dropless-shared-current"],
+    ["d2p2t2-sp-delayed", "expert4-dropless-shared-current", "expert4-dropless-shared-delayed"],
 )
 def test_fp8_gemms_with_sequence_parallelism_and_with_experts(layout):
     """(2,2,2) with sequence parallelism, delayed scaling: the split operands (a column-parallel
@@ -222,12 +222,13 @@ def test_fp8_gemms_with_sequence_parallelism_and_with_experts(layout):
     the attention's 2 linears, the shared expert's 2 and the routed experts' 2 ragged GEMMs
     (one scale over all experts, the amax reduced over the expert ranks; the exchange's
     written-out backward quantizes dY and the rows too), 4 x 2 layers x 2 microbatches x 6
-    x 3 (one exchange bound)."""
+    x 3 (one exchange bound), at current scales or at delayed ones (each expert weight's own
+    history)."""
     if layout.startswith("d2p2t2"):
         cfg = gpu_config(2, 2, 2, parallel={"sequence_parallel": True}, fp8="delayed")
         linears, layers = 4, 1
     else:
-        cfg = gpu_config(parallel={"expert": 4}, fp8="current")
+        cfg = gpu_config(parallel={"expert": 4}, fp8=layout.rsplit("-", 1)[1])
         moe = C.MoeConfig(
             experts=4, top_k=2, ffn_hidden=1024, shared_experts=1, exchange_bounds=()
         )  # one bound: one branch to compile

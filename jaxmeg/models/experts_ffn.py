@@ -112,13 +112,15 @@ def experts_ffn_exchanged(
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
     taps: dict | None = None, gemm: ExpertGemms = RAGGED,
     factors: tuple[float, ...] = EXCHANGE_BOUNDS, kept_factor: float = EXCHANGE_KEPT_BOUND,
+    scaling: dict | None = None,
 ) -> tuple[jax.Array, dict, jax.Array]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
     [e * E_l, (e + 1) * E_l) (w_* [E_l, ...], e its index on `axis`). Each choice goes to its
     expert's device and its output comes back by two `all_to_all`s (dispatch, combine); the
     experts run as grouped GEMMs on the rows they receive (`gemm`: the GEMM and its weight
-    gradient, `grouped_gemm.grouped_gemm`).
+    gradient, `grouped_gemm.grouped_gemm`; with delayed FP8 scaling at `scaling`, name ->
+    (scales, the seen leaf), `moe_exchange.through_experts`).
 
     Dropless at a bound chosen per step: each (sender, receiver) block holds B rows, the first
     `count` real. B is the smallest of `exchange_bounds` (multiples of the even load T k /
@@ -142,7 +144,7 @@ def experts_ffn_exchanged(
     order, counts, slot = sorted_by(expert // local, ranks)
     bounds = exchange_bounds(choices, ranks, factors)
     const = ((expert // local)[order], slot, expert[order] % local)
-    diff = (x[order // k], w_in, w_out, w_gate, taps or {})
+    diff = (x[order // k], w_in, w_out, w_gate, taps or {}, scaling or {})
     keep = ranks * kept_bound(bounds, choices, ranks, kept_factor)
     branches = [partial(through_experts, b, ranks * choices, keep, axis, gemm) for b in bounds]
     index = bound_index(counts, bounds, (axis,) if tensor_axis is None else (axis, tensor_axis))

@@ -15,7 +15,7 @@ f32 one, so a CPU run's numerics are the GPU recipe's up to the GEMM's accumulat
 All three GEMMs of a linear run on FP8 operands: the forward (x and w in E4M3), and in the
 backward the input gradient (dy in E5M2 against w) and the weight gradient (x against dy); a
 MoE layer's grouped GEMMs the same way (`ragged_dot`, one scale per operand over all groups,
-and `einsum` for a capacity factor's batched ones), with current scales under either recipe. The
+and `einsum` for a capacity factor's batched ones; `delayed_ragged_dot` at delayed scales). The
 backward keeps x and w as FP8 with their scales, a quarter (fp32) or half (bf16) of their
 bytes. A tensor split over an automatic mesh axis (tensor parallelism, sequence parallelism)
 takes its amax over the whole tensor, so every rank uses one scale; data-parallel replicas and
@@ -82,9 +82,11 @@ def exponent(amax: jax.Array) -> jax.Array:
 
 
 def seen(amax: jax.Array) -> jax.Array:
-    """[BINS]: one at amax's bin (`exponent`, clipped to the bins), all zero for a zero amax."""
+    """[..., BINS]: one at each amax's bin (`exponent`, clipped to the bins), all zero for a
+    zero amax."""
+    amax = jnp.asarray(amax, jnp.float32)
     e = jnp.clip(exponent(amax), LOWEST, 127)
-    return jnp.where(amax > 0, jax.nn.one_hot(e - LOWEST, BINS, dtype=jnp.float32), 0.0)
+    return jnp.where(amax[..., None] > 0, jax.nn.one_hot(e - LOWEST, BINS, dtype=jnp.float32), 0.0)
 
 
 def bound(counts: jax.Array) -> jax.Array:
@@ -129,6 +131,15 @@ def round_trip(x: jax.Array, fp8, reduce_amax: Callable = _same) -> jax.Array:
     return dequantize(*quantize(x, fp8, reduce_amax), x.dtype)
 
 
+def weight_gradient_operands(x, dy, scales=None, reduce_amax: Callable = _same):
+    """(x in E4M3, dy in E5M2) as a weight gradient's GEMM reads them, for a backward written
+    out (a split backward's W, the experts' exchange): at delayed `scales` [3] (the forward's),
+    or at current ones (their amaxes reduced by `reduce_amax`) where scales is None."""
+    if scales is None:
+        return round_trip(x, E4M3, reduce_amax), round_trip(dy, E5M2, reduce_amax)
+    return round_trip_scaled(x, scales[0], E4M3), round_trip_scaled(dy, scales[2], E5M2)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layouts:
     """Where a linear's 16-bit operand is put into FP8 and where its FP8 values go for the GEMM.
@@ -144,8 +155,9 @@ class Layouts:
     dy_split: Callable = _same
     dy_whole: Callable = _same
     amax: Callable = _same
-    """Current scaling: a device's amax to the whole tensor's, where the operands are one
-    device's blocks inside a map (the experts' GEMMs under expert parallelism)."""
+    """A device's amaxes to the whole tensor's, where the operands are one device's blocks
+    inside a map (the experts' GEMMs under expert parallelism): current scaling reduces each
+    before its cast, delayed scaling the three it reports, once, in the backward."""
 
 
 SAME = Layouts()
@@ -223,35 +235,62 @@ def delayed_einsum(
     return _delayed(spec, layouts, x, w, scales, counts)
 
 
+def delayed_ragged_dot(
+    rows: jax.Array, w: jax.Array, sizes: jax.Array, scales: jax.Array, counts: jax.Array,
+    layouts: Layouts = SAME,
+) -> jax.Array:  # fmt: skip
+    """`ragged_dot` at delayed scales, one per operand over all groups, reporting the operands'
+    amaxes as `delayed_einsum` does."""
+    return _delayed_ragged(layouts, rows, w, sizes, scales, counts)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _delayed(spec, layouts, x, w, scales, counts):
     return _delayed_forward(spec, layouts, x, w, scales, counts)[0]
 
 
-def _delayed_forward(spec, layouts, x, w, scales, counts):
+def _delayed_forward(spec, layouts, x, w, scales, counts, groups=None):
     x = layouts.x_split(x)
     xq, wq = quantize_scaled(x, scales[0], E4M3), quantize_scaled(w, scales[1], E4M3)
-    y = jnp.einsum(
-        spec,
+    y = _product(spec, groups)(
         dequantize(layouts.x_whole(xq), scales[0], x.dtype),
         dequantize(wq, scales[1], w.dtype),
     )
-    forward_seen = jnp.stack([seen(jnp.max(jnp.abs(a))) for a in (x, w)])
+    amaxes = jnp.stack([jnp.max(jnp.abs(a)).astype(jnp.float32) for a in (x, w)])
     like = (jnp.zeros((), x.dtype), jnp.zeros((), w.dtype), jnp.zeros((), counts.dtype))
-    return y, (xq, wq, scales, forward_seen, like)
+    return y, (xq, wq, scales, amaxes, like)
 
 
-def _delayed_backward(spec, layouts, kept, dy):
-    xq, wq, scales, forward_seen, (x_like, w_like, counts_like) = kept
+def _delayed_backward(spec, layouts, kept, dy, groups=None):
+    xq, wq, scales, amaxes, (x_like, w_like, counts_like) = kept
     x = dequantize(layouts.x_whole(xq), scales[0], x_like.dtype)
     w = dequantize(wq, scales[1], w_like.dtype)
-    _, pullback = jax.vjp(functools.partial(jnp.einsum, spec), x, w)
+    _, pullback = jax.vjp(_product(spec, groups), x, w)
     dy = layouts.dy_split(dy)
     dyq = quantize_scaled(dy, scales[2], E5M2)
     dx, dw = pullback(dequantize(layouts.dy_whole(dyq), scales[2], dy.dtype))
-    dy_seen = seen(jnp.max(jnp.abs(dy)))[None]
-    counts = jnp.concatenate([forward_seen, dy_seen]).astype(counts_like.dtype)
-    return dx, dw, jnp.zeros_like(scales), counts
+    dy_amax = jnp.max(jnp.abs(dy)).astype(jnp.float32)
+    amaxes = layouts.amax(jnp.concatenate([amaxes, dy_amax[None]]))
+    return dx, dw, jnp.zeros_like(scales), seen(amaxes).astype(counts_like.dtype)
 
 
 _delayed.defvjp(_delayed_forward, _delayed_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _delayed_ragged(layouts, rows, w, sizes, scales, counts):
+    return _delayed_forward(None, layouts, rows, w, scales, counts, sizes)[0]
+
+
+def _delayed_ragged_forward(layouts, rows, w, sizes, scales, counts):
+    y, kept = _delayed_forward(None, layouts, rows, w, scales, counts, sizes)
+    return y, (kept, sizes)
+
+
+def _delayed_ragged_backward(layouts, saved, dy):
+    kept, sizes = saved
+    dx, dw, d_scales, d_counts = _delayed_backward(None, layouts, kept, dy, sizes)
+    return dx, dw, None, d_scales, d_counts
+
+
+_delayed_ragged.defvjp(_delayed_ragged_forward, _delayed_ragged_backward)

@@ -10,6 +10,7 @@ With no group sizes, a batched GEMM of each expert's own rows (a capacity factor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -69,10 +70,9 @@ def fp8_weight_gradient(axes: tuple[str, ...] = ()) -> Callable:
     over `axes` as the forward's."""
     amax = _amax_over(axes)
 
-    def gradient(rows, sizes, dy):
-        rows = fp8.round_trip(rows, fp8.E4M3, amax)
-        return grouped_weight_gradient(rows, sizes, fp8.round_trip(dy.astype(rows.dtype),
-                                                                  fp8.E5M2, amax))  # fmt: skip
+    def gradient(name, rows, sizes, dy):
+        rows, dy = fp8.weight_gradient_operands(rows, dy.astype(rows.dtype), None, amax)
+        return grouped_weight_gradient(rows, sizes, dy, name=name)
 
     return gradient
 
@@ -208,10 +208,15 @@ def blocked_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | 
     return blocked_ragged_dot(rows, w, sizes)
 
 
+def _blocked_weights(name: str, rows, sizes, dy) -> jax.Array:
+    del name
+    return blocked_weight_gradient(rows, sizes, dy)
+
+
 class ExpertGemms(NamedTuple):
     """How a layer runs its experts' grouped GEMMs: `matmul` (its backward jax's, or its own
     custom VJP's), and for a backward written out (the exchange's, a split backward's W)
-    `weight_gradient` (rows, sizes, dY) -> [E, in, out] (None: `jax.lax.ragged_dot`'s
+    `weight_gradient` (name, rows, sizes, dY) -> [E, in, out] (None: `jax.lax.ragged_dot`'s
     transpose) and `input_gradient` (name, dY, w, sizes) -> dX (None: `matmul` of dY and the
     transposed w)."""
 
@@ -219,30 +224,113 @@ class ExpertGemms(NamedTuple):
     weight_gradient: Callable | None = None
     input_gradient: Callable | None = None
 
+    def at(self, scaling: dict) -> ExpertGemms:
+        """Itself: its scales are its own (`DelayedGemms.at` takes them from the step)."""
+        del scaling
+        return self
+
 
 RAGGED = ExpertGemms(ragged_matmul)
 """`moe.grouped_gemm: ragged` in 16 bits: `jax.lax.ragged_dot` and its transposes."""
 
 
-def grouped_gemm(moe: MoeConfig, fp8_gemms: bool = False, axes: tuple[str, ...] = ()):
-    """The `ExpertGemms` of `moe.grouped_gemm`: `blocked_matmul` for `blocked`, else
-    `ragged_matmul`; with `fp8_gemms` (`model.fp8`; `ragged` only) `fp8_grouped` and its
-    written-out gradients, their amaxes reduced over `axes` (inside a map over them)."""
-    if fp8_gemms:
+@dataclasses.dataclass(frozen=True)
+class DelayedGemms:
+    """The exchange's grouped GEMMs with delayed FP8 scaling (`model.fp8: delayed`): `at` the
+    layer's scaling (name -> (scales [3], the seen leaf)) they are `delayed_gemms`; the
+    exchange's backward reports the operands' amaxes reduced over `axes` (the map's expert and
+    tensor axes). A split backward's W reads the scales kept with the rows, so no
+    `weight_gradient` of its own."""
+
+    axes: tuple[str, ...] = ()
+    weight_gradient = None
+
+    def at(self, scaling: dict) -> ExpertGemms:
+        return delayed_gemms({name: scales for name, (scales, _) in scaling.items()})
+
+
+def delayed_gemms(scales: dict) -> ExpertGemms:
+    """The experts' GEMMs at delayed scales (name -> [3]: x, w, dy), for a backward written
+    out: each operand round-tripped through its format at its scale (`fp8.round_trip_scaled`)
+    right before the GEMM, the pattern XLA's GPU compiler makes a cuBLASLt FP8 GEMM of."""
+
+    def scaled(name, operand, a):
+        return fp8.round_trip_scaled(a, scales[name][operand], fp8.FORMATS[operand])
+
+    def matmul(name, rows, w, sizes):
+        rows, w = scaled(name, 0, rows), scaled(name, 1, w.astype(rows.dtype))
+        if sizes is None:
+            return jnp.einsum("eni,eio->eno", rows, w)
+        return jax.lax.optimization_barrier(jax.lax.ragged_dot(rows, w, sizes))  # `fp8_grouped`
+
+    def weight_gradient(name, rows, sizes, dy):
+        rows, dy = fp8.weight_gradient_operands(rows, dy.astype(rows.dtype), scales[name])
+        return grouped_weight_gradient(rows, sizes, dy, name=name)
+
+    def input_gradient(name, dy, w, sizes):
+        w = jnp.swapaxes(scaled(name, 1, w.astype(dy.dtype)), 1, 2)
+        return jax.lax.ragged_dot(scaled(name, 2, dy), w, sizes)
+
+    return ExpertGemms(matmul, weight_gradient, input_gradient)
+
+
+def delayed_grouped(scaling: dict, axes: tuple[str, ...] = ()) -> GroupedMatmul:
+    """The experts' grouped GEMM at delayed scales where jax differentiates it (one device, a
+    capacity factor's exchange): `fp8.delayed_ragged_dot` (`fp8.delayed_einsum` for batched
+    GEMMs) at scaling[name] = (scales, the seen leaf), whose cotangent reports the operands'
+    amaxes, reduced over `axes` inside a map over them."""
+    layouts = fp8.SAME if not axes else fp8.Layouts(amax=_amax_over(axes))
+
+    def gmm(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | None) -> jax.Array:
+        scales, counts = scaling[name]
+        w = w.astype(rows.dtype)
+        if sizes is None:
+            return fp8.delayed_einsum("eni,eio->eno", rows, w, scales, counts, layouts)
+        y = fp8.delayed_ragged_dot(rows, w, sizes, scales, counts, layouts)
+        return jax.lax.optimization_barrier(y)  # as `fp8_grouped`'s
+
+    return gmm
+
+
+def grouped_gemm(moe: MoeConfig, fp8_recipe: str = "none", axes: tuple[str, ...] = ()):
+    """The `ExpertGemms` of `moe.grouped_gemm` for `model.fp8` = `fp8_recipe`: `blocked_matmul`
+    for `blocked`, else `ragged_matmul`; with current scaling (`ragged` only) `fp8_grouped` and
+    its written-out gradients, their amaxes reduced over `axes` (inside a map over them); with
+    delayed scaling `DelayedGemms`, which the exchange puts at the layer's scales."""
+    if fp8_recipe == "delayed":
+        return DelayedGemms(axes)
+    if fp8_recipe == "current":
         return ExpertGemms(fp8_grouped(axes), fp8_weight_gradient(axes), fp8_input_gradient(axes))
     if moe.grouped_gemm == "blocked":
-        return ExpertGemms(blocked_matmul, blocked_weight_gradient)
+        return ExpertGemms(blocked_matmul, _blocked_weights)
     return RAGGED
 
 
-def grouped_weight_gradient(rows, sizes, dy, grouped_gradient: Callable | None = None):
-    """Each expert's X_e^T dY_e [E, in, out]: `grouped_gradient(rows, sizes, dy)`, or the
+def differentiable_matmul(
+    moe: MoeConfig, fp8_recipe: str = "none", scaling: dict | None = None,
+    axes: tuple[str, ...] = (),
+) -> GroupedMatmul:  # fmt: skip
+    """The experts' grouped GEMM where jax differentiates it (one device; a capacity factor's
+    exchange, over `axes`): `delayed_grouped` at the layer's `scaling`, `fp8_grouped`, or
+    `grouped_gemm`'s 16-bit one."""
+    if fp8_recipe == "delayed":
+        return delayed_grouped(scaling, axes)
+    if fp8_recipe == "current":
+        return fp8_grouped(axes)
+    return grouped_gemm(moe).matmul
+
+
+def grouped_weight_gradient(
+    rows, sizes, dy, grouped_gradient: Callable | None = None, name: str = ""
+):  # fmt: skip
+    """Each expert's X_e^T dY_e [E, in, out] of the expert weight `name`:
+    `grouped_gradient(name, rows, sizes, dy)`, or the
     transpose of `jax.lax.ragged_dot(rows, w, sizes)` in w applied to dy, the grouped GEMM
     that the whole backward runs for the expert weights. The w it transposes at varies
     over the manual axes rows and dy vary over (inside a map): an invariant one would sum the
     gradient over them."""
     if grouped_gradient is not None:
-        return grouped_gradient(rows, sizes, dy)
+        return grouped_gradient(name, rows, sizes, dy)
     w = varying_like(
         jnp.zeros((sizes.shape[0], rows.shape[-1], dy.shape[-1]), rows.dtype), rows, dy
     )

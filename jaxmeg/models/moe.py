@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from jaxmeg.config import ModelConfig, MoeConfig
 from jaxmeg.config_moe import BOUND_SLOTS
+from jaxmeg.models import fp8 as fp8_scaling
 from jaxmeg.models import parts
 from jaxmeg.models.experts_ffn import (
     capacity,
@@ -62,7 +63,12 @@ from jaxmeg.models.experts_ffn import (
     experts_ffn_capacity_exchanged,
     experts_ffn_exchanged,
 )
-from jaxmeg.models.grouped_gemm import GroupedMatmul, fp8_grouped, grouped_gemm, ragged_matmul
+from jaxmeg.models.grouped_gemm import (
+    GroupedMatmul,
+    differentiable_matmul,
+    grouped_gemm,
+    ragged_matmul,
+)
 from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, normal, param
 from jaxmeg.models.router import expert_load, route_by, router_logits, sequence_balance_loss, z_loss
 
@@ -75,7 +81,8 @@ MOE_STATS = "moe_stats"
 def moe_ffn(
     moe: MoeConfig, sequences: int, x: Array, logits: Array, bias: Array, w_in: Array,
     w_out: Array, *w_gate: Array, axis: str | None = None, tensor_axis: str | None = None,
-    gmm: GroupedMatmul = ragged_matmul, taps: dict | None = None, fp8: bool = False,
+    gmm: GroupedMatmul = ragged_matmul, taps: dict | None = None, fp8: str = "none",
+    scaling: dict | None = None,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
     """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
     router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
@@ -88,7 +95,10 @@ def moe_ffn(
     experts' grouped GEMM on one device. `taps` (dropless, with `axis`): as
     `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth.
     `fp8` (`model.fp8`; with `axis`: on one device `gmm` says): the experts' grouped GEMMs on
-    FP8 operands (`grouped_gemm.fp8_grouped`), their amaxes reduced over the map's axes."""
+    FP8 operands, at current scales whose amaxes are reduced over the map's axes
+    (`grouped_gemm.fp8_grouped`), or at delayed ones, `scaling`: name -> (scales [3], the seen
+    leaf), whose cotangent reports the amaxes reduced alike (`grouped_gemm.delayed_grouped`,
+    `moe_exchange.through_experts`)."""
     routing = route_by(moe, logits, bias)
     gate = w_gate[0] if w_gate else None
     recorded, taken = {}, None
@@ -98,7 +108,7 @@ def moe_ffn(
         if axis is None:
             y = experts_ffn_capacity(x, routing, w_in, w_out, gate, sequences, cap, gmm)
         else:
-            batched = fp8_grouped(axes) if fp8 else ragged_matmul
+            batched = differentiable_matmul(moe, fp8, scaling, axes)
             y = experts_ffn_capacity_exchanged(
                 x, routing, w_in, w_out, gate, sequences, cap, axis, tensor_axis, batched
             )
@@ -117,6 +127,7 @@ def moe_ffn(
             grouped_gemm(moe, fp8, axes),
             moe.exchange_bounds,
             moe.exchange_kept_bound,
+            scaling,
         )
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:
@@ -209,13 +220,19 @@ class MoeMlp(nn.Module):
             w_gate = param(self, "w_gate", (e, d, f), expert_in, normal(cfg.init_std))
         x_TxD = x_BxSxD.reshape(b * s, d)
         experts = (w_in, w_out) if w_gate is None else (w_in, w_out, w_gate)
+        scaling = {}  # delayed FP8 scaling: name -> (scales, the seen leaf)
+        if cfg.fp8 == "delayed":
+            names = ("w_in", "w_out", "w_gate")[: len(experts)]
+            scaling = {name: parts.delayed_scaling(self, name) for name in names}
         local = self.dispatch is None or self.is_initializing()
-        run = partial(moe_ffn, gmm=self._tapped_matmul) if local else self.dispatch
+        run = self.dispatch
+        if local:
+            run = partial(moe_ffn, gmm=partial(self._tapped_matmul, scaling))
+        elif self._tapped_exchange():
+            run = self._exchanged_tapped
         logits = router_logits(x_TxD, w_router)
         experts = tuple(w.astype(compute) for w in experts)
-        if not local and self._tapped_exchange():
-            run = self._exchanged_tapped
-        y_TxD, aux, share = run(moe, b, x_TxD, logits, bias, *experts)
+        y_TxD, aux, share = run(moe, b, x_TxD, logits, bias, *experts, scaling=scaling)
         share, bounds = share[..., :e], share[..., e:]  # bounds: [] but over an exchange
         y_BxSxD = y_TxD.reshape(b, s, d)
         if moe.shared_experts:
@@ -246,7 +263,7 @@ class MoeMlp(nn.Module):
         split = self.is_mutable_collection(parts.TAPS) or self.has_variable(parts.TAPS, "w_in")
         return split and not self.moe.capacity_factor and hasattr(self.dispatch, "tapped")
 
-    def _exchanged_tapped(self, moe, sequences, x, logits, bias, *experts):
+    def _exchanged_tapped(self, moe, sequences, x, logits, bias, *experts, scaling=None):
         """The dispatch's tapped exchange (`jaxmeg.parallel.experts.exchanged_tapped`): zero
         taps on the experts' grouped GEMMs (`TAPS`, each device's block stacked), their rows
         and group sizes sown (`MATMUL_INPUTS`), so a split backward computes the expert
@@ -257,21 +274,28 @@ class MoeMlp(nn.Module):
             for name, a in shapes.items()
         }
         y, aux, share, recorded = self.dispatch.tapped(
-            moe, sequences, x, logits, bias, taps, *experts
+            moe, sequences, x, logits, bias, taps, *experts, scaling=scaling
         )
         keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
         for name, rows in recorded.items():
+            if scaling:  # W rounds as the forward did
+                rows = {**rows, fp8_scaling.SOWN_SCALES: scaling[name][0]}
             self.sow(parts.MATMUL_INPUTS, name, rows, **keep)
         return y, aux, share
 
-    def _tapped_matmul(self, name: str, rows: Array, w: Array, sizes: Array | None) -> Array:
+    def _tapped_matmul(
+        self, scaling: dict, name: str, rows: Array, w: Array, sizes: Array | None
+    ) -> Array:
         """The experts' grouped GEMM on one device, as `parts.weight_matmul` is for a dense
         one: its input sown (the rows, and the group sizes of a ragged one, `MATMUL_INPUTS`)
         and its output tapped (`TAPS`), so a split backward computes the expert weights'
-        gradients in W (`jaxmeg.models.split_backward.weight_gradients`). With the experts
-        split over devices the exchange's taps do the same (`_exchanged_tapped`)."""
+        gradients in W (`jaxmeg.models.split_backward.weight_gradients`), with delayed
+        FP8 scaling at the scales kept beside them. With the experts split over devices the
+        exchange's taps do the same (`_exchanged_tapped`)."""
         grouped = {"rows": rows} if sizes is None else {"rows": rows, "sizes": sizes}
+        if scaling:
+            grouped[fp8_scaling.SOWN_SCALES] = scaling[name][0]
         keep = {"init_fn": lambda: None, "reduce_fn": lambda _, new: new}
         self.sow(parts.MATMUL_INPUTS, name, grouped, **keep)
-        matmul = grouped_gemm(self.moe, self.cfg.fp8 != "none").matmul
+        matmul = differentiable_matmul(self.moe, self.cfg.fp8, scaling)
         return self.perturb(name, matmul(name, rows, w, sizes), collection=parts.TAPS)

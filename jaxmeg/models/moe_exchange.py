@@ -22,6 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxmeg.models import fp8
 from jaxmeg.models.grouped_gemm import GroupedMatmul, cotangent_like, grouped_weight_gradient
 
 EXCHANGE_KEPT = "moe_exchange"
@@ -120,7 +121,7 @@ def _activation(a, g):
 
 
 def _forward(plan: _Blocks, diff, matmul: GroupedMatmul):
-    rows_in, w_in, w_out, w_gate, taps = diff
+    rows_in, w_in, w_out, w_gate, taps, _ = diff
     x = plan.dispatch(rows_in)
     n = x.shape[0]
 
@@ -148,18 +149,21 @@ def through_experts(bound: int, full: int, keep: int, axis: str, gemm, const, di
     """One bound's exchange: `const` = (each sorted choice's device [T k], its slot in that
     device's block, its expert on that device), `diff` = (the choices' rows [T k, h] in that
     order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added to that grouped
-    GEMM's output, whose cotangents are its dY); `gemm` = the experts' grouped GEMMs
-    (`grouped_gemm.ExpertGemms`). (each choice's output [T k, h], name -> the
-    tapped GEMM's rows and group sizes padded to `full` = E_ranks T k rows). The backward keeps
-    the GEMMs' rows padded to `keep` rows where E_ranks B fits them, else reruns the forward."""
+    GEMM's output, whose cotangents are its dY, scaling: with delayed FP8 scaling name ->
+    (scales [3], the seen leaf [3, BINS]), else {}); `gemm` = the experts' grouped GEMMs
+    (`grouped_gemm.ExpertGemms`, or `DelayedGemms` put at the scaling's scales). (each choice's
+    output [T k, h], name -> the tapped GEMM's rows and group sizes padded to `full` = E_ranks
+    T k rows). The backward keeps the GEMMs' rows padded to `keep` rows where E_ranks B fits
+    them, else reruns the forward; with a scaling, the seen leaves' cotangents are the amaxes
+    of each GEMM's x, w and dY over `gemm.axes` (`_seen`)."""
     plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
-    out, x, _, _, act = _forward(plan, diff, gemm[0])
+    out, x, _, _, act = _forward(plan, diff, gemm.at(diff[5]).matmul)
     return out, _recorded(diff[4], x, act, plan.sizes, full)
 
 
 def _through_fwd(bound, full, keep, axis, gemm, const, diff):
     plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
-    out, x, a, g, act = _forward(plan, diff, gemm[0])
+    out, x, a, g, act = _forward(plan, diff, gemm.at(diff[5]).matmul)
     kept = None
     if x.shape[0] <= keep:
         kept = (
@@ -171,10 +175,11 @@ def _through_fwd(bound, full, keep, axis, gemm, const, diff):
 
 def _through_bwd(bound, full, keep, axis, gemm, residuals, cotangents):
     const, diff, kept = residuals
-    rows_in, w_in, w_out, w_gate, taps = diff
+    rows_in, w_in, w_out, w_gate, taps, scaling = diff
+    gemms = gemm.at(scaling)
     if kept is None:  # a bound past `keep`: its forward again
         plan = _Blocks.route(const, w_in.shape[0], bound, axis)
-        _, x, a, g, _ = _forward(plan, diff, gemm[0])
+        _, x, a, g, _ = _forward(plan, diff, gemms.matmul)
         sizes = plan.sizes
     else:
         x, a, g, by_expert, sizes = kept
@@ -184,7 +189,7 @@ def _through_bwd(bound, full, keep, axis, gemm, residuals, cotangents):
         g = None if g is None else g[:n]
     d_out, _ = cotangents  # the recorded rows take no gradient
     d_y = plan.dispatch(d_out.astype(a.dtype))  # collect's transpose
-    matmul, weight_gradient, input_gradient = gemm
+    matmul, weight_gradient, input_gradient = gemms
     if input_gradient is None:
         input_gradient = lambda name, d, w, n: matmul(name, d, jnp.swapaxes(w, 1, 2), n)  # noqa: E731
     act, act_vjp = jax.vjp(_activation, a, g)
@@ -193,12 +198,15 @@ def _through_bwd(bound, full, keep, axis, gemm, residuals, cotangents):
     d_x = input_gradient("w_in", d_a, w_in, sizes)
     if g is not None:
         d_x = d_x + input_gradient("w_gate", d_g, w_gate, sizes)
-    d_rows_in = plan.collect(d_x.astype(rows_in.dtype))  # dispatch's transpose
     weights = {"w_in": (w_in, x, d_a), "w_out": (w_out, act, d_y), "w_gate": (w_gate, x, d_g)}
+    d_scaling = _seen(scaling, weights, gemm)
+    d_rows_in = plan.collect(d_x.astype(rows_in.dtype))  # dispatch's transpose
     grads = {
         # tapped, a split backward computes the weights' gradients in W from the taps'
         # cotangents: none here (inside the branch XLA would not drop them)
-        name: jnp.zeros_like(w) if taps else grouped_weight_gradient(x_, sizes, d, weight_gradient)
+        name: jnp.zeros_like(w)
+        if taps
+        else grouped_weight_gradient(x_, sizes, d, weight_gradient, name)
         for name, (w, x_, d) in weights.items()
         if w is not None
     }
@@ -206,7 +214,28 @@ def _through_bwd(bound, full, keep, axis, gemm, residuals, cotangents):
     d_taps = {name: cotangent_like(_pad_rows(dy[name], full), tap) for name, tap in taps.items()}
     typed = {name: cotangent_like(d, weights[name][0]) for name, d in grads.items()}
     d_rows_in = cotangent_like(d_rows_in, rows_in)
-    return None, (d_rows_in, typed["w_in"], typed["w_out"], typed.get("w_gate"), d_taps)
+    return None, (
+        d_rows_in, typed["w_in"], typed["w_out"], typed.get("w_gate"), d_taps, d_scaling,
+    )  # fmt: skip
+
+
+def _seen(scaling: dict, weights: dict, gemm) -> dict:
+    """The scaling's cotangent: with delayed scaling each seen leaf's is the bins of its GEMM's
+    x, w and dY amaxes (`weights`: name -> (w, x, dY)), reduced over `gemm.axes` by one
+    all-reduce (a plain collective beside the branch's all-to-alls: every device starts them
+    in the branch's one order); the scales' cotangents are zero."""
+    if not scaling:
+        return {}
+    names = sorted(scaling)
+    largest = lambda a: jnp.max(jnp.abs(a)).astype(jnp.float32)  # noqa: E731
+    amaxes = jnp.stack([jnp.stack([largest(weights[n][i]) for i in (1, 0, 2)]) for n in names])
+    if gemm.axes:
+        amaxes = jax.lax.pmax(amaxes, gemm.axes)
+    counts = fp8.seen(amaxes)  # [names, 3, BINS]
+    return {
+        n: (jnp.zeros_like(scaling[n][0]), cotangent_like(counts[i], scaling[n][1]))
+        for i, n in enumerate(names)
+    }
 
 
 through_experts.defvjp(_through_fwd, _through_bwd)

@@ -62,7 +62,7 @@ def weight_matmul(
     kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
     scales = counts = None
     if module.cfg.fp8 == "delayed":
-        scales, counts = _delayed_scaling(module, name)
+        scales, counts = delayed_scaling(module, name)
         kept = {fp8.SOWN_INPUT: kept, fp8.SOWN_SCALES: scales}  # W rounds as the forward did
     module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     if scales is not None:
@@ -94,7 +94,7 @@ def _fp8_layouts(module: nn.Module, residual: str) -> fp8.Layouts:
     return fp8.SAME
 
 
-def _delayed_scaling(module: nn.Module, name: str) -> tuple[Array, Array]:
+def delayed_scaling(module: nn.Module, name: str) -> tuple[Array, Array]:
     """(the scales [3] from the linear's amax history, its seen-amax leaf): `model.fp8:
     delayed`'s two leaves beside the weight `name` (`jaxmeg.models.fp8`)."""
     cfg = module.cfg

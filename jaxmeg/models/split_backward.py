@@ -83,35 +83,35 @@ def weight_gradients(
     `jax.lax.ragged_dot`'s transpose. `fp8_gemms`
     (`model.fp8`): a weight's dW reads X in E4M3 and dY in E5M2, as the whole backward's
     (`jaxmeg.models.fp8.einsum`); with delayed scaling X comes with the forward's scales
-    ({"fp8_input", "fp8_scales"}, `jaxmeg.models.fp8.delayed_einsum`)."""
+    ({"fp8_input", "fp8_scales"}, `jaxmeg.models.fp8.delayed_einsum`; a grouped GEMM's rows
+    with "fp8_scales" beside them)."""
 
     def dense(dy, x):
         if isinstance(x, dict):  # delayed FP8 scaling: at the scales the forward used
-            s, x = x[fp8.SOWN_SCALES], x[fp8.SOWN_INPUT]
-            x, dy = (
-                fp8.round_trip_scaled(x, s[0], fp8.E4M3),
-                fp8.round_trip_scaled(dy, s[2], fp8.E5M2),
-            )
+            x, dy = fp8.weight_gradient_operands(x[fp8.SOWN_INPUT], dy, x[fp8.SOWN_SCALES])
         elif fp8_gemms:
-            x, dy = fp8.round_trip(x, fp8.E4M3), fp8.round_trip(dy, fp8.E5M2)
+            x, dy = fp8.weight_gradient_operands(x, dy)
         contract = list(range(batch_dims))
         return jnp.tensordot(x, dy, axes=(contract, contract))
 
     def grouped(dy, x, name):
         if "device_rows" in x:
             return exchanged(dy, x, name, grouped_gradient, fp8_gemms)
+        rows, dy, gradient = x["rows"], dy.astype(x["rows"].dtype), grouped_gradient
+        if fp8.SOWN_SCALES in x:  # delayed FP8 scaling: at the scales the forward used
+            rows, dy = fp8.weight_gradient_operands(rows, dy, x[fp8.SOWN_SCALES])
+            gradient = None
+        elif fp8_gemms and "sizes" not in x:
+            rows, dy = fp8.weight_gradient_operands(rows, dy)
         if "sizes" not in x:  # a capacity factor's batched GEMM, in FP8 as its forward's
-            rows, dy = x["rows"], dy.astype(x["rows"].dtype)
-            if fp8_gemms:
-                rows, dy = fp8.round_trip(rows, fp8.E4M3), fp8.round_trip(dy, fp8.E5M2)
             return jnp.einsum("eni,eno->eio", rows, dy)
-        return grouped_weight_gradient(x["rows"], x["sizes"], dy, grouped_gradient)
+        return grouped_weight_gradient(rows, x["sizes"], dy, gradient, name)
 
     for _ in range(lead):
         dense, grouped = jax.vmap(dense), _one_by_one(grouped)
 
     def one(path, dy, x):
-        if isinstance(x, dict) and fp8.SOWN_SCALES not in x:
+        if isinstance(x, dict) and fp8.SOWN_INPUT not in x:
             return grouped(dy, x, path[-1].key)
         return dense(dy, x)
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from jaxmeg.models import fp8 as fp8_scaling
 from jaxmeg.models.grouped_gemm import fp8_weight_gradient, grouped_weight_gradient
 from jaxmeg.models.moe import moe_ffn
 from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
@@ -68,26 +69,28 @@ def _nested_map(fn: Callable, in_specs: tuple, out_specs) -> Callable:
 
 
 def _in_specs(gated: int) -> tuple:
-    """x, logits, bias, w_in, w_out(, w_gate)."""
-    return (ROWS, ROWS, P(), EXPERT_IN, EXPERT_OUT, *([EXPERT_IN] * gated))
+    """x, logits, bias, scaling, w_in, w_out(, w_gate). `scaling`: with delayed FP8 scaling,
+    name -> (scales, the seen leaf), whole on every device (`moe.moe_ffn`); else {}."""
+    return (ROWS, ROWS, P(), P(), EXPERT_IN, EXPERT_OUT, *([EXPERT_IN] * gated))
 
 
 @dataclasses.dataclass(frozen=True)
 class OnDevice:
     """What a device's share of the layer runs with (a static of `exchanged`): the sequences
-    of the microbatch the expert group holds, and whether the experts' grouped GEMMs run on
-    FP8 operands."""
+    of the microbatch the expert group holds, and the FP8 recipe of the experts' grouped GEMMs
+    (`model.fp8`)."""
 
     sequences: int
-    fp8: bool = False
+    fp8: str = "none"
 
 
 def _on_device(moe, device: OnDevice) -> Callable:
     ranks = jax.sharding.get_abstract_mesh().shape[EXPERT]
 
-    def local(x, logits, bias, *experts, taps=None):
+    def local(x, logits, bias, scaling, *experts, taps=None):
         return moe_ffn(moe, device.sequences // ranks, x, logits, bias, *experts, axis=EXPERT,
-                       tensor_axis=TENSOR, taps=taps, fp8=device.fp8)  # fmt: skip
+                       tensor_axis=TENSOR, taps=taps, fp8=device.fp8,
+                       scaling=scaling)  # fmt: skip
 
     return local
 
@@ -116,19 +119,20 @@ def _differentiable(moe, device, bias, axes):
     local = _on_device(moe, device)
     stacked = _tap_axes(axes)
 
-    def fn(x, logits, taps, *experts):
+    def fn(x, logits, taps, scaling, *experts):
         device_taps = {name: _unstack(t, stacked) for name, t in taps.items()}
-        y, aux, shares, recorded = local(x, logits, bias, *experts, taps=device_taps)
+        y, aux, shares, recorded = local(x, logits, bias, scaling, *experts, taps=device_taps)
         kept = jax.tree.map(lambda v: _stack(v, stacked), recorded)
         return (y, aux), (shares, kept)
 
     return fn
 
 
-def _forward(moe, device, x, logits, bias, *experts):
+def _forward(moe, device, x, logits, bias, scaling, *experts):
     gated = len(experts) - 2
     local = _on_device(moe, device)
-    return _nested_map(local, _in_specs(gated), (ROWS, P(), P()))(x, logits, bias, *experts)
+    mapped = _nested_map(local, _in_specs(gated), (ROWS, P(), P()))
+    return mapped(x, logits, bias, scaling, *experts)
 
 
 exchanged = jax.custom_vjp(_forward, nondiff_argnums=(0, 1))
@@ -142,9 +146,11 @@ def _varies(x, axes) -> tuple[str, ...]:
 def _forward_keeping(moe, device, axes) -> Callable:
     """The device's forward and its pullback: ((y, aux, shares, recorded), pullback)."""
 
-    def local(x, logits, bias, taps, *experts):
+    def local(x, logits, bias, taps, scaling, *experts):
         fn = _differentiable(moe, device, bias, axes)
-        (y, aux), pullback, (shares, kept) = jax.vjp(fn, x, logits, taps, *experts, has_aux=True)
+        (y, aux), pullback, (shares, kept) = jax.vjp(
+            fn, x, logits, taps, scaling, *experts, has_aux=True
+        )
         return (y, aux, shares, kept), pullback
 
     return local
@@ -192,7 +198,7 @@ def kept_statistics(aux, shares):
     return checkpoint_name((aux, shares), EXCHANGE_KEPT)
 
 
-def _keeping_fwd(moe, device, x, logits, bias, taps, *experts):
+def _keeping_fwd(moe, device, x, logits, bias, taps, scaling, *experts):
     """The forward, keeping each device's pullback: its residuals leave the map stacked over
     the axes each varies over, their types unchanged (the backward's map takes them apart
     again); the backward reruns no forward where they are kept (the module docstring).
@@ -200,7 +206,7 @@ def _keeping_fwd(moe, device, x, logits, bias, taps, *experts):
     axes = _nested_axes()
     gates = len(experts) - 2
     local = _forward_keeping(moe, device, axes)
-    args = (x, logits, bias, taps, *experts)
+    args = (x, logits, bias, taps, scaling, *experts)
     d_bias = jax.lax.full_like(bias, 0)  # the bias only moves the top-k choice (see bwd)
     names = {name: None for name in taps}  # an empty tree: which taps, for the backward
     if not axes:
@@ -232,7 +238,8 @@ def _keeping_fwd(moe, device, x, logits, bias, taps, *experts):
 
 
 def _keeping_bwd(saved, g_y, g_aux):
-    """(d_x, d_logits, d_bias, d_taps, *d_experts) from `_keeping_fwd`'s residuals."""
+    """(d_x, d_logits, d_bias, d_taps, d_scaling, *d_experts) from `_keeping_fwd`'s
+    residuals."""
     d_bias, pullback, code, gates, names = saved
     axes = _nested_axes()
     if not axes:
@@ -255,26 +262,28 @@ def _keeping_bwd(saved, g_y, g_aux):
     return (d_x, d_logits, d_bias, d_taps, *d_experts)
 
 
-def _rerunning_fwd(moe, device, x, logits, bias, *experts):
-    return _forward(moe, device, x, logits, bias, *experts), (x, logits, bias, *experts)
+def _rerunning_fwd(moe, device, x, logits, bias, scaling, *experts):
+    saved = (x, logits, bias, scaling, *experts)
+    return _forward(moe, device, *saved), saved
 
 
 def _rerunning_bwd(moe, device, args, g_y, g_aux):
     """The backward as a map of its own that reruns the device's forward under `jax.vjp`."""
-    x, logits, bias, *experts = args
+    x, logits, bias, scaling, *experts = args
     forward = _forward_keeping(moe, device, _nested_axes())
 
-    def local_vjp(x_, logits_, bias_, *more):
+    def local_vjp(x_, logits_, bias_, scaling_, *more):
         *experts_, g_y_, g_aux_ = more
-        d_x, d_logits, _, *d_experts = forward(x_, logits_, bias_, {}, *experts_)[1]((g_y_, g_aux_))
-        return (d_x, d_logits, *d_experts)
+        pullback = forward(x_, logits_, bias_, {}, scaling_, *experts_)[1]
+        d_x, d_logits, _, *d_rest = pullback((g_y_, g_aux_))
+        return (d_x, d_logits, *d_rest)
 
     specs = _in_specs(len(experts) - 2)
     grads = _nested_map(local_vjp, (*specs, ROWS, P()), (specs[0], specs[1], *specs[3:]))(
-        x, logits, bias, *experts, g_y, g_aux
+        x, logits, bias, scaling, *experts, g_y, g_aux
     )
-    d_x, d_logits, *d_experts = grads
-    return (d_x, d_logits, jax.lax.full_like(bias, 0), *d_experts)
+    d_x, d_logits, *d_rest = grads  # d_rest: the scaling's, the experts'
+    return (d_x, d_logits, jax.lax.full_like(bias, 0), *d_rest)
 
 
 def _reruns(moe) -> bool:
@@ -283,12 +292,13 @@ def _reruns(moe) -> bool:
     return bool(moe.capacity_factor) and jax.sharding.get_abstract_mesh().shape.get("pipe", 1) > 1
 
 
-def _exchanged_fwd(moe, device, x, logits, bias, *experts):
+def _exchanged_fwd(moe, device, x, logits, bias, scaling, *experts):
     """Keeps the pullback, but with a capacity factor in a pipeline, whose backward reruns the
     forward (see the module docstring)."""
     if _reruns(moe):
-        return _rerunning_fwd(moe, device, x, logits, bias, *experts)
-    (y, aux, shares, _), saved = _keeping_fwd(moe, device, x, logits, bias, {}, *experts)
+        return _rerunning_fwd(moe, device, x, logits, bias, scaling, *experts)
+    (y, aux, shares, _), saved = _keeping_fwd(moe, device, x, logits, bias, {}, scaling,
+                                              *experts)  # fmt: skip
     return (y, aux, shares), saved
 
 
@@ -298,15 +308,15 @@ def _exchanged_bwd(moe, device, saved, cotangents):
     # the loads, outside this function)
     if _reruns(moe):
         return _rerunning_bwd(moe, device, saved, g_y, g_aux)
-    d_x, d_logits, d_bias, _, *d_experts = _keeping_bwd(saved, g_y, g_aux)
-    return (d_x, d_logits, d_bias, *d_experts)
+    d_x, d_logits, d_bias, _, *d_rest = _keeping_bwd(saved, g_y, g_aux)
+    return (d_x, d_logits, d_bias, *d_rest)  # d_rest: the scaling's, the experts'
 
 
 exchanged.defvjp(_exchanged_fwd, _exchanged_bwd)
 
 
-def _tapped_forward(moe, device, x, logits, bias, taps, *experts):
-    return _keeping_fwd(moe, device, x, logits, bias, taps, *experts)[0]
+def _tapped_forward(moe, device, x, logits, bias, taps, scaling, *experts):
+    return _keeping_fwd(moe, device, x, logits, bias, taps, scaling, *experts)[0]
 
 
 exchanged_tapped = jax.custom_vjp(_tapped_forward, nondiff_argnums=(0, 1))
@@ -345,7 +355,7 @@ def tap_shapes(moe, sequences, x, logits, bias, *experts) -> dict:
 
     names = ("w_in", "w_out", "w_gate")[: len(experts)]
     stacked = P(*_tap_axes(axes))
-    specs = (ROWS, *_in_specs(len(experts) - 2)[3:])
+    specs = (ROWS, *_in_specs(len(experts) - 2)[4:])
     mapped = _nested_map(outputs, specs, dict.fromkeys(names, stacked))
     return jax.eval_shape(mapped, x, *experts)
 
@@ -358,20 +368,25 @@ def weight_gradient(
     in a map over the layer's axes ([E, h, f] or [E, f, h], split as the weight is), by
     `grouped_gradient` as the forward's grouped GEMM ran (`grouped_gemm.grouped_gemm`; None:
     `jax.lax.ragged_dot`'s transpose); with `fp8` (`model.fp8`) on FP8 operands scaled over
-    the expert group and its tensor ranks, as the forward's (`grouped_gemm.fp8_grouped`)."""
+    the expert group and its tensor ranks, as the forward's (`grouped_gemm.fp8_grouped`), or
+    with delayed scaling at the forward's scales, kept beside the rows ("fp8_scales")."""
     axes = _tap_axes(_nested_axes())
-    if fp8:
+    scales = recorded.get(fp8_scaling.SOWN_SCALES)
+    if fp8 and scales is None:
         grouped_gradient = fp8_weight_gradient((EXPERT, TENSOR))
 
-    def local(rows, sizes, dy_):
-        return grouped_weight_gradient(
-            _unstack(rows, axes), _unstack(sizes, axes), _unstack(dy_, axes), grouped_gradient
-        )
+    def local(rows, sizes, dy_, scales_):
+        rows, sizes, dy_ = (_unstack(a, axes) for a in (rows, sizes, dy_))
+        gradient = grouped_gradient
+        if scales_ is not None:
+            rows, dy_ = fp8_scaling.weight_gradient_operands(rows, dy_.astype(rows.dtype), scales_)
+            gradient = None
+        return grouped_weight_gradient(rows, sizes, dy_, gradient, name)
 
     stacked = P(*axes)
     spec = EXPERT_OUT if name == "w_out" else EXPERT_IN
-    return _nested_map(local, (stacked, stacked, stacked), spec)(
-        recorded["device_rows"], recorded["device_sizes"], dy
+    return _nested_map(local, (stacked, stacked, stacked, P()), spec)(
+        recorded["device_rows"], recorded["device_sizes"], dy, scales
     )
 
 
@@ -381,20 +396,21 @@ class ExpertDispatch:
     `exchanged_tapped` and `tap_shapes` (`jaxmeg.models.moe.MoeMlp`). `fp8` (`model.fp8`):
     the experts' grouped GEMMs run on FP8 operands (`moe.moe_ffn`)."""
 
-    fp8: bool = False
+    fp8: str = "none"
 
-    def __call__(self, moe, sequences, x, logits, bias, *experts):
-        return exchanged(moe, OnDevice(sequences, self.fp8), x, logits, bias, *experts)
+    def __call__(self, moe, sequences, x, logits, bias, *experts, scaling=None):
+        device = OnDevice(sequences, self.fp8)
+        return exchanged(moe, device, x, logits, bias, scaling or {}, *experts)
 
-    def tapped(self, moe, sequences, x, logits, bias, taps, *experts):
+    def tapped(self, moe, sequences, x, logits, bias, taps, *experts, scaling=None):
         """Dropless only."""
-        return exchanged_tapped(moe, OnDevice(sequences, self.fp8), x, logits, bias, taps,
-                                *experts)  # fmt: skip
+        device = OnDevice(sequences, self.fp8)
+        return exchanged_tapped(moe, device, x, logits, bias, taps, scaling or {}, *experts)
 
     tap_shapes = staticmethod(tap_shapes)
 
 
-def dispatch_for(mesh_shape, fp8: bool = False) -> Callable | None:
+def dispatch_for(mesh_shape, fp8: str = "none") -> Callable | None:
     """The MoE layers' dispatch on a mesh of `mesh_shape`: `exchanged` with an expert axis > 1,
     else None (the layer's own, every expert on every device)."""
     return ExpertDispatch(fp8) if mesh_shape.get(EXPERT, 1) > 1 else None

@@ -187,7 +187,7 @@ def step_block(trainable: Trainable, constrain) -> Block | LayerGroup:
     loss is the mean of (`jaxmeg.models.moe.into_backward`), its experts split over the
     `expert` axis (`jaxmeg.parallel.experts`)."""
     cfg = trainable.cfg
-    dispatch = experts.dispatch_for(trainable.mesh.shape, fp8=cfg.model.fp8 != "none")
+    dispatch = experts.dispatch_for(trainable.mesh.shape, fp8=cfg.model.fp8)
     return layer_unit(cfg.moe)(trainable.model_cfg, constrain, model_order(trainable), cfg.moe,
                                1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
 
@@ -208,8 +208,9 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
     block = step_block(trainable, constrain)
     tapped = split_backward.tapped(block)
     fp8_gemms = trainable.cfg.model.fp8 != "none"
-    # W's grouped GEMMs as the forward's (an exchanged layer's scale over its map's axes)
-    grouped = grouped_gemm(trainable.cfg.moe, fp8_gemms).weight_gradient
+    # W's grouped GEMMs as the forward's (an exchanged layer's scale over its map's axes;
+    # delayed scales come with the rows)
+    grouped = grouped_gemm(trainable.cfg.moe, trainable.cfg.model.fp8).weight_gradient
 
     def recompute_under(policy):
         return _over_layers(trainable, lambda lp, x, taps: tapped(lp, x, taps), policy)
