@@ -6,6 +6,9 @@ and the weights' gradients from the rows and the output cotangents (`moe.grouped
   blocked  `blocked_ragged_dot`: a loop of dense GEMMs over blocks of each expert's rows
 
 With no group sizes, a batched GEMM of each expert's own rows (a capacity factor's buffers).
+With `model.fp8` the ragged (and batched) GEMMs run on FP8 operands, one scale per operand over
+all experts: at current scales (`fp8_grouped`) or at the expert weight's delayed ones
+(`delayed_grouped` where jax differentiates the GEMM, `DelayedGemms` in a backward written out).
 """
 
 from __future__ import annotations
