@@ -9,7 +9,7 @@ import math
 
 MOE_ROUTERS = ("softmax", "sigmoid")
 """The `moe.router` choices (`jaxmeg.models.moe.route`)."""
-GROUPED_GEMMS = ("ragged", "blocked")
+GROUPED_GEMMS = ("ragged", "blocked", "pallas")
 """The `moe.grouped_gemm` choices (`jaxmeg.models.grouped_gemm`)."""
 EXCHANGE_BOUNDS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
 """The bounds a dropless exchange over an expert axis runs at (`exchange_bounds`): rows per
@@ -144,9 +144,11 @@ class MoeConfig:
     grouped_gemm: str = "ragged"
     """How a dropless layer runs its experts' grouped GEMMs, on one device and under the
     exchange (parallel.expert > 1): `ragged` (`jax.lax.ragged_dot`, which XLA's GPU compiler
-    makes one dense GEMM over every expert a device holds) or `blocked` (a loop of dense GEMMs
+    makes one dense GEMM over every expert a device holds), `blocked` (a loop of dense GEMMs
     over blocks of each expert's rows: about the routed FLOPs, more memory traffic;
-    docs/benchmarks.md). Both give the same outputs and gradients."""
+    docs/benchmarks.md) or `pallas` (Triton kernels of our own that run only each group's
+    rows, `jaxmeg.models.grouped_kernels`; interpreted, slowly, off a GPU). All give the same
+    outputs and gradients; only `ragged` has an FP8 form."""
     bias_update_rate: float = 0.0
     """DeepSeek-V3's loss-free balancing: after each step every expert's routing bias moves by
     this much toward an even load (up if the expert got fewer tokens than the mean, down if

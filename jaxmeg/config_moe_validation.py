@@ -30,11 +30,11 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
         return
     check_choice("moe.router", moe.router, MOE_ROUTERS)
     check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
-    if cfg.model.fp8 != "none" and moe.grouped_gemm == "blocked" and not moe.capacity_factor:
+    if cfg.model.fp8 != "none" and moe.grouped_gemm != "ragged" and not moe.capacity_factor:
         raise ConfigError(
             f"model.fp8 = {cfg.model.fp8} runs a dropless layer's grouped GEMMs as FP8 ragged "
-            f"GEMMs; moe.grouped_gemm = blocked has no FP8 form: set moe.grouped_gemm = ragged "
-            f"or model.fp8 = none"
+            f"GEMMs; moe.grouped_gemm = {moe.grouped_gemm} has no FP8 form: set "
+            f"moe.grouped_gemm = ragged or model.fp8 = none"
         )
     bounds = moe.exchange_bounds
     increasing = all(a < b for a, b in zip(bounds, bounds[1:], strict=False))

@@ -372,9 +372,11 @@ def test_the_experts_delayed_fp8_scales_equal_one_device(layout):
 
 def test_fp8_is_named_in_a_bad_config_and_on_a_gpu_without_it():
     blocked = "moe.experts=4 moe.grouped_gemm=blocked model.fp8=current"
+    kernels = "moe.experts=4 moe.grouped_gemm=pallas model.fp8=delayed"
     for bad, field in (("model.fp8=delayd", "model.fp8"), ("model.fp8_history=0", "fp8_history"),
                        ("model.fp8_margin=-1", "fp8_margin"),
-                       (blocked, "moe.grouped_gemm = blocked has no FP8 form")):  # fmt: skip
+                       (blocked, "moe.grouped_gemm = blocked has no FP8 form"),
+                       (kernels, "moe.grouped_gemm = pallas has no FP8 form")):  # fmt: skip
         cfg = C.apply_overrides(C.Config(), ["model.vocab_size=512", *bad.split()])
         with pytest.raises(C.ConfigError, match=field):
             C.validate(cfg, 1)

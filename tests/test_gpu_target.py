@@ -150,6 +150,32 @@ def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100()
     assert report["expert_exchange_block"] == bounds[1]["rows"]
 
 
+def test_the_grouped_gemm_kernels_run_the_routed_rows_on_one_h100():
+    """Dropless, 8 experts on one H100 (one layer): XLA's GPU compiler makes each `ragged_dot`
+    a dense GEMM over every expert (GEMM FLOPs about twice the model's here, 8x the experts');
+    `moe.grouped_gemm: pallas` runs Triton kernels over each group's rows
+    (`jaxmeg.models.grouped_kernels`), priced over every row of their buffers: at most the
+    model's FLOPs and a shorter roofline."""
+    import re
+
+    from jaxmeg.training.compilation import compile_step
+
+    moe = C.MoeConfig(experts=8, top_k=2, ffn_hidden=512)
+    reports = {}
+    for form in ("ragged", "pallas"):
+        cfg = gpu_config(layers=1, microbatches=1)
+        trainable, reports[form] = report_for(
+            dataclasses.replace(cfg, moe=dataclasses.replace(moe, grouped_gemm=form))
+        )
+    ratio = {form: r["gemm_flops"] / r["model_flops"] for form, r in reports.items()}
+    assert ratio["pallas"] <= 1.0 < 1.5 < ratio["ragged"], ratio
+    assert reports["pallas"]["roofline_seconds"] < 0.8 * reports["ragged"]["roofline_seconds"]
+    text = compile_step(trainable)[0].as_text()
+    names = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?\bname = "(\w+)"', text)
+    # the forward's w_in and w_out, the rows' cotangents of both, the weights' gradients
+    assert sorted(names) == ["grouped_gemm"] * 4 + ["grouped_gemm_weights"] * 2, names
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_a_pipeline_slot_exchanges_each_microbatch_four_times_on_eight_h100(schedule):
     """expert 4 x pipe 2, dropless, one bound: in the H100 program each F slot body starts 2

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmeg.models import experts_ffn, grouped_gemm, router
+from jaxmeg.models import experts_ffn, grouped_gemm, grouped_kernels, router
 
 T, H, F, E = 24, 16, 8, 4
 
@@ -150,6 +150,34 @@ def test_bad_routing_is_named(top_k, router_name, message):
     with pytest.raises(ValueError) as error:
         router.route(jnp.zeros((2, E)), top_k, router_name)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("sizes", [(10, 0, 23, 3), (0, 0, 40, 0), (10, 10, 10, 10), (0, 0, 0, 0)])
+def test_the_grouped_gemm_kernels_equal_ragged_dot(sizes):
+    """`kernel_ragged_dot` (`moe.grouped_gemm: pallas`: Pallas kernels that run only each
+    group's rows, interpreted here) gives `jax.lax.ragged_dot`'s outputs and both cotangents,
+    for empty groups, rows past the groups (zero), tiles that start anywhere and blocks that
+    would run past the rows; the exchange's written-out gradients are the same kernels."""
+    keys = jax.random.split(jax.random.key(4), 3)
+    rows = jax.random.normal(keys[0], (40, 32))
+    w = jax.random.normal(keys[1], (E, 32, 16))
+    cot = jax.random.normal(keys[2], (40, 16))
+    group = jnp.asarray(sizes, jnp.int32)
+    assert grouped_kernels.runs(40, 32, 16) and grouped_kernels.block(16, 128) == 16
+
+    def pulled(ragged):
+        y, pullback = jax.vjp(lambda r, w_: ragged(r, w_, group), rows, w)
+        return (y, *pullback(cot))
+
+    want = pulled(jax.lax.ragged_dot)
+    for got, expected in zip(pulled(grouped_gemm.kernel_ragged_dot), want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    written_out = (
+        grouped_gemm.kernel_input_gradient("w_in", cot, w, group),
+        grouped_gemm.kernel_weight_gradient("w_in", rows, group, cot),
+    )
+    for got, expected in zip(written_out, want[1:], strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("sizes", [(10, 0, 15, 3), (0, 0, 28, 0), (7, 7, 7, 7), (0, 0, 0, 0)])

@@ -102,9 +102,8 @@ def reference(global_batch: int, moe: C.MoeConfig, model: C.ModelConfig, bias=No
 def check(cfg: C.Config, bias=None) -> dict:
     """Asserts the step's loss and gradients equal one device's; returns the canonical grads."""
     trainable = trainable_for(cfg)
-    tokens, params, ref_loss, ref_grads = reference(
-        cfg.train.global_batch, cfg.moe, cfg.model, bias
-    )
+    ragged = dataclasses.replace(cfg.moe, grouped_gemm="ragged")  # every form computes the same
+    tokens, params, ref_loss, ref_grads = reference(cfg.train.global_batch, ragged, cfg.model, bias)
     params = jax.device_put(
         to_stage_layout(params, trainable.layout), state_shardings(trainable)["params"]
     )
@@ -176,6 +175,14 @@ CASES = {
     "e2p2t2-zb_h1-every2-first_dense-blocked": (
         (1, 2, 2), dataclasses.replace(EVERY2, first_dense=1, grouped_gemm="blocked"), LLAMA,
         "zb_h1", 1, {"expert": 2},
+    ),
+    # ... and as kernels of our own (interpreted off a GPU), on one device and exchanged
+    "d2p2-zb_h1-every2-pallas": (
+        (2, 2, 1), dataclasses.replace(EVERY2, grouped_gemm="pallas"), LLAMA, "zb_h1", 1, {}
+    ),
+    "e2p2-zb_h1-pallas": (
+        (1, 2, 1), dataclasses.replace(TOP2, grouped_gemm="pallas"), LLAMA, "zb_h1", 1,
+        {"expert": 2},
     ),
     "e2t2-first_dense-sequence_parallel-gpt": (
         (1, 1, 2), FIRST_DENSE, GPT, "1f1b", 1, {"expert": 2, "sequence_parallel": True}

@@ -4,6 +4,8 @@ and the weights' gradients from the rows and the output cotangents (`moe.grouped
   ragged   `jax.lax.ragged_dot`, which XLA's GPU compiler makes one dense GEMM over every expert
            (docs/benchmarks.md)
   blocked  `blocked_ragged_dot`: a loop of dense GEMMs over blocks of each expert's rows
+  pallas   `kernel_ragged_dot`: kernels of our own that run only each group's rows
+           (`jaxmeg.models.grouped_kernels`)
 
 With no group sizes, a batched GEMM of each expert's own rows (a capacity factor's buffers).
 With `model.fp8` the ragged (and batched) GEMMs run on FP8 operands, one scale per operand over
@@ -14,6 +16,7 @@ all experts: at current scales (`fp8_grouped`) or at the expert weight's delayed
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.config import MoeConfig
-from jaxmeg.models import fp8
+from jaxmeg.models import fp8, grouped_kernels
 
 GroupedMatmul = Callable[[str, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
 """gmm(name, rows, w [E, in, out], sizes) -> the grouped GEMM of the expert weight `name`:
@@ -216,6 +219,64 @@ def _blocked_weights(name: str, rows, sizes, dy) -> jax.Array:
     return blocked_weight_gradient(rows, sizes, dy)
 
 
+@jax.custom_vjp
+def kernel_ragged_dot(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot(rows, w, sizes)` by `grouped_kernels.grouped_matmul`, whose FLOPs are
+    the groups' rows' (XLA's GPU compiler makes a `ragged_dot` a dense GEMM over every expert);
+    its backward the same kernel against the transposed weights for the rows' cotangent and
+    `grouped_kernels.grouped_weight_gradient` for the weights'. A shape the kernels do not take
+    (`grouped_kernels.runs`) runs `ragged_dot`."""
+    return _kernel_rows(rows, w, sizes)
+
+
+def _kernel_rows(rows, w, sizes, transpose_w=False):
+    inner, out = (w.shape[2], w.shape[1]) if transpose_w else w.shape[1:]
+
+    def ragged():
+        w_ = jnp.swapaxes(w, 1, 2) if transpose_w else w
+        return jax.lax.ragged_dot(rows, w_.astype(rows.dtype), sizes)
+
+    if not grouped_kernels.runs(rows.shape[0], inner, out):
+        return ragged()
+    return grouped_kernels.grouped_matmul(rows, w, sizes, transpose_w, ragged)
+
+
+def kernel_weight_gradient(name: str, rows, sizes, dy) -> jax.Array:
+    """Each expert's rows_e^T dY_e [E, in, out] by `grouped_kernels.grouped_weight_gradient`
+    (`ragged_dot`'s transpose for a shape the kernels do not take)."""
+    ragged = functools.partial(grouped_weight_gradient, rows, sizes, dy, name=name)
+    if not grouped_kernels.runs(rows.shape[0], rows.shape[1], dy.shape[1]):
+        return ragged()
+    return grouped_kernels.grouped_weight_gradient(rows, sizes, dy, ragged)
+
+
+def kernel_input_gradient(name: str, dy, w, sizes) -> jax.Array:
+    """dX = dY w[e]^T of `kernel_ragged_dot`, for a backward written out."""
+    del name
+    return _kernel_rows(dy, w.astype(dy.dtype), sizes, transpose_w=True)
+
+
+def _kernel_fwd(rows, w, sizes):
+    return _kernel_rows(rows, w, sizes), (rows, w, sizes)
+
+
+def _kernel_bwd(saved, dy):
+    rows, w, sizes = saved
+    d_rows = _kernel_rows(dy.astype(rows.dtype), w.astype(rows.dtype), sizes, transpose_w=True)
+    d_w = kernel_weight_gradient("", rows, sizes, dy)
+    return cotangent_like(d_rows, rows), cotangent_like(d_w, w), None
+
+
+kernel_ragged_dot.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def kernel_matmul(name: str, rows: jax.Array, w: jax.Array, sizes: jax.Array | None) -> jax.Array:
+    """`ragged_matmul` with the ragged GEMM as `kernel_ragged_dot`."""
+    if sizes is None:
+        return ragged_matmul(name, rows, w, sizes)
+    return kernel_ragged_dot(rows, w.astype(rows.dtype), sizes)
+
+
 class ExpertGemms(NamedTuple):
     """How a layer runs its experts' grouped GEMMs: `matmul` (its backward jax's, or its own
     custom VJP's), and for a backward written out (the exchange's, a split backward's W)
@@ -297,15 +358,18 @@ def delayed_grouped(scaling: dict, axes: tuple[str, ...] = ()) -> GroupedMatmul:
 
 def grouped_gemm(moe: MoeConfig, fp8_recipe: str = "none", axes: tuple[str, ...] = ()):
     """The `ExpertGemms` of `moe.grouped_gemm` for `model.fp8` = `fp8_recipe`: `blocked_matmul`
-    for `blocked`, else `ragged_matmul`; with current scaling (`ragged` only) `fp8_grouped` and
-    its written-out gradients, their amaxes reduced over `axes` (inside a map over them); with
-    delayed scaling `DelayedGemms`, which the exchange puts at the layer's scales."""
+    for `blocked`, `kernel_matmul` for `pallas`, else `ragged_matmul`; with current scaling
+    (`ragged` only) `fp8_grouped` and its written-out gradients, their amaxes reduced over
+    `axes` (inside a map over them); with delayed scaling `DelayedGemms`, which the exchange
+    puts at the layer's scales."""
     if fp8_recipe == "delayed":
         return DelayedGemms(axes)
     if fp8_recipe == "current":
         return ExpertGemms(fp8_grouped(axes), fp8_weight_gradient(axes), fp8_input_gradient(axes))
     if moe.grouped_gemm == "blocked":
         return ExpertGemms(blocked_matmul, _blocked_weights)
+    if moe.grouped_gemm == "pallas":
+        return ExpertGemms(kernel_matmul, kernel_weight_gradient, kernel_input_gradient)
     return RAGGED
 
 

@@ -425,6 +425,8 @@ class StepCost:
             if target == hlo_gpu.FP8_GEMM:
                 total.fp8_gemm_flops += flops
                 total.fp8_gemm_calls += 1
+        elif flops := hlo_gpu.grouped_kernel_flops(target, operands, ins.shape, ins.attributes):
+            total.matmul_flops += flops
         elif target.startswith(hlo_gpu.ATTENTION_PREFIX):
             call = hlo_gpu.attention_call(target, operands, ins.attributes)
             if call.backward:

@@ -6,6 +6,10 @@ the latency-hiding scheduler placed between their start and done.
                custom-calls: 2 x result elements x the
                contracted size (from `dot_dimension_numbers`); Triton GEMM fusions hold a `dot`
                that the fusion's walk counts.
+  grouped      the experts' grouped GEMM kernels (`moe.grouped_gemm: pallas`, Triton
+               custom-calls named `grouped_gemm` / `grouped_gemm_weights`): 2 x every row of
+               their buffer x in x out, an upper bound (the rows past the groups compute
+               nothing at run time).
   attention    `__cudnn$fmha*` custom-calls, forward and backward. `flops` as Megatron-LM counts
                attention (QK^T and AV over the whole s x s, 4 B N Sq Sk H forward, twice that
                backward), so GEMM + attention FLOPs compare with the model's; `executed` what
@@ -97,6 +101,30 @@ def _backend_config(attributes: str) -> dict:
         return {}
 
 
+TRITON = "__gpu$xla.gpu.triton"
+GROUPED_KERNELS = ("grouped_gemm", "grouped_gemm_weights")
+"""`jaxmeg.models.grouped_kernels`' names (`MATMUL`, `WEIGHTS`), in a Triton call's config."""
+_KERNEL_NAME_RE = re.compile(r'\bname = "([^"]+)"')
+
+
+def grouped_kernel_flops(target: str, operand_shapes: list[str], result_shape: str,
+                         attributes: str) -> float:  # fmt: skip
+    """FLOPs of a grouped GEMM kernel call (0 for any other call): 2 x the rows of its first
+    matrix operand (rows, or dY for the rows' cotangent) x that operand's columns x the result's
+    last dim ([N, out]; [E, in, out] for the weights' gradient, whose in is that operand's)."""
+    if target != TRITON:
+        return 0.0
+    name = _KERNEL_NAME_RE.search(attributes)
+    if not name or name.group(1) not in GROUPED_KERNELS:
+        return 0.0
+    matrices = [dims for shape in operand_shapes for _, dims in arrays(shape) if len(dims) == 2]
+    result = arrays(result_shape)
+    if not matrices or not result:
+        return 0.0
+    rows, inner = matrices[0]
+    return 2.0 * rows * inner * result[0][1][-1]
+
+
 def gemm_flops(result_shape: str, lhs_shape: str, attributes: str) -> float:
     """FLOPs of a cuBLAS GEMM custom-call: 2 x result elements x contracted size."""
     config = _backend_config(attributes).get("gemm_backend_config", {})
@@ -169,11 +197,14 @@ def kernel(ins, operands: list[str], fused: list, fused_flops: float) -> tuple[s
             flops = gemm_flops(ins.shape, operands[0] if operands else "", ins.attributes)
         elif target.startswith(ATTENTION_PREFIX):
             flops = attention_call(target, operands, ins.attributes).executed
+        else:
+            flops = grouped_kernel_flops(target, operands, ins.shape, ins.attributes)
     elif ins.op == "dynamic-update-slice":
         moved = 2 * first_array_bytes(operands[1] if len(operands) > 1 else "")
     else:
         moved = sum(nbytes(o) for o in operands) + nbytes(ins.shape)
-    kind = kernel_class(target, root, ins.op == "fusion" and flops > 0, ins.op_name)
+    runs_dot = flops > 0 and (ins.op == "fusion" or target == TRITON)
+    kind = kernel_class(target, root, runs_dot, ins.op_name)
     return kind, moved, flops
 
 
