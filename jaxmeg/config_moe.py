@@ -9,7 +9,7 @@ import math
 
 MOE_ROUTERS = ("softmax", "sigmoid")
 """The `moe.router` choices (`jaxmeg.models.moe.route`)."""
-GROUPED_GEMMS = ("ragged", "blocked", "pallas")
+GROUPED_GEMMS = ("auto", "ragged", "blocked", "pallas")
 """The `moe.grouped_gemm` choices (`jaxmeg.models.grouped_gemm`)."""
 EXCHANGE_BOUNDS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
 """The bounds a dropless exchange over an expert axis runs at (`exchange_bounds`): rows per
@@ -141,10 +141,12 @@ class MoeConfig:
     a step that takes a larger bound reruns the exchange's forward in its backward. Larger keeps
     more memory per layer and microbatch in flight (at most E_ranks times the routed rows, all
     bounds); smaller reruns more skewed steps. >= 1."""
-    grouped_gemm: str = "ragged"
+    grouped_gemm: str = "auto"
     """How a dropless layer runs its experts' grouped GEMMs, on one device and under the
-    exchange (parallel.expert > 1): `ragged` (`jax.lax.ragged_dot`, which XLA's GPU compiler
-    makes one dense GEMM over every expert a device holds), `blocked` (a loop of dense GEMMs
+    exchange (parallel.expert > 1): `auto` (`pallas` on a GPU where a device holds several
+    experts, in 16 bits; `ragged` elsewhere: `grouped_gemm.settled`), `ragged`
+    (`jax.lax.ragged_dot`, which XLA's GPU compiler makes one dense GEMM over every expert a
+    device holds), `blocked` (a loop of dense GEMMs
     over blocks of each expert's rows: about the routed FLOPs, more memory traffic;
     docs/benchmarks.md) or `pallas` (Triton kernels of our own that run only each group's
     rows, `jaxmeg.models.grouped_kernels`; interpreted, slowly, off a GPU). All give the same

@@ -30,7 +30,8 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
         return
     check_choice("moe.router", moe.router, MOE_ROUTERS)
     check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
-    if cfg.model.fp8 != "none" and moe.grouped_gemm != "ragged" and not moe.capacity_factor:
+    explicit = moe.grouped_gemm not in ("auto", "ragged")
+    if cfg.model.fp8 != "none" and explicit and not moe.capacity_factor:
         raise ConfigError(
             f"model.fp8 = {cfg.model.fp8} runs a dropless layer's grouped GEMMs as FP8 ragged "
             f"GEMMs; moe.grouped_gemm = {moe.grouped_gemm} has no FP8 form: set "

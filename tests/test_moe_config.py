@@ -146,3 +146,19 @@ def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
     # dense leading layers move layers out of the stack the checkpoint saved
     dense = C.validate(dataclasses.replace(config((1, 1, 1), FIRST_DENSE), model=LLAMA), 1)
     assert checkpoint_meta.shape_mismatches(dropless, dense) == [("moe.first_dense", 0, 1)]
+
+
+def test_auto_runs_the_kernels_where_a_gpu_holds_several_experts_in_16_bits():
+    """`moe.grouped_gemm: auto` settles per step (`grouped_gemm.settled`): the kernels of our
+    own on a GPU holding several experts, dropless, in 16 bits; `ragged` with one expert per
+    GPU (the dense GEMM is the routed one), with FP8 (only `ragged` has an FP8 form), with a
+    capacity factor (batched GEMMs), and off a GPU; an explicit choice stays."""
+    from jaxmeg.models.grouped_gemm import settled
+
+    eight = C.MoeConfig(experts=8, top_k=2)
+    assert settled(eight, "gpu", 1) == settled(eight, "gpu", 4) == "pallas"
+    assert settled(eight, "gpu", 8) == "ragged"
+    assert settled(eight, "gpu", 1, "delayed") == "ragged"
+    assert settled(dataclasses.replace(eight, capacity_factor=1.0), "gpu", 1) == "ragged"
+    assert settled(eight, "cpu", 1) == "ragged"
+    assert settled(dataclasses.replace(eight, grouped_gemm="blocked"), "gpu", 1) == "blocked"

@@ -373,6 +373,19 @@ def grouped_gemm(moe: MoeConfig, fp8_recipe: str = "none", axes: tuple[str, ...]
     return RAGGED
 
 
+def settled(moe: MoeConfig, platform: str, expert_ranks: int, fp8_recipe: str = "none") -> str:
+    """`moe.grouped_gemm` as a step runs it: `auto` is `pallas` on a GPU where a device holds
+    more than one expert and the layer is dropless in 16 bits (there XLA's dense GEMM over every
+    expert costs E_local times the rows' FLOPs), else `ragged` (one expert per device: the dense
+    GEMM is the routed one, and cuBLAS's; FP8's GEMMs are `ragged`'s; off a GPU Pallas only
+    interprets)."""
+    if moe.grouped_gemm != "auto":
+        return moe.grouped_gemm
+    several = moe.experts // max(expert_ranks, 1) > 1
+    kernels = platform == "gpu" and fp8_recipe == "none" and not moe.capacity_factor
+    return "pallas" if kernels and several else "ragged"
+
+
 def differentiable_matmul(
     moe: MoeConfig, fp8_recipe: str = "none", scaling: dict | None = None,
     axes: tuple[str, ...] = (),

@@ -37,7 +37,7 @@ def make_eval_loss(trainable: Trainable) -> Callable:
     of every replica, so the split moves no data between devices."""
     cfg, mesh = trainable.cfg, trainable.mesh
     constrain = make_constrain(activation_rules(cfg.parallel))
-    model = GPT(trainable.model_cfg, trainable.vocab, constrain, moe=trainable.cfg.moe)
+    model = GPT(trainable.model_cfg, trainable.vocab, constrain, moe=trainable.moe_cfg)
     data, micro, b = mesh.shape["data"], cfg.train.microbatches, cfg.train.microbatch_size
 
     def microbatches(x_GxS):

@@ -87,7 +87,7 @@ def make_generate(
     # One token's sequence dim cannot be split: sequence parallelism is a training layout.
     rules = activation_rules(dataclasses.replace(cfg.parallel, sequence_parallel=False))
     constrain = make_constrain(rules)
-    model = GPT(trainable.model_cfg, trainable.vocab, constrain, moe=trainable.cfg.moe)
+    model = GPT(trainable.model_cfg, trainable.vocab, constrain, moe=trainable.moe_cfg)
     total, vocab_size = prompt_len + max_new_tokens, cfg.model.vocab_size
 
     def choose(logits_BxV, step, key):

@@ -188,8 +188,9 @@ def step_block(trainable: Trainable, constrain) -> Block | LayerGroup:
     `expert` axis (`jaxmeg.parallel.experts`)."""
     cfg = trainable.cfg
     dispatch = experts.dispatch_for(trainable.mesh.shape, fp8=cfg.model.fp8)
-    return layer_unit(cfg.moe)(trainable.model_cfg, constrain, model_order(trainable), cfg.moe,
-                               1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
+    moe = trainable.moe_cfg
+    return layer_unit(moe)(trainable.model_cfg, constrain, model_order(trainable), moe,
+                           1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
 
 
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
@@ -210,7 +211,7 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
     fp8_gemms = trainable.cfg.model.fp8 != "none"
     # W's grouped GEMMs as the forward's (an exchanged layer's scale over its map's axes;
     # delayed scales come with the rows)
-    grouped = grouped_gemm(trainable.cfg.moe, trainable.cfg.model.fp8).weight_gradient
+    grouped = grouped_gemm(trainable.moe_cfg, trainable.cfg.model.fp8).weight_gradient
 
     def recompute_under(policy):
         return _over_layers(trainable, lambda lp, x, taps: tapped(lp, x, taps), policy)
@@ -243,7 +244,9 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
         activation_rules(cfg.parallel),
         manual_axes=frozenset(gradients.map_axes(trainable.mesh.shape)),
     )
-    model = GPT(trainable.model_cfg, trainable.vocab, constrain, model_order(trainable), cfg.moe)
+    model = GPT(
+        trainable.model_cfg, trainable.vocab, constrain, model_order(trainable), trainable.moe_cfg
+    )
     vocab_size = cfg.model.vocab_size
 
     def embed(shared, tokens_BxS):

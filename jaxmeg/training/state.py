@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmeg.config import Config, ModelConfig, MoeConfig, padded_vocab_size
 from jaxmeg.models import GPT
 from jaxmeg.models.gpt import attention_implementation
+from jaxmeg.models.grouped_gemm import settled
 from jaxmeg.parallel import named, param_rules, param_specs, zero
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.layout import StageLayout
@@ -53,7 +54,7 @@ class Trainable:
     def abstract_boxed_params(self):
         """The model's params as its init makes them (shapes, boxed with their logical axes),
         in canonical layout: traced once per model (`_abstract_boxed_params`)."""
-        return _abstract_boxed_params(self.model_cfg, self.vocab, self.cfg.moe)
+        return _abstract_boxed_params(self.model_cfg, self.vocab, self.moe_cfg)
 
     @functools.cached_property
     def run_layout_params(self):
@@ -84,10 +85,18 @@ class Trainable:
             impl = "xla"
         return dataclasses.replace(model, attention=impl)
 
+    @property
+    def moe_cfg(self) -> MoeConfig:
+        """`cfg.moe` with `grouped_gemm: auto` settled for the mesh's devices
+        (`grouped_gemm.settled`)."""
+        moe = self.cfg.moe
+        form = settled(moe, self.platform, self.mesh.shape["expert"], self.cfg.model.fp8)
+        return dataclasses.replace(moe, grouped_gemm=form)
+
     def model(self, constrain: Callable | None = None) -> GPT:
         if constrain is None:
-            return GPT(self.model_cfg, self.vocab, moe=self.cfg.moe)
-        return GPT(self.model_cfg, self.vocab, constrain, moe=self.cfg.moe)
+            return GPT(self.model_cfg, self.vocab, moe=self.moe_cfg)
+        return GPT(self.model_cfg, self.vocab, constrain, moe=self.moe_cfg)
 
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, BATCH_SPEC)
@@ -151,7 +160,7 @@ def canonical_specs(trainable: Trainable):
 
 
 def _init_boxed_params(trainable: Trainable, key: jax.Array):
-    return _model_init(trainable.model_cfg, trainable.vocab, trainable.cfg.moe, key)
+    return _model_init(trainable.model_cfg, trainable.vocab, trainable.moe_cfg, key)
 
 
 def _model_init(model_cfg: ModelConfig, vocab: int, moe: MoeConfig, key: jax.Array):
