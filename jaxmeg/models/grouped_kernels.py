@@ -7,12 +7,14 @@ makes a `jax.lax.ragged_dot` one dense GEMM over every expert (E_local times the
                           rows @ w[e]^T (`transpose_w`, the rows' cotangent in the backward)
   grouped_weight_gradient dw[e] = rows_e^T dy_e, each expert's weight gradient
 
-`grouped_matmul`'s grid walks a table of row tiles (`tile_table`): ceil(n_e / BM) tiles of
+`grouped_matmul`'s programs walk a table of row tiles (`tile_table`): ceil(n_e / BM) tiles of
 expert e's group, then tiles that zero the rows past the groups, then idle ones (at most
 ceil(N / BM) + E + 1 in all, a static grid), each a [BM, K] x [K, BN] product per column
-block, its rows masked to its group. `grouped_weight_gradient`'s grid is (expert, in block,
-out block), each looping over its group's rows. A tile's rows start anywhere: a block that would
-run past the array reads from N - BM on, its mask keeping the tile's own rows.
+block, its rows masked to its group. `grouped_weight_gradient`'s programs are (expert, in
+block, out block), each looping over its group's rows. Both launch their blocks in grouped
+order (`SWIZZLE`), as Triton's matmuls do, so that a wave of programs shares what it reads.
+A tile's rows start anywhere: a block that would run past the array reads from N - BM on, its
+mask keeping the tile's own rows.
 
 On a GPU the kernels are Triton's; elsewhere (CPU) Pallas interprets them
 (`jax.lax.platform_dependent`), slowly, so the tests check the same kernels against
@@ -52,6 +54,21 @@ def runs(rows: int, inner: int, out: int) -> bool:
     return rows >= 16 and block(inner, INNER) > 0 and block(out, COLUMNS) > 0
 
 
+SWIZZLE = 8
+"""Programs launched one after another take blocks in groups of this many rows (of blocks) per
+column: a wave of them re-reads a few row blocks and weight panels from L2 rather than every
+row block once per column block from memory (Triton's grouped ordering)."""
+
+
+def _swizzled(pid, rows: int, columns: int):
+    """(row block, column block) of program `pid` of a rows x columns grid in grouped order."""
+    per_group = SWIZZLE * columns
+    first = (pid // per_group) * SWIZZLE
+    height = jnp.minimum(rows - first, SWIZZLE)
+    within = pid % per_group
+    return first + within % height, within // height
+
+
 def _row_block(rows: int) -> int:
     size = ROWS
     while size > rows:
@@ -89,8 +106,8 @@ def _rows(first, end, bm: int, n: int):
 
 
 def _matmul_kernel(expert_ref, first_ref, end_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, n, k, e,
-                   transpose_w):  # fmt: skip
-    t, j = pl.program_id(0), pl.program_id(1)
+                   transpose_w, tiles, columns):  # fmt: skip
+    t, j = _swizzled(pl.program_id(0), tiles, columns)
     g, first, end = expert_ref[t], first_ref[t], end_ref[t]
     at, mine = _rows(first, end, bm, n)
     out = o_ref.at[pl.ds(at, bm), pl.ds(j * bn, bn)]
@@ -155,14 +172,17 @@ def grouped_matmul(
     e, out = w.shape[0], (w.shape[1] if transpose_w else w.shape[2])
     bm, bn, bk = _row_block(n), block(out, COLUMNS), block(k, INNER)
     table = tile_table(sizes, n, bm)
+    tiles, columns = table[0].shape[0], out // bn
     kernel = functools.partial(_matmul_kernel, bm=bm, bn=bn, bk=bk, n=n, k=k, e=e,
-                               transpose_w=transpose_w)  # fmt: skip
-    return _call(kernel, (n, out), rows.dtype, (table[0].shape[0], out // bn), MATMUL,
-                 elsewhere, *table, rows, w.astype(rows.dtype))  # fmt: skip
+                               transpose_w=transpose_w, tiles=tiles, columns=columns)  # fmt: skip
+    return _call(kernel, (n, out), rows.dtype, (tiles * columns,), MATMUL, elsewhere, *table,
+                 rows, w.astype(rows.dtype))  # fmt: skip
 
 
-def _weights_kernel(starts_ref, sizes_ref, x_ref, dy_ref, o_ref, *, bm, bi, bo, n):
-    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _weights_kernel(starts_ref, sizes_ref, x_ref, dy_ref, o_ref, *, bm, bi, bo, n, ins, outs):
+    pid = pl.program_id(0)
+    g = pid // (ins * outs)
+    i, j = _swizzled(pid % (ins * outs), ins, outs)
     start, size = starts_ref[g], sizes_ref[g]
 
     def step(c, acc):
@@ -184,6 +204,7 @@ def grouped_weight_gradient(
     e, out = sizes.shape[0], dy.shape[-1]
     bm, bi, bo = _row_block(n), block(k, COLUMNS), block(out, COLUMNS)
     starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
-    kernel = functools.partial(_weights_kernel, bm=bm, bi=bi, bo=bo, n=n)
-    return _call(kernel, (e, k, out), rows.dtype, (e, k // bi, out // bo), WEIGHTS, elsewhere,
+    ins, outs = k // bi, out // bo
+    kernel = functools.partial(_weights_kernel, bm=bm, bi=bi, bo=bo, n=n, ins=ins, outs=outs)
+    return _call(kernel, (e, k, out), rows.dtype, (e * ins * outs,), WEIGHTS, elsewhere,
                  starts, sizes.astype(jnp.int32), rows, dy.astype(rows.dtype))  # fmt: skip
