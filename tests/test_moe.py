@@ -180,6 +180,22 @@ def test_the_grouped_gemm_kernels_equal_ragged_dot(sizes):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_grouped_gemm_kernels_take_their_blocks_in_grouped_order():
+    """More row tiles than a swizzle group and several column blocks (600 rows in 128-row
+    tiles, 48 columns in blocks of 16): every block is computed once, as `ragged_dot`'s."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    rows = jax.random.normal(keys[0], (600, 32))
+    w = jax.random.normal(keys[1], (E, 32, 48))
+    cot = jax.random.normal(keys[2], (600, 48))
+    group = jnp.asarray([200, 0, 263, 100], jnp.int32)
+    tiles = grouped_kernels.tile_table(group, 600, 128)[0].shape[0]
+    assert tiles > grouped_kernels.SWIZZLE and grouped_kernels.block(48, 128) == 16
+    want = jax.vjp(lambda r, w_: jax.lax.ragged_dot(r, w_, group), rows, w)
+    got = jax.vjp(lambda r, w_: grouped_gemm.kernel_ragged_dot(r, w_, group), rows, w)
+    for a, b in zip((got[0], *got[1](cot)), (want[0], *want[1](cot)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("sizes", [(10, 0, 15, 3), (0, 0, 28, 0), (7, 7, 7, 7), (0, 0, 0, 0)])
 def test_blocked_grouped_gemm_equals_ragged_dot(sizes, monkeypatch):
     """`blocked_ragged_dot` (the GPU's grouped GEMM: dense GEMMs over blocks of each group's
