@@ -163,7 +163,7 @@ def test_the_grouped_gemm_kernels_run_the_routed_rows_on_one_h100():
     moe = C.MoeConfig(experts=8, top_k=2, ffn_hidden=512)
     reports = {}
     for form in ("ragged", "pallas"):
-        cfg = gpu_config(layers=1, microbatches=1)
+        cfg = gpu_config(layers=1, microbatches=1, hidden=512, seq_len=512, vocab_size=4096)
         trainable, reports[form] = report_for(
             dataclasses.replace(cfg, moe=dataclasses.replace(moe, grouped_gemm=form))
         )
@@ -238,7 +238,7 @@ def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():
 
 @pytest.mark.parametrize(
     "layout",
-    ["d2p2t2-sp-delayed", "expert4-dropless-shared-current", "expert4-dropless-shared-delayed"],
+    ["d2p2t2-sp-delayed", "expert4-dropless-shared-delayed"],
 )
 def test_fp8_gemms_with_sequence_parallelism_and_with_experts(layout):
     """(2,2,2) with sequence parallelism, delayed scaling: the split operands (a column-parallel
@@ -248,8 +248,9 @@ def test_fp8_gemms_with_sequence_parallelism_and_with_experts(layout):
     the attention's 2 linears, the shared expert's 2 and the routed experts' 2 ragged GEMMs
     (one scale over all experts, the amax reduced over the expert ranks; the exchange's
     written-out backward quantizes dY and the rows too), 4 x 2 layers x 2 microbatches x 6
-    x 3 (one exchange bound), at current scales or at delayed ones (each expert weight's own
-    history)."""
+    x 3 (one exchange bound), at delayed scales (each expert weight's own history; at current
+    scales the same program compiled to the same 288 calls when this case had both, and
+    tests/test_fp8.py checks both recipes' numbers on CPU)."""
     if layout.startswith("d2p2t2"):
         cfg = gpu_config(2, 2, 2, parallel={"sequence_parallel": True}, fp8="delayed")
         linears, layers = 4, 1

@@ -176,10 +176,7 @@ CASES = {
         (1, 2, 2), dataclasses.replace(EVERY2, first_dense=1, grouped_gemm="blocked"), LLAMA,
         "zb_h1", 1, {"expert": 2},
     ),
-    # ... and as kernels of our own (interpreted off a GPU), on one device and exchanged
-    "d2p2-zb_h1-every2-pallas": (
-        (2, 2, 1), dataclasses.replace(EVERY2, grouped_gemm="pallas"), LLAMA, "zb_h1", 1, {}
-    ),
+    # ... and as kernels of our own (off a GPU inside the map: ragged_dot; the wiring, with W)
     "e2p2-zb_h1-pallas": (
         (1, 2, 1), dataclasses.replace(TOP2, grouped_gemm="pallas"), LLAMA, "zb_h1", 1,
         {"expert": 2},
