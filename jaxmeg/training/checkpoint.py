@@ -129,10 +129,24 @@ def _quiet_orbax() -> None:
     hook.drops_orbax_reports = True
     sys.unraisablehook = hook
     logging.getLogger("absl").addFilter(_drop_orbax_errors)
+    # a read task the failed restore left behind, reported when it is collected ("Task exception
+    # was never retrieved"): when that happens is up to the garbage collector
+    logging.getLogger("asyncio").addFilter(_drop_orbax_task_errors)
 
 
 def _drop_orbax_errors(record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname)
+
+
+def _drop_orbax_task_errors(record: logging.LogRecord) -> bool:
+    """False for an asyncio error whose exception was raised inside orbax."""
+    err = record.exc_info[1] if record.exc_info else None
+    frame = err.__traceback__ if err is not None else None
+    while frame is not None:
+        if "/orbax/" in frame.tb_frame.f_code.co_filename:
+            return False
+        frame = frame.tb_next
+    return True
 
 
 def _release_waiting_threads() -> None:
