@@ -11,6 +11,8 @@ MOE_ROUTERS = ("softmax", "sigmoid")
 """The `moe.router` choices (`jaxmeg.models.moe.route`)."""
 GROUPED_GEMMS = ("auto", "ragged", "blocked", "pallas")
 """The `moe.grouped_gemm` choices (`jaxmeg.models.grouped_gemm`)."""
+EXCHANGES = ("auto", "blocks", "ragged")
+"""The `moe.exchange` choices (`jaxmeg.models.moe_exchange.PLANS`)."""
 EXCHANGE_BOUNDS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
 """The bounds a dropless exchange over an expert axis runs at (`exchange_bounds`): rows per
 (sender, receiver) block as multiples of an even load, T k / E_ranks."""
@@ -151,6 +153,14 @@ class MoeConfig:
     docs/benchmarks.md) or `pallas` (Triton kernels of our own that run only each group's
     rows, `jaxmeg.models.grouped_kernels`; interpreted, slowly, off a GPU). All give the same
     outputs and gradients; only `ragged` has an FP8 form."""
+    exchange: str = "auto"
+    """How a dropless exchange (parallel.expert > 1) moves the rows: `blocks` (one all-to-all
+    of E_ranks blocks of B rows each, B the bound for the step's busiest (sender, receiver)
+    pair: about 1.25x the routed rows' bytes when balanced, all T k choices per block at
+    worst), `ragged` (`jax.lax.ragged_all_to_all`: only the routed rows travel, into a buffer
+    whose bound is on the rows a device receives in all; off a GPU, where XLA has no ragged
+    all-to-all, the same result by a dense all-to-all of every slice at its largest size, for
+    tests) or `auto` (`ragged` on a GPU, `blocks` elsewhere: `moe_exchange.settled`)."""
     bias_update_rate: float = 0.0
     """DeepSeek-V3's loss-free balancing: after each step every expert's routing bias moves by
     this much toward an even load (up if the expert got fewer tokens than the mean, down if

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from jaxmeg.config_moe import BOUND_SLOTS, GROUPED_GEMMS, MOE_ROUTERS
+from jaxmeg.config_moe import BOUND_SLOTS, EXCHANGES, GROUPED_GEMMS, MOE_ROUTERS
 from jaxmeg.config_sections import Config, ConfigError, check_choice
 
 
@@ -30,6 +30,7 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
         return
     check_choice("moe.router", moe.router, MOE_ROUTERS)
     check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
+    check_choice("moe.exchange", moe.exchange, EXCHANGES)
     explicit = moe.grouped_gemm not in ("auto", "ragged")
     if cfg.model.fp8 != "none" and explicit and not moe.capacity_factor:
         raise ConfigError(

@@ -127,7 +127,7 @@ def parse_args(argv):
         "--expert-exchange", choices=EXPERT_EXCHANGES, default="bounded",
         help="how tokens reach their experts: bounded, jaxmeg's dropless all-to-all at a balanced "
         "load (default); padded, at its largest bound (every choice to one GPU); routed, the "
-        "routed rows only (a ragged all-to-all, not run)",
+        "routed rows only (a ragged all-to-all, moe.exchange: ragged, jaxmeg's on a GPU)",
     )  # fmt: skip
     parser.add_argument(
         "--capacity-factor", type=float,

@@ -115,7 +115,8 @@ def test_dense_dualpipev_equals_one_device(case):
 
 TOP1 = dataclasses.replace(moe_step.TOP2, top_k=1)
 MOE = {
-    "e2p2-top1": ((1, 2, 1), TOP1, moe_step.LLAMA),
+    # the rows by ragged all-to-all, a GPU's exchange (off a GPU, its reference)
+    "e2p2-top1-ragged": ((1, 2, 1), dataclasses.replace(TOP1, exchange="ragged"), moe_step.LLAMA),
     "e2p2-top2-capacity": ((1, 2, 1), moe_step.CAPACITY, moe_step.GPT),
     "e2p2t2-top2": ((1, 2, 2), moe_step.TOP2, moe_step.LLAMA),
     "e2p2t2-top1-capacity-full": (

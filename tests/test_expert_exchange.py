@@ -58,14 +58,15 @@ def loss_of(ffn, ids):
     return loss
 
 
-def exchanged(mesh, gemm, factors):
+def exchanged(mesh, gemm, factors, form="blocks"):
     expert_in, expert_out = P("expert", None, "tensor"), P("expert", "tensor", None)
 
     def local(x, ids, weights, w_in, w_out, w_gate):
         routing = experts_ffn.Routing(ids, weights, None, None)
         y, _, _ = experts_ffn.experts_ffn_exchanged(
-            x, routing, w_in, w_out, w_gate, "expert", "tensor", gemm=gemm, factors=factors
-        )
+            x, routing, w_in, w_out, w_gate, "expert", "tensor", gemm=gemm, factors=factors,
+            form=form,
+        )  # fmt: skip
         return y
 
     mapped = jax.shard_map(
@@ -76,13 +77,18 @@ def exchanged(mesh, gemm, factors):
 
 
 @pytest.mark.parametrize(
-    ("route", "gemm", "factors"),
+    ("route", "gemm", "factors", "form"),
     [
-        ("even", "ragged", None), ("skewed", "ragged", None), ("one-expert", "ragged", None),
-        ("skewed", "blocked", None), ("skewed", "ragged", (2.0,)),
+        ("even", "ragged", None, "blocks"), ("skewed", "ragged", None, "blocks"),
+        ("one-expert", "ragged", None, "blocks"), ("skewed", "blocked", None, "blocks"),
+        ("skewed", "ragged", (2.0,), "blocks"),
+        ("even", "ragged", None, "ragged"), ("skewed", "ragged", None, "ragged"),
+        ("one-expert", "ragged", None, "ragged"),
     ],
 )  # fmt: skip
-def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, factors, monkeypatch):
+def test_every_bound_gives_one_devices_outputs_and_gradients(
+    route, gemm, factors, form, monkeypatch
+):  # fmt: skip
     """The busiest block of the even route holds T k / RANKS = 4 rows: the exchange runs its
     first bound, which moves exactly the routed tokens (E_ranks blocks of 4 rows hold the
     device's T k = 16 choices); the skewed one 6 rows (the third bound, 1.5x), every choice to
@@ -92,13 +98,19 @@ def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, factor
     load (8 rows) keep their residuals (`moe.exchange_kept_bound`); the one-expert route's
     (16 rows) keeps only its inputs and reruns its forward in the backward. With
     `moe.exchange_bounds` [2] the bounds are 8 rows and all 16, and the skewed route takes the
-    first."""
+    first.
+
+    `moe.exchange: ragged` (`jax.lax.ragged_all_to_all`; here its reference, the same result)
+    bounds the rows a device receives in all: the even route's 16 fit the first bound (4 x 4),
+    the skewed route's busiest device receives 18 (the second, 4 x 5), every choice to one
+    expert 64 on its device (the last, 4 x 16)."""
     moe_cfg = C.MoeConfig(experts=E, grouped_gemm=gemm)
     if factors is not None:
         moe_cfg = dataclasses.replace(moe_cfg, exchange_bounds=factors)
     bounds = exchange_bounds(T * K, RANKS, moe_cfg.exchange_bounds)
     assert bounds == ((4, 5, 6, 8, 12, 16) if factors is None else (8, 16))
-    expected = {"even": 0, "skewed": 2, "one-expert": len(bounds) - 1}[route]
+    skewed = 1 if form == "ragged" else 2
+    expected = {"even": 0, "skewed": skewed, "one-expert": len(bounds) - 1}[route]
     if factors is not None:
         expected = 0
     taken, switch = [], residual_switch.switch
@@ -113,7 +125,7 @@ def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, factor
     p = params()
     pair = grouped_gemm.grouped_gemm(moe_cfg)
     loss, grads = jax.jit(
-        jax.value_and_grad(loss_of(exchanged(mesh, pair, moe_cfg.exchange_bounds), ids))
+        jax.value_and_grad(loss_of(exchanged(mesh, pair, moe_cfg.exchange_bounds, form), ids))
     )(p)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of(experts_ffn.experts_ffn, ids)))(p)
     jax.effects_barrier()
@@ -123,6 +135,32 @@ def test_every_bound_gives_one_devices_outputs_and_gradients(route, gemm, factor
         scale = float(np.abs(ref_grads[key]).max())
         np.testing.assert_allclose(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5 * scale,
                                    err_msg=key)  # fmt: skip
+
+
+def test_the_ragged_all_to_all_reference_gives_jaxs_documented_example():
+    """`moe_exchange.ragged_all_to_all` off a GPU (`_ragged_reference`) on the example of
+    `jax.lax.ragged_all_to_all`'s docstring, over an axis of 2: device 0 gets [1, 3, 0, 0],
+    device 1 [2, 2, 4, 0], the output's other rows kept."""
+    from jaxmeg.models.moe_exchange import ragged_all_to_all
+
+    mesh = jax.make_mesh((2,), ("expert",), (jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])  # fmt: skip
+    args = [
+        [[1, 2, 2], [3, 4, 0]],
+        [[0, 0, 0, 9], [0, 0, 0, 0]],
+        [[0, 1], [0, 1]],
+        [[1, 2], [1, 1]],
+        [[0, 0], [1, 2]],
+        [[1, 1], [2, 1]],
+    ]
+    args = [jnp.asarray(a, jnp.int32).reshape(-1) for a in args]
+    # device 0's output keeps the 9 it held in a row nothing is written to
+    run = jax.jit(jax.shard_map(
+        lambda *a: ragged_all_to_all(*a, "expert"), mesh=mesh, in_specs=(P("expert"),) * 6,
+        out_specs=P("expert"),
+    ))  # fmt: skip
+    got = np.asarray(run(*args)).reshape(2, 4)
+    np.testing.assert_array_equal(got, [[1, 3, 0, 9], [2, 2, 4, 0]])
 
 
 def test_a_switchs_branches_share_one_set_of_residual_buffers():

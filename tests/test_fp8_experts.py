@@ -46,13 +46,11 @@ def _moe_loss_and_grads(
     "layout",
     [
         dict(expert=2, tensor=2),
-        dict(pipe=2, schedule="zb_h1"),
-        dict(expert=2, tensor=2, capacity=0.0),
         dict(pipe=2, schedule="zb_h1", capacity=0.0),
         dict(expert=2, pipe=2, schedule="zb_h1", capacity=0.0),
     ],
-    ids=["e2t2", "p2-zb_h1", "e2t2-dropless", "p2-zb_h1-dropless", "e2p2-zb_h1-dropless"],
-)
+    ids=["e2t2", "p2-zb_h1-dropless", "e2p2-zb_h1-dropless"],
+)  # the delayed test below runs dropless expert x tensor (the amaxes reduced over both)
 def test_the_experts_grouped_gemms_in_fp8_equal_one_device(layout):
     """The experts' grouped GEMMs run on FP8 operands too, one scale per operand over all
     experts (`grouped_gemm.fp8_grouped`): with a capacity factor batched GEMMs, dropless the

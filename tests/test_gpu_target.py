@@ -137,7 +137,11 @@ def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100()
     """expert 2, dropless top-2 over 4 experts: the report counts a balanced step (1.25x the
     even load) and gives the step at each bound of the exchange as well, what a skewed router
     costs: the larger the bound, the longer the roofline, the balanced bound's the report's,
-    and the bounds up to `moe.exchange_kept_bound` (2x) keep their residuals."""
+    and the bounds up to `moe.exchange_kept_bound` (2x) keep their residuals. The rows go by
+    ragged all-to-all (a GPU's `moe.exchange`), counted at the routed rows: a device's bytes
+    are the planner's `routed` figure, (e - 1) / e T k h per all-to-all."""
+    from jaxmeg.training.cost_report import EXPERT_KEY
+
     cfg = gpu_config(parallel={"expert": 2})
     moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, grouped_gemm="ragged")  # compiles faster
     _, report = report_for(dataclasses.replace(cfg, moe=moe))
@@ -148,6 +152,10 @@ def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100()
     assert seconds == sorted(seconds) and len(set(seconds)) == len(seconds)
     assert bounds[1]["roofline_seconds"] == pytest.approx(report["roofline_seconds"])
     assert report["expert_exchange_block"] == bounds[1]["rows"]
+    assert set(report["collective_bytes_by_kind"]) >= {"ragged-all-to-all@expert"}
+    assert "all-to-all@expert" not in report["collective_bytes_by_kind"]
+    planned = report["planner"]["collective_bytes_per_device"][EXPERT_KEY]
+    assert report["per_device"]["collective_bytes"][EXPERT_KEY] == pytest.approx(planned)
 
 
 def test_the_grouped_gemm_kernels_run_the_routed_rows_on_one_h100():
@@ -176,49 +184,63 @@ def test_the_grouped_gemm_kernels_run_the_routed_rows_on_one_h100():
     assert sorted(names) == ["grouped_gemm"] * 4 + ["grouped_gemm_weights"] * 2, names
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_a_pipeline_slot_exchanges_each_microbatch_four_times_on_eight_h100(schedule):
-    """expert 4 x pipe 2, dropless, one bound: in the H100 program each F slot body starts 2
-    all-to-alls of rows (bf16 moved as u16) per copy of its layer loop (XLA unrolls it) and 1
-    of expert ids, and the B (I) slot body 2 of rows, the transposes, per copy: 4 per MoE layer
-    and microbatch, the forward's exchange not rerun (tests/test_expert_exchange.py counts the
-    same in the CPU step). The slots' all-to-alls share the collective stream with a
-    collective-permute, so the pipe sends leave as send and recv: every pipe byte has a GEMM
-    beside it (0% as a collective-permute)."""
+def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eight_h100():
+    """expert 4 x pipe 2 zb_h1, dropless, bounds of 1x and 4x the even load (all T k = 2048
+    choices per block): on a GPU the rows go by ragged all-to-all (`moe.exchange: auto`), no
+    all-to-all is left. Each F slot's exchange branches hold 2 (dispatch, combine), each I
+    slot's the 2 transposes at the kept first bound and 3 at the largest (whose backward
+    reruns the dispatch): 4 per MoE layer and microbatch at a balanced route (the CPU step's
+    count: tests/test_expert_exchange.py). At the first bound every one's operand and output
+    are the device's T k routed rows: the buffers hold no padding. The expert ids travel
+    nowhere: the counts' all-gather (E integers) stands in. Every pipe byte has a GEMM beside
+    it (the slots' collectives share a stream with a collective-permute, so the sends leave
+    as send and recv)."""
     import re
 
-    from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
+    from jaxmeg.parallel import hlo_module
     from jaxmeg.parallel.hlo_cost import StepCost
     from jaxmeg.training.compilation import compile_step
     from jaxmeg.training.cost_report import link_overlap
     from jaxmeg.training.pipeline_step import make_loss_and_grads
     from jaxmeg.training.trainer import prepare
 
-    cfg = gpu_config(pipe=2, parallel={"expert": 4, "schedule": schedule}, attention="xla")
-    cfg = dataclasses.replace(
-        cfg, moe=C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, exchange_bounds=())
-    )
-    trainable = prepare(cfg, None, devices=gpu_target.load_target("h100", 8).devices)
+    cfg = gpu_config(pipe=2, parallel={"expert": 4, "schedule": "zb_h1"}, attention="xla")
+    moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, exchange_bounds=(1.0,))
+    trainable = prepare(dataclasses.replace(cfg, moe=moe), None,
+                        devices=gpu_target.load_target("h100", 8).devices)  # fmt: skip
+    assert trainable.moe_cfg.exchange == "ragged"
     loss_and_grads = make_loss_and_grads(trainable)
     compiled, _ = compile_step(trainable, loss_and_grads)
+    text = compiled.as_text()
     columns = loss_and_grads.program.branch_columns
-    overlap = link_overlap(StepCost(compiled.as_text(), trainable.mesh, columns).total())
+    overlap = link_overlap(StepCost(text, trainable.mesh, columns).total())
     assert overlap["pipe"] == 1.0, overlap
-    starts: dict[tuple[str, str], int] = {}
-    for line in compiled.as_text().splitlines():
-        found = re.search(r"= \(\((u16|s32)\[.* all-to-all-start\(.*op_name=\"([^\"]*)\"", line)
-        slot = found and re.search(r"closed_call/([fbi]_[a-z]+)/", found.group(2))
-        if slot and EXCHANGE_KEPT in found.group(2):
-            key = (slot.group(1), "rows" if found.group(1) == "u16" else "ids")
-            starts[key] = starts.get(key, 0) + 1
-    back = "i_" if schedule == "zb_h1" else "b_"
-    forward = {body for body, _ in starts if body.startswith("f_")}
-    backward = {body for body, _ in starts if body.startswith(back)}
-    assert forward and backward and forward | backward == {body for body, _ in starts}, starts
-    copies = {starts[body, "ids"] for body in forward}  # one ids all-to-all per copy
-    assert len(copies) == 1, starts
-    assert {starts[body, "rows"] for body in forward | backward} == {2 * copies.pop()}, starts
-    assert not any((body, "ids") in starts for body in backward), starts
+    choices = 4 * 1024 // 4 * 2  # a microbatch's tokens on one expert rank, k = 2 each
+    comps = hlo_module.computations(text)
+
+    def reached(line):
+        return set().union(*(hlo_module.reachable(comps, c) for c in hlo_module.called(line)))
+
+    def ragged_rows(names):  # (operand rows, output rows) of each ragged all-to-all
+        starts = [
+            line for c in names for line in hlo_module.ops(comps[c], "ragged-all-to-all-start")
+        ]
+        return sorted(tuple(map(int, re.findall(r"bf16\[(\d+),", line)[:2])) for line in starts)
+
+    slots = hlo_module.slot_loops(comps[hlo_module.tick_loop_body(text)])
+    exchanged = {}
+    for scope, line in slots.items():
+        for cond in (c for n in reached(line) for c in hlo_module.ops(comps[n], "conditional")):
+            arms = [ragged_rows(hlo_module.reachable(comps, b)) for b in hlo_module.branches(cond)]
+            if any(arms):
+                exchanged.setdefault(scope[:2], []).append(arms)
+    assert set(exchanged) == {"f_", "i_"}, exchanged
+    even, largest = (choices, choices), (choices, 4 * choices)
+    for arms in exchanged["f_"]:
+        assert arms == [[even, even], [largest, largest[::-1]]], arms
+    for arms in exchanged["i_"]:
+        assert arms == [[even, even], [largest, largest, largest[::-1]]], arms
+    assert not any(hlo_module.ops(lines, "all-to-all-start") for lines in comps.values())
 
 
 def test_fp8_runs_each_linears_three_gemms_as_cublaslt_fp8_on_one_h100():

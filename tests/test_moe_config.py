@@ -23,6 +23,7 @@ BAD = [
     ({"experts": 4, "ffn_hidden": 18}, "moe.ffn_hidden (18) is split over parallel.tensor (4)"),
     ({"experts": 4, "every": 0}, "moe.every = 0: the layers after the dense leading ones"),
     ({"experts": 4, "grouped_gemm": "dense"}, "moe.grouped_gemm"),
+    ({"experts": 4, "exchange": "padded"}, "moe.exchange must be one of"),
     ({"experts": 4, "router_groups": 3}, "moe.router_groups (3) splits the 4 experts"),
     (
         {"experts": 8, "top_k": 4, "router_groups": 4, "router_group_topk": 1},
@@ -162,3 +163,18 @@ def test_auto_runs_the_kernels_where_a_gpu_holds_several_experts_in_16_bits():
     assert settled(dataclasses.replace(eight, capacity_factor=1.0), "gpu", 1) == "ragged"
     assert settled(eight, "cpu", 1) == "ragged"
     assert settled(dataclasses.replace(eight, grouped_gemm="blocked"), "gpu", 1) == "blocked"
+
+
+def test_auto_exchanges_by_ragged_all_to_all_on_a_gpu_and_by_blocks_elsewhere():
+    """`moe.exchange: auto` settles per step (`moe_exchange.settled`, `Trainable.moe_cfg`):
+    `ragged` on a GPU, `blocks` where XLA has no ragged all-to-all (CPU); an explicit choice
+    stays; the planner's layout of a run prices what runs (`routed` for `ragged`)."""
+    from jaxmeg.models.moe_exchange import settled
+    from jaxmeg.perf.layout import config_layout
+
+    assert (settled("auto", "gpu"), settled("auto", "cpu")) == ("ragged", "blocks")
+    assert settled("blocks", "gpu") == "blocks" and settled("ragged", "cpu") == "ragged"
+    cfg = C.Config(moe=C.MoeConfig(experts=4), parallel=C.ParallelConfig(expert=2))
+    assert config_layout(cfg).expert_exchange == "bounded"
+    ragged = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, exchange="ragged"))
+    assert config_layout(ragged).expert_exchange == "routed"

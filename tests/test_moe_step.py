@@ -136,8 +136,11 @@ CASES = {
     "e2p2t2-top2-full": (
         (1, 2, 2), TOP2, dataclasses.replace(LLAMA, remat="full"), "1f1b", 1, {"expert": 2}
     ),
-    # four expert ranks in each of two stages: each holds its share of every microbatch
-    "e4p2-top2": ((1, 2, 1), TOP2, LLAMA, "1f1b", 1, {"expert": 4}),
+    # four expert ranks in each of two stages: each holds its share of every microbatch; the
+    # rows by ragged all-to-all (`moe.exchange`; off a GPU its reference)
+    "e4p2-top2-ragged": (
+        (1, 2, 1), dataclasses.replace(TOP2, exchange="ragged"), LLAMA, "1f1b", 1, {"expert": 4}
+    ),
     "e4t2-sequence_parallel": (
         (1, 1, 2), SIGMOID_TOP1, LLAMA, "1f1b", 1, {"expert": 4, "sequence_parallel": True}
     ),
@@ -193,7 +196,10 @@ CASES = {
     # different orders on different devices (the step hung; `slots.ordered_tick`)
     "e4p2-top1": ((1, 2, 1), dataclasses.replace(TOP2, top_k=1), LLAMA, "1f1b", 1, {"expert": 4}),
     # group-limited routing with a routed scaling factor, dropless and with a capacity factor
-    "e2p2t2-zb_h1-groups": ((1, 2, 2), GROUPED, LLAMA, "zb_h1", 1, {"expert": 2}),
+    "e2p2t2-zb_h1-groups-ragged": (
+        (1, 2, 2), dataclasses.replace(GROUPED, exchange="ragged"), LLAMA, "zb_h1", 1,
+        {"expert": 2},
+    ),
     "e4p2-groups-capacity": (
         (1, 2, 1), dataclasses.replace(GROUPED, capacity_factor=1.0), GPT, "1f1b", 1,
         {"expert": 4},

@@ -112,7 +112,7 @@ def experts_ffn_exchanged(
     w_gate: jax.Array | None, axis: str, tensor_axis: str | None = None,
     taps: dict | None = None, gemm: ExpertGemms = RAGGED,
     factors: tuple[float, ...] = EXCHANGE_BOUNDS, kept_factor: float = EXCHANGE_KEPT_BOUND,
-    scaling: dict | None = None,
+    scaling: dict | None = None, form: str = "blocks",
 ) -> tuple[jax.Array, dict, jax.Array]:  # fmt: skip
     """`experts_ffn` with the experts split over the devices of mesh `axis` (expert parallelism),
     inside a map manual over it: this device holds rows x [T, h] and experts
@@ -130,7 +130,10 @@ def experts_ffn_exchanged(
     one runs. So the wire and the experts' GEMMs carry about max/mean load times the routed
     tokens, not E_ranks times, and a router that sends everything to one device still runs
     (B = T k). Every bound keeps the same residual buffers, the largest bound's
-    (`residual_switch`). With `tensor_axis`, w_* hold a 1/t slice of the experts' width and
+    (`residual_switch`). `form` (`moe.exchange`): `blocks` as above, or `ragged`: each device
+    sends only its routed rows (`moe_exchange.ragged_all_to_all`) and the bound is on the rows a
+    device receives in all, E_ranks B (every device's choices per expert gathered first, one
+    all-gather of E integers). With `tensor_axis`, w_* hold a 1/t slice of the experts' width and
     the outputs are summed over it.
 
     `taps`: name -> zeros [E_ranks T k, out] added to that grouped GEMM's output (a split
@@ -141,13 +144,24 @@ def experts_ffn_exchanged(
     ranks, local = jax.lax.axis_size(axis), w_in.shape[0]
     choices = tokens * k
     expert = routing.experts.reshape(-1)  # [T k], token-major
-    order, counts, slot = sorted_by(expert // local, ranks)
+    order, per_expert, _ = sorted_by(expert, ranks * local)  # so by device, then local expert
+    counts = per_expert.reshape(ranks, local).sum(1)
+    device = (expert // local)[order]
+    slot = jnp.arange(choices) - (jnp.cumsum(counts) - counts)[device]
     bounds = exchange_bounds(choices, ranks, factors)
-    const = ((expert // local)[order], slot, expert[order] % local)
+    const = (device, slot, expert[order] % local)
+    busiest = counts
+    if form == "ragged":  # every device's choices per expert; a bound holds a device's rows
+        gathered = jax.lax.all_gather(per_expert, axis)
+        const = (*const, gathered)
+        received = gathered.reshape(ranks, ranks, local).sum((0, 2))
+        busiest = -(-received // ranks)
     diff = (x[order // k], w_in, w_out, w_gate, taps or {}, scaling or {})
     keep = ranks * kept_bound(bounds, choices, ranks, kept_factor)
-    branches = [partial(through_experts, b, ranks * choices, keep, axis, gemm) for b in bounds]
-    index = bound_index(counts, bounds, (axis,) if tensor_axis is None else (axis, tensor_axis))
+    branches = [
+        partial(through_experts, b, ranks * choices, keep, axis, form, gemm) for b in bounds
+    ]
+    index = bound_index(busiest, bounds, (axis,) if tensor_axis is None else (axis, tensor_axis))
     sent, recorded = residual_switch.switch(index, branches, const, diff, EXCHANGE_KEPT)
     per_choice = jnp.zeros((choices, x.shape[-1]), x.dtype).at[order].set(sent)
     if tensor_axis is None:

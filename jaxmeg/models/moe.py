@@ -128,6 +128,7 @@ def moe_ffn(
             moe.exchange_bounds,
             moe.exchange_kept_bound,
             scaling,
+            "blocks" if moe.exchange == "auto" else moe.exchange,
         )
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:

@@ -1,7 +1,8 @@
 """The dropless exchange on one device of an expert axis, at one bound: the device's
-choices go to their experts' devices in blocks of B rows (`all_to_all`), through the experts'
-grouped GEMMs, and back (`jaxmeg.models.experts_ffn.experts_ffn_exchanged` picks the bound
-per step).
+choices go to their experts' devices, through the experts' grouped GEMMs, and back
+(`jaxmeg.models.experts_ffn.experts_ffn_exchanged` picks the bound per step). Two forms
+(`moe.exchange`, `PLANS`): `blocks`, E_ranks blocks of B rows each way (`all_to_all`), and
+`ragged`, only the routed rows (`ragged_all_to_all`) into a buffer of E_ranks B rows.
 
 Its backward is written out (`through_experts`'s custom VJP) so that it keeps exactly the
 experts' GEMM inputs and outputs it needs: the sorted received rows [B, h] and the first GEMMs'
@@ -66,7 +67,8 @@ def sorted_by(keys: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.A
 
 def bound_index(counts: jax.Array, bounds: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
     """The first of `bounds` that holds every block of the step's exchange: the largest of this
-    device's `counts` [E_ranks] (its rows for each device), maxed over `axes` (the expert axis
+    device's `counts` [E_ranks] (its rows for each device; with a ragged exchange, the rows
+    each device receives over E_ranks, rounded up), maxed over `axes` (the expert axis
     and the tensor axis the experts' width is split over), so every device that meets another
     in a branch's collectives (the exchange's all-to-alls, the backward's sum over `tensor`)
     takes the same branch."""
@@ -83,8 +85,8 @@ class _Blocks:
     `collect` are linear in the rows and each other's transpose (a scatter into the blocks, an
     all-to-all and a permutation, and back), so the backward runs them the other way round."""
 
-    def __init__(self, rank, slot, bound: int, axis: str, by_expert, sizes):
-        self.rank, self.slot, self.bound, self.axis = rank, slot, bound, axis
+    def __init__(self, const, bound: int, axis: str, by_expert, sizes):
+        self.rank, self.slot, self.bound, self.axis = const[0], const[1], bound, axis
         self.ranks = jax.lax.axis_size(axis)
         self.by_expert, self.sizes = by_expert, sizes
 
@@ -92,13 +94,13 @@ class _Blocks:
     def route(cls, const, local: int, bound: int, axis: str) -> _Blocks:
         """Sends each choice's local expert id along (one all-to-all of ints): the received
         rows' order by local expert and the group sizes."""
-        rank, slot, ids = const
+        rank, slot, ids = const[:3]
         ranks = jax.lax.axis_size(axis)
         got = jnp.full((ranks, bound), local, jnp.int32).at[rank, slot].set(ids, mode="drop")
         got = jax.lax.all_to_all(got, axis, 0, 0, tiled=True).reshape(-1)
         # received rows sorted by local expert, the padding (id `local`) last: past every group
         by_expert, sizes, _ = sorted_by(got, local + 1)
-        return cls(rank, slot, bound, axis, by_expert, sizes[:local])
+        return cls(const, bound, axis, by_expert, sizes[:local])
 
     def dispatch(self, rows_in: jax.Array) -> jax.Array:
         """This device's choices [T k, h] (in send order) -> the rows its experts receive
@@ -114,6 +116,102 @@ class _Blocks:
         unsorted = jnp.zeros_like(out).at[self.by_expert].set(out)
         back = exchange(unsorted.reshape(self.ranks, self.bound, -1), self.axis)
         return back.at[self.rank, self.slot].get(mode="fill", fill_value=0)
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _ragged_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      axis):  # fmt: skip
+    """`jax.lax.ragged_all_to_all`'s result from its documented semantics, for a backend without
+    it (XLA's CPU one): each slice padded to `operand`'s rows, one dense `all_to_all` of them and
+    of the offsets, and a scatter of each received slice's first `recv_sizes` rows. Moves every
+    slice at its largest size: for tests and CPU runs, not for speed."""
+    n = operand.shape[0]
+    rows = jnp.arange(n)
+    taken = jnp.clip(input_offsets[:, None] + rows, 0, n - 1)  # [K, n]
+    real = (rows < send_sizes[:, None]).reshape(taken.shape + (1,) * (operand.ndim - 1))
+    blocks = jnp.where(real, operand[taken], jnp.zeros((), operand.dtype))
+    got = jax.lax.all_to_all(blocks, axis, 0, 0, tiled=True)
+    at = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)
+    dest = jnp.where(rows < recv_sizes[:, None], at[:, None] + rows, output.shape[0])
+    return output.at[dest.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      axis: str) -> jax.Array:  # fmt: skip
+    """`jax.lax.ragged_all_to_all` over mesh `axis` on a GPU (only each slice's real rows
+    travel); elsewhere `_ragged_reference`, the same result. The result varies over `axis`
+    (jax types it as `output`, so `output` is made to)."""
+    varying = set(jax.typeof(output).manual_axis_type.varying)
+    for a in (operand, input_offsets, output_offsets, recv_sizes):
+        varying |= set(jax.typeof(a).manual_axis_type.varying)
+    missing = tuple(sorted((varying | {axis}) - set(jax.typeof(output).manual_axis_type.varying)))
+    if missing:
+        output = jax.lax.pcast(output, missing, to="varying")
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axis),
+        default=lambda *a: _ragged_reference(*a, axis),
+    )
+
+
+class _Ragged:
+    """One bound's row movements by ragged all-to-all: each device sends only its real rows,
+    and receives them, sender after sender, into a buffer of `ranks` x `bound` rows (the bound
+    is per device, on the rows it receives, not per block). Every device knows every device's
+    rows per expert (`const[3]` [ranks, E], one all-gather before the bounds' switch), so the
+    offsets on both ends and the received rows' experts need no exchange of their own: a
+    sender's rows go sorted by expert, so each sender's slice arrives sorted by local expert.
+    `dispatch` and `collect` are each other's transpose, as `_Blocks`'s."""
+
+    def __init__(self, const, bound: int, axis: str, by_expert, sizes):
+        self.bound, self.axis, self.by_expert, self.sizes = bound, axis, by_expert, sizes
+        self.ranks, self.choices = jax.lax.axis_size(axis), const[0].shape[0]
+        gathered = const[3]  # [sender, E]
+        self.counts = gathered.reshape(self.ranks, self.ranks, -1).sum(-1)  # [sender, receiver]
+        self.me = jax.lax.axis_index(axis)
+
+    @classmethod
+    def route(cls, const, local: int, bound: int, axis: str) -> _Ragged:
+        """The received rows' order by local expert and the group sizes, from the counts."""
+        ranks = jax.lax.axis_size(axis)
+        mine = jax.lax.dynamic_slice_in_dim(const[3], jax.lax.axis_index(axis) * local, local, 1)
+        ends = jnp.cumsum(mine.reshape(-1))  # the (sender, local expert) slices, in arrival order
+        arrival = jnp.searchsorted(ends, jnp.arange(ranks * bound), side="right")
+        keys = jnp.where(arrival < ranks * local, arrival % local, local).astype(jnp.int32)
+        by_expert, sizes, _ = sorted_by(keys, local + 1)  # the padding last
+        return cls(const, bound, axis, by_expert, sizes[:local])
+
+    def dispatch(self, rows_in: jax.Array) -> jax.Array:
+        sent, received = self.counts[self.me], self.counts[:, self.me]
+        at_receiver = _exclusive_cumsum(self.counts, 0)[self.me]
+        buffer = jnp.zeros((self.ranks * self.bound, rows_in.shape[-1]), rows_in.dtype)
+        got = ragged_all_to_all(rows_in, buffer, _exclusive_cumsum(sent), sent, at_receiver,
+                                received, self.axis)  # fmt: skip
+        return got[self.by_expert]
+
+    def collect(self, out: jax.Array) -> jax.Array:
+        sent, received = self.counts[self.me], self.counts[:, self.me]
+        at_sender = _exclusive_cumsum(self.counts, 1)[:, self.me]
+        unsorted = jnp.zeros_like(out).at[self.by_expert].set(out)
+        back = jnp.zeros((self.choices, out.shape[-1]), out.dtype)
+        return ragged_all_to_all(unsorted, back, _exclusive_cumsum(received), received,
+                                 at_sender, sent, self.axis)  # fmt: skip
+
+
+PLANS = {"blocks": _Blocks, "ragged": _Ragged}
+"""`moe.exchange`'s forms of one bound's row movements."""
+
+
+def settled(exchange: str, platform: str) -> str:
+    """`moe.exchange` as a step runs it: `auto` is `ragged` on a GPU, `blocks` elsewhere (XLA's
+    CPU backend has no ragged all-to-all)."""
+    if exchange != "auto":
+        return exchange
+    return "ragged" if platform == "gpu" else "blocks"
 
 
 def _activation(a, g):
@@ -144,25 +242,26 @@ def _recorded(taps, x, act, sizes, full: int) -> dict:
     }
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def through_experts(bound: int, full: int, keep: int, axis: str, gemm, const, diff):
-    """One bound's exchange: `const` = (each sorted choice's device [T k], its slot in that
-    device's block, its expert on that device), `diff` = (the choices' rows [T k, h] in that
-    order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added to that grouped
-    GEMM's output, whose cotangents are its dY, scaling: with delayed FP8 scaling name ->
-    (scales [3], the seen leaf [3, BINS]), else {}); `gemm` = the experts' grouped GEMMs
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def through_experts(bound: int, full: int, keep: int, axis: str, form: str, gemm, const, diff):
+    """One bound's exchange (`form`: `moe.exchange`, a key of `PLANS`): `const` = (each sorted
+    choice's device [T k], its slot in that device's block, its expert on that device; with
+    `ragged`, and every device's choices per expert [E_ranks, E]), `diff` = (the choices' rows
+    [T k, h] in that order, w_in, w_out, w_gate (or None), taps: name -> zeros [full, out] added
+    to that grouped GEMM's output, whose cotangents are its dY, scaling: with delayed FP8 scaling
+    name -> (scales [3], the seen leaf [3, BINS]), else {}); `gemm` = the experts' grouped GEMMs
     (`grouped_gemm.ExpertGemms`, or `DelayedGemms` put at the scaling's scales). (each choice's
-    output [T k, h], name -> the tapped GEMM's rows and group sizes padded to `full` = E_ranks
-    T k rows). The backward keeps the GEMMs' rows padded to `keep` rows where E_ranks B fits
-    them, else reruns the forward; with a scaling, the seen leaves' cotangents are the amaxes
-    of each GEMM's x, w and dY over `gemm.axes` (`_seen`)."""
-    plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
+    output [T k, h], name -> the tapped GEMM's rows and group sizes padded to `full` = E_ranks T k
+    rows). The backward keeps the GEMMs' rows padded to `keep` rows where E_ranks B fits them, else
+    reruns the forward; with a scaling, the seen leaves' cotangents are the amaxes of each GEMM's x,
+    w and dY over `gemm.axes` (`_seen`)."""
+    plan = PLANS[form].route(const, diff[1].shape[0], bound, axis)
     out, x, _, _, act = _forward(plan, diff, gemm.at(diff[5]).matmul)
     return out, _recorded(diff[4], x, act, plan.sizes, full)
 
 
-def _through_fwd(bound, full, keep, axis, gemm, const, diff):
-    plan = _Blocks.route(const, diff[1].shape[0], bound, axis)
+def _through_fwd(bound, full, keep, axis, form, gemm, const, diff):
+    plan = PLANS[form].route(const, diff[1].shape[0], bound, axis)
     out, x, a, g, act = _forward(plan, diff, gemm.at(diff[5]).matmul)
     kept = None
     if x.shape[0] <= keep:
@@ -173,18 +272,18 @@ def _through_fwd(bound, full, keep, axis, gemm, const, diff):
     return (out, _recorded(diff[4], x, act, plan.sizes, full)), (const, diff, kept)
 
 
-def _through_bwd(bound, full, keep, axis, gemm, residuals, cotangents):
+def _through_bwd(bound, full, keep, axis, form, gemm, residuals, cotangents):
     const, diff, kept = residuals
     rows_in, w_in, w_out, w_gate, taps, scaling = diff
     gemms = gemm.at(scaling)
     if kept is None:  # a bound past `keep`: its forward again
-        plan = _Blocks.route(const, w_in.shape[0], bound, axis)
+        plan = PLANS[form].route(const, w_in.shape[0], bound, axis)
         _, x, a, g, _ = _forward(plan, diff, gemms.matmul)
         sizes = plan.sizes
     else:
         x, a, g, by_expert, sizes = kept
         n = jax.lax.axis_size(axis) * bound
-        plan = _Blocks(const[0], const[1], bound, axis, by_expert[:n], sizes)
+        plan = PLANS[form](const, bound, axis, by_expert[:n], sizes)
         x, a = x[:n], a[:n]
         g = None if g is None else g[:n]
     d_out, _ = cotangents  # the recorded rows take no gradient

@@ -30,8 +30,10 @@ weights' gradients (`weight_gradient`), not I.
 Dropless at a bound chosen per step (`experts_ffn_exchanged`): each (sender, receiver) block
 holds B rows, the smallest of `config_moe.exchange_bounds` the step's busiest block fits, so
 a balanced step sends about 1.25 times the routed tokens, and a router that sends every choice
-to one device E_ranks times (B = T k). XLA's CPU backend has no ragged all-to-all, which would
-send only the real rows.
+to one device E_ranks times (B = T k). On a GPU (`moe.exchange: auto`) the rows go by ragged
+all-to-all instead: only the routed rows travel, and the bound is on the rows a device receives
+in all (`moe_exchange._Ragged`); XLA's CPU backend has none (there `ragged` runs a reference of
+it, for tests).
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@ from collections import Counter
 import numpy as np
 from jax.sharding import Mesh
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+KINDS = (
+    "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+    "ragged-all-to-all",
+)  # fmt: skip
 _KIND_RE = re.compile(
     r"^\s*(?:ROOT )?%?[\w.\-]+ = (?P<shape>.*?) (?P<kind>" + "|".join(KINDS) + r")(?:-start)?\("
 )
@@ -51,11 +54,12 @@ _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str
-    """all-reduce, all-gather, reduce-scatter, collective-permute or all-to-all."""
+    """One of `KINDS`."""
     axes: frozenset
     """The jaxmeg mesh axes that a group spans (empty for a collective within one device)."""
     bytes: int
-    """Bytes of the result (summed over a tuple result), per device."""
+    """Bytes of the result (summed over a tuple result), per device; of a ragged all-to-all,
+    what can move (`moved_bytes`)."""
     computation: str
     """The HLO computation that holds it (a while body for loop-carried collectives)."""
     op_name: str
@@ -72,6 +76,18 @@ def _result_bytes(shape_text: str) -> int:
         size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
         total += size * _BYTES[dtype]
     return total
+
+
+def moved_bytes(kind: str, shape_text: str) -> int:
+    """A collective's bytes per device: its result's, but of a ragged all-to-all (whose GPU
+    start's result is ((operand, output, offsets and sizes), output)) the smaller of its
+    operand and output: a device sends at most its operand's rows and receives at most its
+    output's, so at a balanced route the routed rows."""
+    if kind != "ragged-all-to-all":
+        return _result_bytes(shape_text)
+    arrays = _ARRAY_RE.findall(shape_text)
+    sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES[t] for t, dims in arrays]
+    return min(sizes[0], sizes[-1]) if sizes else 0
 
 
 def _iota_groups(text: str) -> list[list[int]]:
@@ -177,7 +193,7 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
             Collective(
                 kind=m.group("kind"),
                 axes=axes,
-                bytes=_result_bytes(m.group("shape")),
+                bytes=moved_bytes(m.group("kind"), m.group("shape")),
                 computation=computation,
                 op_name=op_name.group(1) if op_name else "",
                 op_axes=op_axes,

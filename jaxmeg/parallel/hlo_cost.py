@@ -40,6 +40,7 @@ from jaxmeg.parallel.hlo import (
     KINDS,
     _group_axes,
     _result_bytes,
+    moved_bytes,
     replica_groups,
 )
 from jaxmeg.parallel.hlo_ticks import TickLoop
@@ -466,6 +467,8 @@ class StepCost:
             nbytes = hlo_gpu.first_array_bytes(ins.shape.split(", ", 1)[1])
         elif ins.op == "all-to-all-start":  # ((operands...), results...): the results move
             nbytes = _result_bytes(hlo_gpu.after_operand_tuple(ins.shape))
+        elif kind == "ragged-all-to-all":
+            nbytes = moved_bytes(kind, ins.shape)
         if kind == "collective-permute":
             sources = {self._stage_of(a) for a, _ in groups}
             if stage not in sources:

@@ -43,7 +43,7 @@ NOT_KERNELS = frozenset(
     "parameter constant get-tuple-element tuple bitcast while conditional call opt-barrier "
     "partition-id replica-id after-all add-dependency copy-done send-done recv-done "
     "all-reduce-done all-gather-done collective-permute-done async-done async-update "
-    "reduce-scatter-done all-to-all-done send recv".split()
+    "reduce-scatter-done all-to-all-done ragged-all-to-all-done send recv".split()
 )
 DECOMPOSED_PERMUTE = "_xla_send_recv_source_target_pairs="
 """The frontend attribute of the send and recv that XLA's GPU compiler makes of a collective-permute

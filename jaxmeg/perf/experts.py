@@ -6,24 +6,24 @@ Words: as `jaxmeg.perf.model`, and E experts, k of them per token, f one expert'
 shared experts' width together, M matrices per expert (3 SwiGLU, 2 GeLU), e expert ranks, T the
 tokens of one microbatch on one GPU (s b, with s / c under context parallelism).
 
-How jaxmeg runs an MoE block with e > 1: each GPU routes its T tokens, sends each of its T k
-choices to the GPU that holds the expert and gets the output back, by two all-to-alls over the
-expert axis. Dropless at a bound chosen per step (`Layout.expert_exchange = "bounded"`, what
-jaxmeg runs): each (sender, receiver) block holds B rows, the smallest of
-`config_moe.exchange_bounds` that the step's busiest block fits; priced here at a busiest block
-of `EXCHANGE_LOAD` times the even load T k / e, so B = 1.25 T k / e: a GPU sends (e - 1) B rows
-each way and its grouped GEMMs take the e B rows it receives. `"padded"` prices the largest
-bound, B = T k (a router that sends every choice to one GPU); `"routed"` the routed rows only,
-(e - 1) / e T k rows each way (a ragged all-to-all, Megatron-Core's dispatcher), which jaxmeg
-does not run. The dropless exchange keeps its residuals (the received rows and the experts'
-hidden activations) in buffers for the largest bound up to `moe.exchange_kept_bound` (2x the
-even load) and its backward runs the two transposed all-to-alls: 2 forward, 2 backward; priced
-at a bound past that, its backward reruns the forward's exchange and expert GEMMs (2 forward, 4
-backward). With a capacity factor in a pipeline's slots (p v > 1) the backward reruns its
-forward too; with p v = 1 it keeps it. With a capacity factor cf (`moe.capacity_factor`) the
-exchange moves fixed buffers of E C rows per sequence, C = ceil(cf s k / E), whatever
-`expert_exchange` says: (e - 1) / e of them per all-to-all, the experts running on E C rows per
-sequence, about cf times the routed work. With e = 1 the experts run on the GPU with no exchange.
+How jaxmeg runs an MoE block with e > 1: each GPU routes its T tokens, sends each of its T k choices
+to the GPU that holds the expert and gets the output back, by two all-to-alls over the expert axis.
+Dropless at a bound chosen per step (`Layout.expert_exchange = "bounded"`, what jaxmeg runs): each
+(sender, receiver) block holds B rows, the smallest of `config_moe.exchange_bounds` that the step's
+busiest block fits; priced here at a busiest block of `EXCHANGE_LOAD` times the even load T k / e,
+so B = 1.25 T k / e: a GPU sends (e - 1) B rows each way and its grouped GEMMs take the e B rows it
+receives. `"padded"` prices the largest bound, B = T k (a router that sends every choice to one
+GPU); `"routed"` the routed rows only, (e - 1) / e T k rows each way (a ragged all-to-all,
+Megatron-Core's dispatcher; jaxmeg's on a GPU, `moe.exchange: ragged`). The dropless exchange keeps
+its residuals (the received rows and the experts' hidden activations) in buffers for the largest
+bound up to `moe.exchange_kept_bound` (2x the even load) and its backward runs the two transposed
+all-to-alls: 2 forward, 2 backward; priced at a bound past that, its backward reruns the forward's
+exchange and expert GEMMs (2 forward, 4 backward). With a capacity factor in a pipeline's slots (p v
+> 1) the backward reruns its forward too; with p v = 1 it keeps it. With a capacity factor cf
+(`moe.capacity_factor`) the exchange moves fixed buffers of E C rows per sequence, C = ceil(cf s k /
+E), whatever `expert_exchange` says: (e - 1) / e of them per all-to-all, the experts running on E C
+rows per sequence, about cf times the routed work. With e = 1 the experts run on the GPU with no
+exchange.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ class Layout:
     expert_exchange: str = "bounded"
     """How tokens reach their experts' GPUs (one of `EXPERT_EXCHANGES`): `bounded`, jaxmeg's
     dropless all-to-all at the smallest bound the step's load fits (priced at a balanced load);
-    `padded`, at its largest bound; `routed`, the routed rows only (a ragged all-to-all, which
-    jaxmeg does not run). See `jaxmeg.perf.experts`."""
+    `padded`, at its largest bound; `routed`, the routed rows only (a ragged all-to-all,
+    `moe.exchange: ragged`, what jaxmeg runs on a GPU). See `jaxmeg.perf.experts`."""
     exchange_kept_bound: float | None = None
     """The largest bound whose residuals the dropless exchange keeps, as a multiple of the even
     load (`moe.exchange_kept_bound`); None = the model's (`Experts.exchange_kept_bound`). 1 keeps
@@ -138,11 +138,13 @@ class Layout:
 def config_layout(cfg) -> Layout:
     """The layout a run config asks for (`jaxmeg.config.Config`), as the planner prices it. A
     microbatch of `train.microbatch_size` rows splits over the expert ranks: b is each GPU's
-    share."""
+    share. `moe.exchange: ragged` sends the routed rows (`routed`); otherwise the bounded
+    exchange (`auto` as off a GPU: a caller that knows the devices settles it first)."""
     par = cfg.parallel
     return Layout(
         tensor=par.tensor, pipe=par.pipe, data=par.data, context=par.context,
         expert=par.expert, exchange_kept_bound=cfg.moe.exchange_kept_bound, chunks=par.chunks,
+        expert_exchange="routed" if cfg.moe.exchange == "ragged" else "bounded",
         microbatch=cfg.train.microbatch_size // par.expert, microbatches=cfg.train.microbatches,
         recompute=cfg.model.remat, pipe_scatter_gather=par.uses_scatter_gather,
         sequence_parallel=par.sequence_parallel,

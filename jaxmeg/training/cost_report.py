@@ -27,6 +27,7 @@ per-GPU prediction (`jaxmeg.perf.model`), `per_stage_collective_bytes` one devic
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -54,9 +55,11 @@ EXPERT_KEY = "all-to-all@expert"
 def _collective_bytes(by_kind) -> dict[str, float]:
     """`pipe`: sends between stages (collective-permutes over `pipe`); `data` and `tensor`:
     every collective within a data or a tensor group; anything else (the shared gradients'
-    reduction over stages, groups over several axes) under `kind@axis+axis`."""
+    reduction over stages, groups over several axes) under `kind@axis+axis`, a ragged
+    all-to-all with the all-to-alls (`EXPERT_KEY`)."""
     out = dict.fromkeys(AXES, 0.0)
     for (kind, axes), nbytes in by_kind.items():
+        kind = kind.removeprefix("ragged-")
         if not axes:
             continue
         if axes == ("pipe",) and kind == "collective-permute":
@@ -82,9 +85,12 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     if hw:
         fp8_peak = hw.fp8_peak_tflops or hw.peak_tflops
         roofline = (hw.peak_tflops * 1e12, hw.hbm_tb_per_s * 1e12, fp8_peak * 1e12)
-    shape, layout = shape_of(model, cfg.moe), config_layout(cfg)
+    # the exchange as it runs here (`moe.exchange: auto` settled): its wire bytes as priced
+    shape = shape_of(model, cfg.moe)
+    layout = config_layout(dataclasses.replace(cfg, moe=trainable.moe_cfg))
     # the dropless exchange's bound is the data's: counted at a balanced load's
     branch = exchange_branch(shape, layout)
+    bounded = dataclasses.replace(layout, expert_exchange="bounded")
     counter = StepCost(
         compiled.as_text(), trainable.mesh, loss_and_grads.program.branch_columns,
         roofline=roofline, chosen_branches={} if branch is None else {EXCHANGE_KEPT: branch},
@@ -160,7 +166,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
         },
         "per_stage_collective_bytes": [_collective_bytes(c.collective_bytes) for c in stages],
         "unweighted_conditionals": sorted(total.unweighted),
-        "expert_exchange_block": None if branch is None else exchange_block(shape, layout),
+        "expert_exchange_block": None if branch is None else exchange_block(shape, bounded),
         "devices": mesh.size,
         **memory_report(compiled),
     }

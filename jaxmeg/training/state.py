@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config, ModelConfig, MoeConfig, padded_vocab_size
-from jaxmeg.models import GPT
+from jaxmeg.models import GPT, moe_exchange
 from jaxmeg.models.gpt import attention_implementation
 from jaxmeg.models.grouped_gemm import settled
 from jaxmeg.parallel import named, param_rules, param_specs, zero
@@ -87,11 +87,12 @@ class Trainable:
 
     @property
     def moe_cfg(self) -> MoeConfig:
-        """`cfg.moe` with `grouped_gemm: auto` settled for the mesh's devices
-        (`grouped_gemm.settled`)."""
+        """`cfg.moe` with `grouped_gemm: auto` and `exchange: auto` settled for the mesh's
+        devices (`grouped_gemm.settled`, `moe_exchange.settled`)."""
         moe = self.cfg.moe
         form = settled(moe, self.platform, self.mesh.shape["expert"], self.cfg.model.fp8)
-        return dataclasses.replace(moe, grouped_gemm=form)
+        exchange = moe_exchange.settled(moe.exchange, self.platform)
+        return dataclasses.replace(moe, grouped_gemm=form, exchange=exchange)
 
     def model(self, constrain: Callable | None = None) -> GPT:
         if constrain is None:
