@@ -78,6 +78,9 @@ LONGEST_FIRST = (
     "test_main_job_loss_falls",
     "test_data_two_keeps_cudnn",
     "test_pipe_sends_beside_tensor_parallel",
+    "by_ragged_all_to_alls_on_eight_h100",
+    "test_moe_dualpipev_equals_one_device",
+    "test_a_moe_report_gives_the_step_at_each_bound",
     "tests/test_notebook.py::",
 )
 """Tests of 30 s to 5 min (measured with --durations), run first, longest first: a worker that

@@ -185,16 +185,19 @@ def test_the_grouped_gemm_kernels_run_the_routed_rows_on_one_h100():
 
 
 def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eight_h100():
-    """expert 4 x pipe 2 zb_h1, dropless, bounds of 1x and 4x the even load (all T k = 2048
+    """expert 4 x pipe 2 1f1b, dropless, bounds of 1x and 4x the even load (all T k = 2048
     choices per block): on a GPU the rows go by ragged all-to-all (`moe.exchange: auto`), no
-    all-to-all is left. Each F slot's exchange branches hold 2 (dispatch, combine), each I
+    all-to-all is left. Each F slot's exchange branches hold 2 (dispatch, combine), each B
     slot's the 2 transposes at the kept first bound and 3 at the largest (whose backward
     reruns the dispatch): 4 per MoE layer and microbatch at a balanced route (the CPU step's
     count: tests/test_expert_exchange.py). At the first bound every one's operand and output
     are the device's T k routed rows: the buffers hold no padding. The expert ids travel
-    nowhere: the counts' all-gather (E integers) stands in. Every pipe byte has a GEMM beside
-    it (the slots' collectives share a stream with a collective-permute, so the sends leave
-    as send and recv)."""
+    nowhere: the counts' all-gather (E integers) stands in. The pipe sends leave as send and
+    recv (the slots' collectives share a stream with a collective-permute); XLA pipelines the
+    tick loop two ticks at a time, and in the second copy it waits for the cotangent's recv
+    right after the B slot, before the next F: 3 of the 4 sends have a GEMM beside them (with
+    the blocks exchange all 4; zb_h1 all 4 either way; the Mixtral-shaped pipeline of
+    docs/benchmarks.md the same 75%)."""
     import re
 
     from jaxmeg.parallel import hlo_module
@@ -204,7 +207,7 @@ def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eigh
     from jaxmeg.training.pipeline_step import make_loss_and_grads
     from jaxmeg.training.trainer import prepare
 
-    cfg = gpu_config(pipe=2, parallel={"expert": 4, "schedule": "zb_h1"}, attention="xla")
+    cfg = gpu_config(pipe=2, parallel={"expert": 4, "schedule": "1f1b"}, attention="xla")
     moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, exchange_bounds=(1.0,))
     trainable = prepare(dataclasses.replace(cfg, moe=moe), None,
                         devices=gpu_target.load_target("h100", 8).devices)  # fmt: skip
@@ -214,7 +217,7 @@ def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eigh
     text = compiled.as_text()
     columns = loss_and_grads.program.branch_columns
     overlap = link_overlap(StepCost(text, trainable.mesh, columns).total())
-    assert overlap["pipe"] == 1.0, overlap
+    assert overlap["pipe"] == 0.75, overlap
     choices = 4 * 1024 // 4 * 2  # a microbatch's tokens on one expert rank, k = 2 each
     comps = hlo_module.computations(text)
 
@@ -234,11 +237,11 @@ def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eigh
             arms = [ragged_rows(hlo_module.reachable(comps, b)) for b in hlo_module.branches(cond)]
             if any(arms):
                 exchanged.setdefault(scope[:2], []).append(arms)
-    assert set(exchanged) == {"f_", "i_"}, exchanged
+    assert set(exchanged) == {"f_", "b_"}, exchanged
     even, largest = (choices, choices), (choices, 4 * choices)
     for arms in exchanged["f_"]:
         assert arms == [[even, even], [largest, largest[::-1]]], arms
-    for arms in exchanged["i_"]:
+    for arms in exchanged["b_"]:
         assert arms == [[even, even], [largest, largest, largest[::-1]]], arms
     assert not any(hlo_module.ops(lines, "all-to-all-start") for lines in comps.values())
 

@@ -127,10 +127,11 @@ def _ragged_reference(operand, output, input_offsets, send_sizes, output_offsets
     """`jax.lax.ragged_all_to_all`'s result from its documented semantics, for a backend without
     it (XLA's CPU one): each slice padded to `operand`'s rows, one dense `all_to_all` of them and
     of the offsets, and a scatter of each received slice's first `recv_sizes` rows. Moves every
-    slice at its largest size: for tests and CPU runs, not for speed."""
-    n = operand.shape[0]
+    slice at its largest size (the smaller of the operand's and the output's rows): for tests
+    and CPU runs, not for speed."""
+    n = min(operand.shape[0], output.shape[0])
     rows = jnp.arange(n)
-    taken = jnp.clip(input_offsets[:, None] + rows, 0, n - 1)  # [K, n]
+    taken = jnp.clip(input_offsets[:, None] + rows, 0, operand.shape[0] - 1)  # [K, n]
     real = (rows < send_sizes[:, None]).reshape(taken.shape + (1,) * (operand.ndim - 1))
     blocks = jnp.where(real, operand[taken], jnp.zeros((), operand.dtype))
     got = jax.lax.all_to_all(blocks, axis, 0, 0, tiled=True)
