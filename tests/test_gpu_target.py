@@ -143,10 +143,12 @@ def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100()
     from jaxmeg.training.cost_report import EXPERT_KEY
 
     cfg = gpu_config(parallel={"expert": 2})
-    moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, grouped_gemm="ragged")  # compiles faster
+    # the first bounds only (fewer branches compile faster), and ragged GEMMs for the same reason
+    moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=1024, grouped_gemm="ragged",
+                      exchange_bounds=(1.0, 1.25))  # fmt: skip
     _, report = report_for(dataclasses.replace(cfg, moe=moe))
     bounds = report["exchange_bounds"]
-    assert [b["load"] for b in bounds] == [1.0, 1.25, 1.5, 2.0]  # 2 ranks: all choices at 2x
+    assert [b["load"] for b in bounds] == [1.0, 1.25, 2.0]  # 2 ranks: all choices at 2x
     assert all(b["kept"] for b in bounds)
     seconds = [b["roofline_seconds"] for b in bounds]
     assert seconds == sorted(seconds) and len(set(seconds)) == len(seconds)
