@@ -178,3 +178,19 @@ def test_auto_exchanges_by_ragged_all_to_all_on_a_gpu_and_by_blocks_elsewhere():
     assert config_layout(cfg).expert_exchange == "bounded"
     ragged = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, exchange="ragged"))
     assert config_layout(ragged).expert_exchange == "routed"
+
+
+def test_the_start_up_line_says_how_the_experts_run():
+    """An MoE run's start-up line names the forms `auto` settled to (`trainer.experts_words`)."""
+    from jaxmeg.training.trainer import experts_words
+
+    moe = C.MoeConfig(experts=8, top_k=2, grouped_gemm="pallas", exchange="ragged")
+    assert experts_words(moe, 4) == (
+        "experts: 8 per MoE layer, top-2, 2 per device over expert=4, dropless, grouped GEMMs "
+        "pallas, tokens by ragged all-to-all"
+    )
+    blocks = dataclasses.replace(moe, grouped_gemm="ragged", exchange="blocks")
+    assert experts_words(blocks, 1).endswith("dropless, grouped GEMMs ragged")
+    assert experts_words(blocks, 2).endswith("tokens by all-to-all in bounded blocks")
+    capped = dataclasses.replace(moe, capacity_factor=1.0)
+    assert experts_words(capped, 4).endswith("capacity factor 1 (batched GEMMs)")

@@ -118,6 +118,23 @@ def _describe(trainable: Trainable, dataset) -> None:
     )
     if p > 1:
         say(f"pipeline {cfg.parallel.schedule}: {trainable.layout.describe()}")
+    if cfg.moe.experts:
+        say(experts_words(trainable.moe_cfg, trainable.mesh.shape["expert"]))
+
+
+def experts_words(moe, expert: int) -> str:
+    """The start-up line of an MoE run: how its experts run as settled for the devices
+    (`Trainable.moe_cfg`: `moe.grouped_gemm` and `moe.exchange` past `auto`)."""
+    words = f"experts: {moe.experts} per MoE layer, top-{moe.top_k}"
+    if expert > 1:
+        words += f", {moe.experts // expert} per device over expert={expert}"
+    if moe.capacity_factor:
+        return words + f", capacity factor {moe.capacity_factor:g} (batched GEMMs)"
+    words += f", dropless, grouped GEMMs {moe.grouped_gemm}"
+    if expert > 1:
+        how = "ragged all-to-all" if moe.exchange == "ragged" else "all-to-all in bounded blocks"
+        words += f", tokens by {how}"
+    return words
 
 
 def _meta(trainable: Trainable, loader, progress: _Progress) -> dict[str, Any]:
