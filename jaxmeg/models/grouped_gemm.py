@@ -117,11 +117,13 @@ def _block_table(sizes: jax.Array, n: int, block: int):
 
 
 def varying_like(zeros: jax.Array, *arrays) -> jax.Array:
-    """`zeros` varying over the manual axes `arrays` vary over (a loop carry inside a map)."""
+    """`zeros` varying over the manual axes `arrays` vary over as well (a loop carry inside a
+    map)."""
     varying = set()
     for a in arrays:
         varying |= set(jax.typeof(a).manual_axis_type.varying)
-    return jax.lax.pcast(zeros, tuple(sorted(varying)), to="varying") if varying else zeros
+    missing = tuple(sorted(varying - set(jax.typeof(zeros).manual_axis_type.varying)))
+    return jax.lax.pcast(zeros, missing, to="varying") if missing else zeros
 
 
 def _block_rows(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:

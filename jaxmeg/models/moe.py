@@ -69,6 +69,7 @@ from jaxmeg.models.grouped_gemm import (
     grouped_gemm,
     ragged_matmul,
 )
+from jaxmeg.models.moe_exchange import settled as settled_exchange
 from jaxmeg.models.parts import Array, Constrain, Mlp, dtype_of, no_constraint, normal, param
 from jaxmeg.models.router import expert_load, route_by, router_logits, sequence_balance_loss, z_loss
 
@@ -128,7 +129,7 @@ def moe_ffn(
             moe.exchange_bounds,
             moe.exchange_kept_bound,
             scaling,
-            "blocks" if moe.exchange == "auto" else moe.exchange,
+            settled_exchange(moe.exchange, jax.default_backend()),
         )
     aux = jnp.zeros((), jnp.float32)
     if moe.aux_loss:

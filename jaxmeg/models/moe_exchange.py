@@ -24,7 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.models import fp8
-from jaxmeg.models.grouped_gemm import GroupedMatmul, cotangent_like, grouped_weight_gradient
+from jaxmeg.models.grouped_gemm import (
+    GroupedMatmul,
+    cotangent_like,
+    grouped_weight_gradient,
+    varying_like,
+)
 
 EXCHANGE_KEPT = "moe_exchange"
 """The checkpoint name of what the expert-parallel layer's forward keeps for its backward
@@ -143,14 +148,9 @@ def _ragged_reference(operand, output, input_offsets, send_sizes, output_offsets
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                       axis: str) -> jax.Array:  # fmt: skip
     """`jax.lax.ragged_all_to_all` over mesh `axis` on a GPU (only each slice's real rows
-    travel); elsewhere `_ragged_reference`, the same result. The result varies over `axis`
-    (jax types it as `output`, so `output` is made to)."""
-    varying = set(jax.typeof(output).manual_axis_type.varying)
-    for a in (operand, input_offsets, output_offsets, recv_sizes):
-        varying |= set(jax.typeof(a).manual_axis_type.varying)
-    missing = tuple(sorted((varying | {axis}) - set(jax.typeof(output).manual_axis_type.varying)))
-    if missing:
-        output = jax.lax.pcast(output, missing, to="varying")
+    travel); elsewhere `_ragged_reference`, the same result. jax types the result as
+    `output`, so `output` is made to vary as the offsets do (over `axis`, at least)."""
+    output = varying_like(output, operand, input_offsets, output_offsets, recv_sizes)
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     return jax.lax.platform_dependent(
         *args,

@@ -459,7 +459,7 @@ class StepCost:
         groups = replica_groups(line)
         axes = tuple(sorted(_group_axes(groups, self.mesh))) if groups else ()
         kind = ins.op.removesuffix("-start")
-        nbytes = _result_bytes(ins.shape)
+        nbytes = moved_bytes(kind, ins.shape)
         if ins.op == "recv":  # one half of a collective-permute XLA split into send and recv
             kind, nbytes = "collective-permute", hlo_gpu.first_array_bytes(ins.shape)
         elif ins.op in ("collective-permute-start", "all-gather-start") and ins.shape[0] == "(":
@@ -467,8 +467,6 @@ class StepCost:
             nbytes = hlo_gpu.first_array_bytes(ins.shape.split(", ", 1)[1])
         elif ins.op == "all-to-all-start":  # ((operands...), results...): the results move
             nbytes = _result_bytes(hlo_gpu.after_operand_tuple(ins.shape))
-        elif kind == "ragged-all-to-all":
-            nbytes = moved_bytes(kind, ins.shape)
         if kind == "collective-permute":
             sources = {self._stage_of(a) for a, _ in groups}
             if stage not in sources:
