@@ -207,9 +207,9 @@ def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
     FLOPs are the model's active FLOPs (its vocabulary padding aside): no expert GEMM row
     beyond the routed ones, no rerun. At the next bound, 1.25x the even load, the experts do
     1.25x their work, what the performance model prices, and its all-to-all bytes are the
-    compiled ones. The routing runs on each device's own rows: the only all-gathers over
-    `expert` are the embedding's backward, none in the MoE layers. With bf16 compute the rows
-    travel as 16 bits (XLA would widen a bf16 all-to-all to float32)."""
+    compiled ones. The routing runs on each device's own rows, and the step's map is manual
+    over `expert` (each rank embeds its own rows): nothing is all-gathered. With bf16 compute
+    the rows travel as 16 bits (XLA would widen a bf16 all-to-all to float32)."""
     from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
     from jaxmeg.parallel import hlo
     from jaxmeg.parallel.hlo_cost import StepCost
@@ -242,8 +242,7 @@ def test_the_compiled_exchange_moves_and_computes_each_bounds_rows():
     rows_moved = [buffers[b] for b in bounds] * 4 + [buffers[b] for b in rerun]
     ids_moved = [4 * b * 4 for b in bounds] + [4 * b * 4 for b in rerun]
     assert sorted(exchanges) == sorted((rows_moved + ids_moved) * LLAMA.layers)
-    gathers = [c for c in found if c.kind == "all-gather"]
-    assert gathers and all("embed" in c.op_name and "/moe/" not in c.op_name for c in gathers)
+    assert not [c for c in found if c.kind == "all-gather"]
     # the branch is the data's: every collective inside the exchange's conditionals stays in
     # the expert x tensor group that the bound's all-reduce made its index the same over
     branched = [c for c in found if EXCHANGE_KEPT in c.op_name]
@@ -317,8 +316,9 @@ def test_a_pipeline_keeps_the_exchange_residuals_of_the_kept_bound_only():
     """expert 4 x pipe 2, dropless top-2: a device's T k = 32 choices, blocks of 8 rows at an
     even load, bounds 8, 10, 12, 16, 24 and 32 rows. What a stage keeps per microbatch for its
     MoE layer (`trace_info["slot_bytes"]`) grows with `moe.exchange_kept_bound` by the received
-    rows and the first GEMMs' outputs (h + 2 f floats, stacked over the 4 expert ranks) and the
-    row order of each kept row: 1x keeps E_ranks x 8 rows, 2x (the default) 16 each, 64x all
+    rows and the first GEMMs' outputs (h + 2 f floats) and the row order of each kept row, on
+    each device (the step's map is manual over `expert`): 1x keeps E_ranks x 8 rows, 2x (the
+    default) 16 each, 64x all
     32 (what every bound kept before); bounds past it rerun their forward in the backward
     (`test_every_bound_gives_one_devices_outputs_and_gradients`, the one-expert route)."""
     stored = {}
@@ -332,7 +332,7 @@ def test_a_pipeline_keeps_the_exchange_residuals_of_the_kept_bound_only():
             jax.jit(loss_and_grads).lower(params, *tokens)
         stored[factor] = loss_and_grads.program.trace_info["slot_bytes"]
     ranks, f = 4, TOP2.ffn_hidden
-    per_row = ranks * (LLAMA.hidden + 2 * f) * 4 + 4
+    per_row = (LLAMA.hidden + 2 * f) * 4 + 4
     assert stored[2.0] - stored[1.0] == ranks * (16 - 8) * per_row
     assert stored[64.0] - stored[2.0] == ranks * (32 - 16) * per_row
 
@@ -380,3 +380,44 @@ def test_a_layers_backward_runs_no_bound_all_reduce_beside_its_exchange(monkeypa
     found = step_hazards(trainable)
     assert found and all("no data orders" in line for line in found), found
     assert all("moe_exchange" in line and "pmax" in line for line in found), found
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_pipeline_sums_its_dense_gradients_over_expert_once_per_step(schedule):
+    """expert 4 x pipe 2 (tensor 1: the executor's map is manual over `expert`,
+    `pipeline_step.splits_experts`): each expert rank holds its share of every microbatch's
+    rows and keeps its dense gradients its own through the step; they are summed over `expert`
+    with the data mean once per chunk, in the reduction beside the tick after the chunk's last
+    backward (`reduce_chunk`, one tick per stage), all of a stage's dense leaves in one
+    all-reduce. No slot all-reduces anything over `expert` but the exchange bound's scalar max
+    (in F); with `expert` automatic XLA all-reduced a stage's dense gradients in every B slot
+    (m per step) and the head's in every last F. After the loop the embedding's and head's
+    gradients and the loss go in one all-reduce over pipe x expert."""
+    import re
+
+    from jaxmeg.parallel import hlo
+
+    cfg = config((1, 2, 1), TOP2, LLAMA, schedule, expert=4)
+    trainable = trainable_for(cfg)
+    loss_and_grads = make_loss_and_grads(trainable)
+    with jax.set_mesh(trainable.mesh):
+        params = init_state(trainable, seed=0)["params"]
+        tokens = put_batch(trainable, random_batch(trainable.cfg))
+        text = jax.jit(loss_and_grads).lower(params, *tokens).compile().as_text()
+    reduces = [
+        c for c in hlo.collectives(text, trainable.mesh)
+        if c.kind == "all-reduce" and "expert" in c.axes
+    ]  # fmt: skip
+    in_slots = [c for c in reduces if re.search(r"/closed_call/[fbiw]_[a-z]+/", c.op_name)]
+    assert in_slots and all(c.bytes == 4 and "/f_" in c.op_name for c in in_slots), in_slots
+    stage = params["blocks"]["layers"]
+    dense = sum(
+        a.size // 2 * 4  # a stage's half of each [v = 1, p = 2, Lc, ...] leaf, fp32
+        for path, a in jax.tree_util.tree_leaves_with_path(stage)
+        if not re.search(r"\['moe'\]\['w_(in|out|gate)'\]", jax.tree_util.keystr(path))
+    )
+    chunk = [c for c in reduces if "/reduce_chunk/" in c.op_name]
+    assert [c.bytes for c in chunk] == [dense], (chunk, dense)
+    assert (loss_and_grads.program.branch_columns["reduce_chunk"].sum(axis=0) == 1).all()
+    after = [c for c in reduces if c not in in_slots and c not in chunk]
+    assert len(after) == 1 and after[0].axes == {"expert", "pipe"}, after

@@ -329,15 +329,19 @@ def test_loads_leave_the_gradients_and_move_each_bias_toward_the_mean():
 
 
 def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
-    """(expert 4, pipe 2): the executor takes microbatch mb as every m-th row (`carry.Stage`),
-    so each expert rank holds its share of every microbatch and no slot moves rows. Taken as a
-    block of rows instead (as before), its rows sit on half of a stage's expert ranks and GSPMD
-    moves them inside the F slots of the first and last stages by a collective-permute whose
-    pairs stay inside each stage but which meets all 8 devices: the step hung (the CPU
-    rendezvous aborted after 40 s). `deadlock_hazards` names such a permute before any run
-    (the e4p2 case of `test_moe_step_equals_one_device` runs the step as it is, checked)."""
+    """(expert 4, pipe 2) with `expert` automatic in the executor's map (as it is with tensor
+    > 1; here it would be manual, `pipeline_step.splits_experts`, and every rank would take its
+    own rows): the executor takes microbatch mb as every m-th row (`carry.Stage`), so each
+    expert rank holds its share of every microbatch and no slot moves rows. Taken as a block of
+    rows instead (as before), its rows sit on half of a stage's expert ranks and GSPMD moves
+    them inside the F slots of the first and last stages by a collective-permute whose pairs
+    stay inside each stage but which meets all 8 devices: the step hung (the CPU rendezvous
+    aborted after 40 s). `deadlock_hazards` names such a permute before any run (the e2p2t2
+    cases of `test_moe_step_equals_one_device` run such steps as they are, checked)."""
     from jaxmeg.pipeline.executor import carry
+    from jaxmeg.training import pipeline_step
 
+    monkeypatch.setattr(pipeline_step, "splits_experts", lambda trainable: False)
     trainable = trainable_for(config((1, 2, 1), TOP2, LLAMA, expert=4))
 
     def block_of_rows(self, mb):

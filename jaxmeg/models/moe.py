@@ -83,7 +83,7 @@ def moe_ffn(
     moe: MoeConfig, sequences: int, x: Array, logits: Array, bias: Array, w_in: Array,
     w_out: Array, *w_gate: Array, axis: str | None = None, tensor_axis: str | None = None,
     gmm: GroupedMatmul = ragged_matmul, taps: dict | None = None, fp8: str = "none",
-    scaling: dict | None = None,
+    scaling: dict | None = None, average: bool = True,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
     """The routed experts of `sequences` sequences' rows x [T, h] (sequence-major), given the
     router's `logits` [T, E]: (y [T, h], the weighted auxiliary losses (scalar), each expert's
@@ -92,7 +92,8 @@ def moe_ffn(
     bound its exchange took, one-hot). w_gate: () or (the SwiGLU gate,). With `axis` (inside a map
     manual over it, each device holding its own rows and E_l experts) the choices travel by
     all-to-all (`experts_ffn_exchanged`), and the losses and shares are averaged over `axis`:
-    every device holds as many sequences, so that is the mean over all of them. `gmm`: the
+    every device holds as many sequences, so that is the mean over all of them (not with
+    `average` False: where whoever called the layer averages them with its gradients). `gmm`: the
     experts' grouped GEMM on one device. `taps` (dropless, with `axis`): as
     `experts_ffn_exchanged`'s, and the tapped GEMMs' rows and group sizes are returned fourth.
     `fp8` (`model.fp8`; with `axis`: on one device `gmm` says): the experts' grouped GEMMs on
@@ -142,7 +143,7 @@ def moe_ffn(
         expert = routing.experts.reshape(-1)
         kept_share = jnp.zeros_like(share).at[expert].add(kept.astype(share.dtype))
         share = jnp.stack([share, kept_share / routing.experts.size])
-    if axis is not None:
+    if axis is not None and average:
         aux, share = jax.lax.pmean((aux, share), axis)
     if taken is not None:  # the same on every device of the exchange
         share = jnp.concatenate([share, taken])
@@ -215,11 +216,13 @@ class MoeMlp(nn.Module):
             taken = param(self, TAKEN, (BOUND_SLOTS,), (None,), nn.initializers.zeros)
         expert_in = ("experts", "embed", "expert_mlp")
         expert_out = ("experts", "expert_mlp", "embed")
-        w_in = param(self, "w_in", (e, d, f), expert_in, normal(cfg.init_std))
-        w_out = param(self, "w_out", (e, f, d), expert_out, normal(out_std))
+        # the experts whose weights this layer is given (a dispatch may hand it a rank's own)
+        held = getattr(self.dispatch, "experts_here", lambda n: n)(e)
+        w_in = param(self, "w_in", (held, d, f), expert_in, normal(cfg.init_std))
+        w_out = param(self, "w_out", (held, f, d), expert_out, normal(out_std))
         w_gate = None
         if cfg.block == "llama":
-            w_gate = param(self, "w_gate", (e, d, f), expert_in, normal(cfg.init_std))
+            w_gate = param(self, "w_gate", (held, d, f), expert_in, normal(cfg.init_std))
         x_TxD = x_BxSxD.reshape(b * s, d)
         experts = (w_in, w_out) if w_gate is None else (w_in, w_out, w_gate)
         scaling = {}  # delayed FP8 scaling: name -> (scales, the seen leaf)

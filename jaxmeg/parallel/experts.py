@@ -59,7 +59,8 @@ EXPERT_IN, EXPERT_OUT = P(EXPERT, None, TENSOR), P(EXPERT, TENSOR, None)
 
 
 def _nested_axes() -> tuple[str, ...]:
-    """The axes the layer's map is manual over: what the executor's map left automatic."""
+    """The axes the layer's map is manual over: what the executor's map left automatic (the
+    executor's map is manual over `expert` itself: `jaxmeg.pipeline.gradients.manual_axes`)."""
     return tuple(sorted(automatic_axes_here(("context", EXPERT, TENSOR))))
 
 
@@ -79,20 +80,29 @@ def _in_specs(gated: int) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class OnDevice:
     """What a device's share of the layer runs with (a static of `exchanged`): the sequences
-    of the microbatch the expert group holds, and the FP8 recipe of the experts' grouped GEMMs
-    (`model.fp8`)."""
+    of the rows the layer is given, the FP8 recipe of the experts' grouped GEMMs
+    (`model.fp8`), and whether the layer's map splits those rows over `expert` (`spans`).
+    Where the executor's map is manual over `expert` it does not: the rows are already the
+    rank's, and its losses and shares stay the rank's, for the step to sum with the gradients
+    (`jaxmeg.pipeline.gradients.summed_axes`)."""
 
     sequences: int
     fp8: str = "none"
+    spans: bool = True
+
+    @classmethod
+    def here(cls, sequences: int, fp8: str) -> OnDevice:
+        """Outside the layer's map: whether it will span `expert`."""
+        return cls(sequences, fp8, EXPERT in _nested_axes())
 
 
 def _on_device(moe, device: OnDevice) -> Callable:
-    ranks = jax.sharding.get_abstract_mesh().shape[EXPERT]
+    ranks = jax.sharding.get_abstract_mesh().shape[EXPERT] if device.spans else 1
 
     def local(x, logits, bias, scaling, *experts, taps=None):
         return moe_ffn(moe, device.sequences // ranks, x, logits, bias, *experts, axis=EXPERT,
-                       tensor_axis=TENSOR, taps=taps, fp8=device.fp8,
-                       scaling=scaling)  # fmt: skip
+                       tensor_axis=TENSOR, taps=taps, fp8=device.fp8, scaling=scaling,
+                       average=device.spans)  # fmt: skip
 
     return local
 
@@ -211,8 +221,10 @@ def _keeping_fwd(moe, device, x, logits, bias, taps, scaling, *experts):
     args = (x, logits, bias, taps, scaling, *experts)
     d_bias = jax.lax.full_like(bias, 0)  # the bias only moves the top-k choice (see bwd)
     names = {name: None for name in taps}  # an empty tree: which taps, for the backward
-    if not axes:
-        out, pullback = local(*args)
+    if not axes:  # the executor's map is manual over every axis the layer splits over
+        (y, aux, shares, kept), pullback = local(*args)
+        out = (y, *kept_statistics(aux, shares), kept)
+        pullback = checkpoint_name(pullback, EXCHANGE_KEPT)
         return out, (d_bias, pullback, (), (None,) * gates, names)
     tap_specs, kept_specs = _tapped_specs(taps, axes)
     specs = (*_in_specs(gates)[:3], tap_specs, *_in_specs(gates)[3:])
@@ -401,15 +413,22 @@ class ExpertDispatch:
     fp8: str = "none"
 
     def __call__(self, moe, sequences, x, logits, bias, *experts, scaling=None):
-        device = OnDevice(sequences, self.fp8)
+        device = OnDevice.here(sequences, self.fp8)
         return exchanged(moe, device, x, logits, bias, scaling or {}, *experts)
 
     def tapped(self, moe, sequences, x, logits, bias, taps, *experts, scaling=None):
         """Dropless only."""
-        device = OnDevice(sequences, self.fp8)
+        device = OnDevice.here(sequences, self.fp8)
         return exchanged_tapped(moe, device, x, logits, bias, taps, scaling or {}, *experts)
 
     tap_shapes = staticmethod(tap_shapes)
+
+    @staticmethod
+    def experts_here(experts: int) -> int:
+        """How many of a layer's `experts` the weights it is given hold: a rank's own inside
+        a map manual over `expert` (the executor's), else all of them."""
+        mesh = jax.sharding.get_abstract_mesh()
+        return experts // mesh.shape[EXPERT] if EXPERT in mesh.manual_axes else experts
 
 
 def dispatch_for(mesh_shape, fp8: str = "none") -> Callable | None:

@@ -20,7 +20,13 @@ reduce-scatter (`reduce_scatter`) into split accumulators. With PowerSGD
 {first, last stage} x data only (`fused_sync`).
 With context parallelism (a `context` axis > 1, manual too) each context rank's gradients and
 loss are those of its part of every sequence, so they are averaged over `context` exactly as
-over `data`, in the same collectives: `replica_axes` is (data, context) then.
+over `data`, in the same collectives: `replica_axes` is (data, context) then. With expert
+parallelism, where the caller makes the map manual over `expert` too, each expert rank holds
+its share of every microbatch's rows and weighs its loss by that share (`loss_scale`), so the
+dense gradients and the loss are summed over `expert` in the same collectives
+(`summed_axes`): once per chunk and step, not in every backward, where an automatic `expert`
+has XLA reduce them; a rank's own experts' gradients already hold every rank's rows (the
+exchange's backward brought them) and are reduced over the replicas only (`reduce_over_data`).
 When every manual axis has size 1 the reductions are skipped: they are the identity, and
 XLA refuses a cross-device reduction in a manual partition whose manual axes all have size 1
 (the mesh (1, 1, t) with t > 1; the executor then runs its shard_map without type checks).
@@ -29,6 +35,7 @@ XLA refuses a cross-device reduction in a manual partition whose manual axes all
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -84,39 +91,47 @@ def accumulate_reducing_layers(acc, index, layers: list, reduce=None):
 
 
 MANUAL_AXES = ("data", "pipe")
-"""The executor's manual axes, with `context` added when it is > 1 (`manual_axes`)."""
+"""The executor's manual axes, with `context` where it is > 1 and `expert` where the caller
+splits rows over it (`manual_axes`)."""
+EXPERT = "expert"
 
 
-def manual_axes(mesh_shape) -> tuple[str, ...]:
-    """The axes the executor's map is manual over on a mesh of `mesh_shape`."""
-    return (*MANUAL_AXES, "context") if mesh_shape.get("context", 1) > 1 else MANUAL_AXES
+def manual_axes(mesh_shape, expert: bool = False) -> tuple[str, ...]:
+    """The axes the executor's map is manual over on a mesh of `mesh_shape`: `context` where
+    > 1, and `expert` where > 1 and `expert` (the caller's choice: `ExecutorOptions`)."""
+    axes = [*MANUAL_AXES]
+    if mesh_shape.get("context", 1) > 1:
+        axes.append("context")
+    if expert and mesh_shape.get(EXPERT, 1) > 1:
+        axes.append(EXPERT)
+    return tuple(axes)
 
 
-def map_axes(mesh_shape) -> tuple[str, ...]:
+def map_axes(mesh_shape, expert: bool = False) -> tuple[str, ...]:
     """The axes the executor's map is over: its `manual_axes`, and every other axis of the
     mesh when those all have size 1. In a map manual over only some axes jax constrains the
     sharding of every value it lowers (an open constraint per op: on (2, 4, 1) `1f1b` 40% of
     the step's StableHLO) and Shardy propagates through each; with nothing left to partition,
     a map over every axis has none of them and XLA compiles the step about a third faster.
     Nothing varies over the extra axes (no spec names them), so the step is the same."""
-    axes = manual_axes(mesh_shape)
+    axes = manual_axes(mesh_shape, expert)
     rest = tuple(a for a in mesh_shape if a not in axes)
     return (*axes, *rest) if all(mesh_shape[a] == 1 for a in rest) else axes
 
 
-def trivial(mesh_shape) -> bool:
+def trivial(mesh_shape, expert: bool = False) -> bool:
     """Whether every manual axis has size 1, so no reduction is needed (or allowed)."""
-    return all(mesh_shape[axis] == 1 for axis in manual_axes(mesh_shape))
+    return all(mesh_shape[axis] == 1 for axis in manual_axes(mesh_shape, expert))
 
 
 def inside_manual_axes() -> tuple[str, ...]:
     """Inside the executor's map: its manual axes (`manual_axes` of its mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = mesh.manual_axes
-    # a context of size 1 is manual only in a map over every axis (`map_axes`)
+    # a context or expert of size 1 is manual only in a map over every axis (`map_axes`)
     return tuple(
-        a for a in (*MANUAL_AXES, "context")
-        if a in manual and (a != "context" or mesh.shape[a] > 1)
+        a for a in (*MANUAL_AXES, "context", EXPERT)
+        if a in manual and (a in MANUAL_AXES or mesh.shape[a] > 1)
     )  # fmt: skip
 
 
@@ -131,26 +146,69 @@ def replica_axes(manual: tuple[str, ...] | None = None) -> tuple[str, ...]:
     return ("data", "context") if "context" in manual else ("data",)
 
 
+def summed_axes(manual: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The manual axes over which the dense gradients are summed: `expert` where the map is
+    manual over it (each expert rank's loss is its rows' share of its replica's:
+    `loss_scale`), else none."""
+    manual = inside_manual_axes() if manual is None else manual
+    return (EXPERT,) if EXPERT in manual else ()
+
+
+def loss_scale(m: int) -> float:
+    """Inside the map: the weight of one microbatch's mean loss on a device: 1 / m, and 1 /
+    expert where the map is manual over `expert` (each rank holds 1/expert of every
+    microbatch's rows), so that the sum over `expert` is the replica's loss and every
+    cotangent is what it is with the rows together."""
+    return 1.0 / (m * math.prod(jax.lax.axis_size(a) for a in summed_axes()))
+
+
 def replicas() -> int:
     sizes = _inside_sizes()
     return sizes["data"] * sizes.get("context", 1)
 
 
 def _psum(tree, axis: str | tuple[str, ...]):
-    return tree if trivial(_inside_sizes()) else jax.lax.psum(tree, axis)
+    return tree if trivial(_inside_sizes(), expert=True) else jax.lax.psum(tree, axis)
 
 
 def _pmean(tree, axis: str | tuple[str, ...]):
-    return tree if trivial(_inside_sizes()) else jax.lax.pmean(tree, axis)
+    return tree if trivial(_inside_sizes(), expert=True) else jax.lax.pmean(tree, axis)
 
 
-def reduce_over_data(tree):
-    """The data-parallel gradient reduction: the mean over the replicas (`replica_axes`)."""
-    return _pmean(tree, replica_axes())
+def _by_kind(tree, experts, dense_fn, expert_fn):
+    """`dense_fn` of the dense leaves and `expert_fn` of the expert leaves of `tree` (each
+    called once, on a tree with the other kind's leaves left out); `experts`: a tree like
+    `tree` of bools (True: a leaf split over the manual `expert` axis), or None (all dense)."""
+    if not summed_axes():
+        return dense_fn(tree)
+    if experts is None:
+        experts = jax.tree.map(lambda _: False, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    flags = treedef.flatten_up_to(experts)
+    dense = iter(dense_fn([a for a, f in zip(leaves, flags, strict=True) if not f]))
+    split = iter(expert_fn([a for a, f in zip(leaves, flags, strict=True) if f]))
+    return jax.tree.unflatten(treedef, [next(split) if f else next(dense) for f in flags])
+
+
+def reduce_over_data(tree, experts=None):
+    """The data-parallel gradient reduction: the mean over the replicas (`replica_axes`), and
+    for the dense leaves the sum over `summed_axes`. A rank's own experts (the leaves
+    `experts` marks, as in `_by_kind`) already hold every expert rank's rows' gradient: the
+    exchange's backward brought them."""
+    axes = replica_axes()
+    count = replicas()
+
+    def dense(t):
+        if not summed_axes():
+            return _pmean(t, axes)
+        summed = _psum(t, (*axes, *summed_axes()))
+        return jax.tree.map(lambda a: a / count, summed) if count > 1 else summed
+
+    return _by_kind(tree, experts, dense, lambda t: _pmean(t, axes))
 
 
 def _sum_stages_mean_replicas(tree):
-    summed = _psum(tree, (*MANUAL_AXES, *replica_axes()[1:]))
+    summed = _psum(tree, (*MANUAL_AXES, *replica_axes()[1:], *summed_axes()))
     count = replicas()
     return jax.tree.map(lambda a: a / count, summed) if count > 1 else summed
 
@@ -195,6 +253,8 @@ def fused_sync(tree):
     (singleton groups) and then receive the result by ppermute rounds, as every stage keeps a
     replica of the shared params (`broadcast_rounds`)."""
     p, d = jax.lax.axis_size("pipe"), jax.lax.axis_size("data")
+    if summed := summed_axes():  # expert ranks: each holds its share of every microbatch
+        tree = jax.lax.psum(tree, summed)
     first_last = [r * p + s for r in range(d) for s in sorted({0, p - 1})]
     middle = [[r * p + s] for s in range(1, p - 1) for r in range(d)]
     summed = jax.lax.psum(tree, ("data", "pipe"), axis_index_groups=[first_last, *middle])
@@ -207,24 +267,26 @@ def fused_sync(tree):
     return summed
 
 
-def reduce_scatter(tree, dims, axes: tuple[str, ...]):
+def reduce_scatter(tree, dims, axes: tuple[str, ...], experts=None):
     """Sharded optimizer: each leaf summed over `axes`, divided by the replica count, and split
     (tiled) over `axes` along its dim in `dims`; leaves with dim -1 are all-reduced whole. With
     context parallelism the context ranks' sum comes first (the optimizer is split over `data`
-    only)."""
+    only), and over `summed_axes` too but for the leaves `experts` marks (`reduce_over_data`)."""
     count = replicas()
-    context = replica_axes()[1:]
+    split = replica_axes()[1:]
+    flags = jax.tree.map(lambda _: False, tree) if experts is None else experts
 
-    def one(a, dim):
-        if context:
-            a = jax.lax.psum(a, context)
+    def one(a, dim, expert):
+        first = (*split, *(() if expert else summed_axes()))
+        if first:
+            a = jax.lax.psum(a, first)
         if dim < 0:
             summed = jax.lax.psum(a, axes)
         else:
             summed = jax.lax.psum_scatter(a, axes, scatter_dimension=dim, tiled=True)
         return summed / count
 
-    return jax.tree.map(one, tree, dims)
+    return jax.tree.map(one, tree, dims, flags)
 
 
 def reduce_step(
@@ -237,12 +299,14 @@ def reduce_step(
     shared_dims=None,
     shared_axes: tuple[str, ...] = (),
     fused: bool = False,
+    experts=None,
 ):
     """(loss, stage_grads, shared_grads) of the whole step (see the module docstring for the
     collectives). With `stage_dims` / `shared_dims` (a sharded optimizer: per leaf the local dim
     to split, -1 for none) the gradients are reduce-scattered instead: stage gradients over
     `data`, shared gradients over `shared_axes` (the order their split takes). `fused`: the
-    shared gradients and the loss go through `fused_sync` (pipe > 1, no sharded optimizer)."""
+    shared gradients and the loss go through `fused_sync` (pipe > 1, no sharded optimizer).
+    `experts`: which stage leaves a manual `expert` axis splits (`reduce_over_data`)."""
     if fused:
         loss, shared_grads = fused_sync((loss, shared_grads))
     elif shared_dims is None:
@@ -251,7 +315,7 @@ def reduce_step(
         (loss,) = _sum_stages_mean_replicas((loss,))
         shared_grads = reduce_scatter(shared_grads, shared_dims, shared_axes)
     if stage_dims is not None:
-        stage_grads = reduce_scatter(stage_grads, stage_dims, ("data",))
+        stage_grads = reduce_scatter(stage_grads, stage_dims, ("data",), experts)
     elif not stage_grads_reduced:
-        stage_grads = reduce_over_data(stage_grads)
+        stage_grads = reduce_over_data(stage_grads, experts)
     return loss, stage_grads, shared_grads

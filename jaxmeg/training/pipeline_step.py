@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
@@ -184,13 +185,16 @@ def sequence_order(cfg) -> SequenceOrder | None:
 def step_block(trainable: Trainable, constrain) -> Block | LayerGroup:
     """One entry of the layer stack as the step runs it (a layer, or a `moe.every` group):
     its MoE auxiliary losses weighted 1/m in the backward, m the microbatches each replica's
-    loss is the mean of (`jaxmeg.models.moe.into_backward`), its experts split over the
-    `expert` axis (`jaxmeg.parallel.experts`)."""
+    loss is the mean of (`jaxmeg.models.moe.into_backward`; 1/(m e) on each of e expert ranks
+    where the executor's map is manual over `expert`, whose sum the step takes:
+    `gradients.loss_scale`), its experts split over the `expert` axis
+    (`jaxmeg.parallel.experts`)."""
     cfg = trainable.cfg
     dispatch = experts.dispatch_for(trainable.mesh.shape, fp8=cfg.model.fp8)
     moe = trainable.moe_cfg
+    ranks = trainable.mesh.shape["expert"] if splits_experts(trainable) else 1
     return layer_unit(moe)(trainable.model_cfg, constrain, model_order(trainable), moe,
-                           1.0 / cfg.train.microbatches, dispatch)  # fmt: skip
+                           1.0 / (cfg.train.microbatches * ranks), dispatch)  # fmt: skip
 
 
 def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
@@ -242,7 +246,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
     cfg = trainable.cfg
     constrain = make_constrain(
         activation_rules(cfg.parallel),
-        manual_axes=frozenset(gradients.map_axes(trainable.mesh.shape)),
+        manual_axes=frozenset(gradients.map_axes(trainable.mesh.shape, splits_experts(trainable))),
     )
     model = GPT(
         trainable.model_cfg, trainable.vocab, constrain, model_order(trainable), trainable.moe_cfg
@@ -284,6 +288,37 @@ def build_schedule(trainable: Trainable) -> schedules.Schedule:
     return schedule_for(trainable.cfg, trainable.pipe)
 
 
+def splits_experts(trainable: Trainable) -> bool:
+    """Whether the executor's map is manual over `expert` (> 1): each expert rank then holds
+    its share of every microbatch's rows, and the dense gradients are summed over `expert` once
+    per step with the data-parallel reduction (`jaxmeg.pipeline.gradients`), not by XLA in
+    every backward. Not with `tensor` > 1: the MoE layer splits its experts' width over
+    `tensor` in a map of its own (`jaxmeg.parallel.experts`), and nested in the executor's map,
+    which does not check its values' variance where it reduces in the loop, a map that checks
+    types what its collectives over an enclosing `expert` give as varying where nothing around
+    it does, so the step's backward refuses them, while one that does not check transposes
+    its sums over `tensor` into sums of replicated cotangents. Not with current FP8 scaling
+    (`model.fp8: current`): a dense linear scales by the amax of the whole microbatch's rows,
+    which an automatic `expert` reduces for it and a manual one would leave to each rank."""
+    shape = trainable.mesh.shape
+    fp8 = trainable.cfg.model.fp8
+    return shape["expert"] > 1 and shape["tensor"] == 1 and fp8 != "current"
+
+
+def expert_dims(trainable: Trainable):
+    """Where the executor's map is manual over `expert` (`splits_experts`): per stage leaf
+    (run layout) the dim split over `expert` (-1 none) (`ExecutorOptions`); else None."""
+    if not splits_experts(trainable):
+        return None
+    specs, _ = trainable.run_layout_params
+
+    def dim(spec) -> int:
+        names = [entry if isinstance(entry, tuple) else (entry,) for entry in spec]
+        return next((i for i, n in enumerate(names) if experts.EXPERT in n), -1)
+
+    return jax.tree.map(dim, specs["blocks"]["layers"], is_leaf=lambda x: isinstance(x, P))
+
+
 def zero_sharding(trainable: Trainable) -> ZeroSharding:
     """What the executor needs to know of `parallel.zero_stage`."""
     par = trainable.cfg.parallel
@@ -320,6 +355,7 @@ class LossAndGrads:
             fused_embedding_sync=cfg.compression.fused_embedding_sync,
             scatter_gather=cfg.parallel.uses_scatter_gather,
             overlap_sends=overlaps_sends(trainable),
+            expert_dims=expert_dims(trainable),
         )
         self.program = executor.build(
             stage_functions(trainable), table, trainable.layout, trainable.mesh, options

@@ -12,6 +12,8 @@ per slot), so no slot waits for its gather either.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -133,7 +135,7 @@ def scatter_final(plan: Plan, c: Carry, row: dict) -> Carry:
         dims, first = plan.zero.chunk_dims, plan.reduction.pending_layers
         layers = jax.tree.map(lambda dim: slice(None if dim == 0 else first), dims)
         part = jax.tree.map(lambda a, n: a[at, n], s[1], layers)
-        part = gradients.reduce_scatter(part, dims, ("data",))
+        part = gradients.reduce_scatter(part, dims, ("data",), plan.experts)
         return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], part), s[1]
 
     g_reduced, g_stage = slots.run_if(
@@ -150,7 +152,7 @@ def start_reduction(plan: Plan, st: Stage, c: Carry, row: dict, step) -> Carry:
     reduce = REDUCE_CHUNK.scope
     chunk = row[reduce]
     due, at = chunk >= 0, jnp.maximum(chunk, 0)
-    mean = gradients.reduce_over_data
+    mean = functools.partial(gradients.reduce_over_data, experts=plan.experts)
     if plan.reduction.where == BESIDE_B:  # where a B slot runs, the mean runs in its loop
         due = due & (row[REDUCE_BESIDE_B.scope] == 0)
     if dc is None:

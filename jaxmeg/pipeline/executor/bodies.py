@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxmeg import ordering
 from jaxmeg.pipeline import gradients, rings
 from jaxmeg.pipeline.executor import residuals, slots
 from jaxmeg.pipeline.executor.carry import Carry, Stage
@@ -145,7 +146,7 @@ def f_last(plan, st, at, r, tokens, targets):
     loss, (d_shared, d_y) = jax.value_and_grad(plan.fns.head_loss, argnums=(0, 1))(
         st.shared, y, targets
     )
-    scale = 1.0 / plan.m
+    scale = gradients.loss_scale(plan.m)
     d_shared = jax.tree.map(lambda g: g * scale, d_shared)
     cot_slot = jnp.maximum(at.row["f_cot_slot"], 0)
     return r.replace(
@@ -201,16 +202,19 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
     if not last:
         return {"g_stage": gradients.accumulate_at(a.g_stage, index, d_params)}
     if not plan.sharded:
-        sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params)
+        mean = partial(gradients.reduce_over_data, experts=plan.experts)
+        sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, mean)
         chunk = gradients.stack_layers([sums[0], *reduced])
         return {"g_stage": jax.tree.map(lambda g, r: rings.write(g, index, r), a.g_stage, chunk)}
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
-    def scatter(layer):
-        def one(x, dim):
-            return x if dim == 0 else gradients.reduce_scatter(x, dim - 1, ("data",))
+    experts = jax.tree.map(lambda _: False, dims) if plan.experts is None else plan.experts
 
-        return jax.tree.map(one, layer, dims)
+    def scatter(layer):
+        def one(x, dim, expert):
+            return x if dim == 0 else gradients.reduce_scatter(x, dim - 1, ("data",), expert)
+
+        return jax.tree.map(one, layer, dims, experts)
 
     sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, scatter)
     g_stage = jax.tree.map(
@@ -245,12 +249,13 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
         return fns.head_loss(sh, fns.chunk(p_, x_, at.real), targets)
 
     loss, pullback = jax.vjp(chunk_head_loss, plan.taken(at.cp), st.shared, a.inputs[at.slot])
-    d_params, d_shared, d_x = pullback(jnp.ones_like(loss) / plan.m)
+    scale = gradients.loss_scale(plan.m)
+    d_params, d_shared, d_x = pullback(jnp.ones_like(loss) * scale)
     d_shared = gradients.accumulate(d_shared, _embed_backward(plan, st, d_x, tokens))
     return a.replace(
         **_accumulate(plan, a, at.index, d_params, last),
         g_shared=gradients.accumulate(a.g_shared, d_shared),
-        loss=a.loss + (loss / plan.m).astype(jnp.float32),
+        loss=a.loss + (loss * scale).astype(jnp.float32),
     )
 
 
@@ -350,13 +355,27 @@ B_READS = ("inputs", "cots", "stored", "matmul_inputs")
 """The rings a backward reads and the F slot writes."""
 
 
+def _after(done: Carry, read: dict) -> dict:
+    """`read` plus integer zeros read from what the forward wrote (its output or loss), so
+    that what reads it runs after the forward's collectives (XLA:CPU drops an optimization
+    barrier: `jaxmeg.ordering`). One element of each: nothing is split over an automatic axis
+    in a map manual over `expert`."""
+    token = sum(
+        ordering.zeros_from(a.reshape(-1)[0]) for a in jax.tree.leaves(done.only(("y", "loss")))
+    )
+    return jax.tree.map(lambda x: x + token.astype(x.dtype), read)
+
+
 def paired_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     """The F&B slot (DualPipeV): where the table pairs a stage's F and B in one tick, the
     forward of its kind and the whole backward of its kind in one loop. The backward's operands
     (its stage input, residuals and output cotangent) are taken from the rings first, and pass
     an optimization barrier with the rings before the forward writes into them: the forward's
     in-place writes wait only for those reads, and the backward's compute for nothing of the
-    forward, so the two are independent in the program."""
+    forward, so the two are independent in the program. On CPU devices (`Plan.ordered`) with
+    the map manual over `expert` the backward reads them after the forward (`_after`): both
+    run their exchange's collectives in the one loop, and a device could enter B's while
+    another of its expert group waits in F's."""
     f_chunk, b_chunk = row["f_chunk"], row["b_chunk"]
     f_at = At(st.slot_params(c, "f", f_chunk), st.real_layers(f_chunk),
               jnp.maximum(row["f_slot"], 0), None, row)  # fmt: skip
@@ -382,6 +401,8 @@ def paired_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     def pair(f_fn, b_fn, a, f_tokens, f_targets, b_tokens, b_targets):
         a, read = jax.lax.optimization_barrier((a, one_slot(a)))
         after_f = f_fn(plan, st, f_at, a, f_tokens, f_targets)
+        if plan.ordered and gradients.EXPERT in plan.manual:
+            read = _after(after_f, read)
         after_b = b_fn(plan, st, b_at, after_f.replace(**read), b_tokens, b_targets)
         return after_b.replace(**{k: getattr(after_f, k) for k in read})
 

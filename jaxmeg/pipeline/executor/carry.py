@@ -112,7 +112,9 @@ class Stage:
     def __init__(self, plan: Plan, stage_params, shared, tokens, targets):
         self.plan = plan
         params = jax.tree.map(lambda a: a[:, 0], stage_params)  # [v, Lc, ...]
-        self.params = _varying(params, plan.replica_axes)
+        # varying over the replica axes, so that each device's gradients stay its own until
+        # the step reduces them (a rank's own experts already vary over `expert`)
+        self.params = slots.varying_everywhere(params, plan.replica_axes)
         zero = plan.zero
         if plan.gathering:
             shared = jax.tree.map(

@@ -87,6 +87,11 @@ class ExecutorOptions:
     scatter_gather (with an automatic `tensor` axis > 1): Megatron-LM's scatter/gather; each
         tensor rank sends 1/t of an activation or cotangent [b, s, h] (its slice of the
         sequence) and the receiver all-gathers it over `tensor`.
+    expert_dims: with an `expert` mesh axis > 1, to make the map manual over it too (each
+        expert rank then holds its share of every microbatch's rows, and its dense gradients
+        are summed over `expert` once per step: `gradients.summed_axes`), a tree like
+        stage_params of each leaf's dim split over `expert` (-1 none): a MoE layer's experts.
+        None leaves `expert` automatic.
     overlap_sends: every pipe send is one `ppermute` per tick on all the pairs its direction
         ever uses, outside any conditional (what arrives where nothing was sent is zeroed), and
         a B slot's cotangent leaves at the start of the next tick (without pipe compression):
@@ -102,6 +107,12 @@ class ExecutorOptions:
     fused_embedding_sync: bool = False
     scatter_gather: bool = False
     overlap_sends: bool = False
+    expert_dims: Any = None
+
+    @property
+    def splits_experts(self) -> bool:
+        """The map is manual over `expert` (where the mesh has one > 1)."""
+        return self.expert_dims is not None
 
     @property
     def stateful(self) -> bool:

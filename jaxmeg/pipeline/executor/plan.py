@@ -5,6 +5,7 @@ units beside the slots and the tick. No mode flag is worked out anywhere else.""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -58,7 +59,11 @@ class Plan:
         data orders in another order on another device (a send on one, a slot's exchange on
         another: the step hangs). A GPU runs the one order its scheduler chose on every
         device, and overlaps them
-    manual / replica_axes: the map's manual axes, and those a replica spans
+    manual / replica_axes: the map's manual axes, and those the dense gradients are averaged
+        over (`gradients.replica_axes`)
+    experts: with a manual `expert` axis, a tree like the stage params of bools: the leaves
+        split over it (a rank's own experts), which `gradients.reduce_over_data` only scales;
+        None without
     """
 
     fns: StageFunctions
@@ -82,6 +87,7 @@ class Plan:
     ordered: bool
     manual: tuple[str, ...]
     replica_axes: tuple[str, ...]
+    experts: Any
     zero: Zero
     columns: SlotColumns
     tick_columns: dict[str, jax.Array]  # columns.columns as arrays, read per tick
@@ -118,7 +124,7 @@ def _check(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mes
     here for callers of the library."""
     p, v, zero = layout.num_stages, layout.num_chunks, options.zero
     dc = options.data_compression
-    if zero.stage and gradients.trivial(mesh.shape):
+    if zero.stage and gradients.trivial(mesh.shape, options.splits_experts):
         raise ValueError(f"zero stage {zero.stage} needs a data axis > 1, the mesh is {mesh.shape}")
     if (zero.stage and (dc or options.fused_embedding_sync)) or (dc and mesh.shape["data"] == 1):
         raise ValueError(
@@ -146,20 +152,38 @@ def _check_last_tick_sends_no_cotangent(columns: SlotColumns) -> None:
     assert all((c == (-1 if k.endswith("_slot") else 0)).all() for k, c in last.items()), last
 
 
-def _spec_with(lead: tuple, dim: int, axes) -> P:
-    """PartitionSpec with `lead` entries, then `axes` on `dim` (if >= 0)."""
+def _spec_with(lead: tuple, dim: int, axes, expert_dim: int = -1) -> P:
+    """PartitionSpec with `lead` entries, then `axes` on `dim` (if >= 0), and `expert` on
+    `expert_dim` (if >= 0)."""
     entries = list(lead)
-    if dim >= 0:
-        entries += [None] * (dim + 1 - len(entries))
-        entries[dim] = axes
+    for d, a in ((dim, axes), (expert_dim, gradients.EXPERT)):
+        if d >= 0:
+            entries += [None] * (d + 1 - len(entries))
+            entries[d] = a
     return P(*entries)
 
 
-def _zero(options: ExecutorOptions) -> tuple[Zero, tuple]:
+def _expert_dims(options: ExecutorOptions, mesh: Mesh):
+    """Per stage leaf the dim split over a manual `expert` axis (-1 none), or None where the
+    map is not manual over `expert`."""
+    if gradients.EXPERT not in gradients.manual_axes(mesh.shape, options.splits_experts):
+        return None
+    return options.expert_dims
+
+
+def _whole_specs(expert_dims):
+    """The stage leaves' specs [v, p, Lc, ...] where no data group splits them: over `pipe`,
+    and over a manual `expert` axis where `expert_dims` says."""
+    if expert_dims is None:
+        return P(None, "pipe")
+    return jax.tree.map(lambda e: _spec_with((None, "pipe"), -1, None, e), expert_dims)
+
+
+def _zero(options: ExecutorOptions, expert_dims) -> tuple[Zero, tuple]:
     """The sharded optimizer's dims, and the gradients' specs (stage, shared)."""
     z = options.zero
     if not z.stage:
-        return Zero(0, None, None, None, None, z.shared_axes), (P(None, "pipe"), P())
+        return Zero(0, None, None, None, None, z.shared_axes), (_whole_specs(expert_dims), P())
     # stage leaves are [v, p, Lc, ...]; per device [v, Lc, ...]; one chunk [Lc, ...]
     zero = Zero(
         stage=z.stage,
@@ -169,8 +193,11 @@ def _zero(options: ExecutorOptions) -> tuple[Zero, tuple]:
         shared_dims=z.shared_dims,
         shared_axes=z.shared_axes,
     )
+    experts = jax.tree.map(lambda _: -1, z.stage_dims) if expert_dims is None else expert_dims
     grad_specs = (
-        jax.tree.map(lambda dim: _spec_with((None, "pipe"), dim, "data"), z.stage_dims),
+        jax.tree.map(
+            lambda dim, e: _spec_with((None, "pipe"), dim, "data", e), z.stage_dims, experts
+        ),  # fmt: skip
         jax.tree.map(lambda dim: _spec_with((), dim, z.shared_axes), z.shared_dims),
     )
     return zero, grad_specs
@@ -182,16 +209,20 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     p, v = layout.num_stages, layout.num_chunks
     whole_model = p * v == 1
     context = mesh.shape.get("context", 1)
-    zero, grad_specs = _zero(options)
+    expert_dims = _expert_dims(options, mesh)
+    zero, grad_specs = _zero(options, expert_dims)
     gathering = zero.stage == 3
     pc, dc = options.pipe_compression, options.data_compression
-    manual = gradients.manual_axes(mesh.shape)
+    manual = gradients.manual_axes(mesh.shape, options.splits_experts)
     fused = options.fused_embedding_sync and p > 1
     # a chunk's last B reduces its layers (whole backwards, per-layer chunks), or its last W
     # (split backwards); not where a chunk's last action may be either (DualPipeV)
     last_reduces = not table.whole_backwards if table.split else fns.per_layer
+    replica_axes = gradients.replica_axes(manual)
+    # with `expert` manual its ranks' sum goes with the replicas' mean
+    reduced = (*replica_axes, *gradients.summed_axes(manual))
     reduction = choose(
-        data_replicas=mesh.shape["data"] * context, sharded=bool(zero.stage),
+        data_replicas=math.prod(mesh.shape[a] for a in reduced), sharded=bool(zero.stage),
         overlap_sends=options.overlap_sends, powersgd=dc is not None,
         paired=table.ticks == PAIRS, last_reduces=bool(last_reduces),
         layers_per_chunk=layout.layers_per_chunk,
@@ -207,7 +238,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     # `data` though their values agree, which shard_map's type check cannot know: it is off
     # then (the equivalence tests check the values).
     check_vma = not (
-        gradients.trivial(mesh.shape)
+        gradients.trivial(mesh.shape, options.splits_experts)
         or reduction.in_loop
         or zero.stage
         or options.stateful
@@ -235,12 +266,13 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         fused=fused,
         ordered=mesh.devices.flat[0].platform == "cpu",
         manual=manual,
-        replica_axes=gradients.replica_axes(manual),
+        replica_axes=replica_axes,
+        experts=None if expert_dims is None else jax.tree.map(lambda e: e >= 0, expert_dims),
         zero=zero,
         columns=columns,
         tick_columns={k: jnp.asarray(c, jnp.int32) for k, c in columns.columns.items()},
         chunk_layers=jnp.asarray(layout.chunk_layers, jnp.int32),
-        param_specs=grad_specs if zero.stage == 3 else (P(None, "pipe"), P()),
+        param_specs=grad_specs if zero.stage == 3 else (_whole_specs(expert_dims), P()),
         grad_specs=grad_specs,
         check_vma=check_vma,
     )

@@ -125,7 +125,7 @@ def _backward(plan: Plan, st: carry.Stage, c: carry.Carry, row: dict) -> carry.C
 
     def both(s):
         s = bodies.backward_slot(plan, st, s, row, cells)
-        return s.replace(pending=gradients.reduce_over_data(s.pending))
+        return s.replace(pending=gradients.reduce_over_data(s.pending, plan.experts))
 
     state = slots.run_if(due, both, state, REDUCE_BESIDE_B.scope)
     alone = lambda s: bodies.backward_slot(plan, st, s, row, ~cells)  # noqa: E731
@@ -148,6 +148,7 @@ def _final_reduction(plan: Plan, out: carry.Carry):
         out.loss,
         stage_grads_reduced=in_loop,
         fused=plan.fused,
+        experts=plan.experts,
         **scatter,
     )
     g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
@@ -174,14 +175,16 @@ def build(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh
 
     link_specs = (P("pipe", "data"), P()) if plan.stateful else ()
     # with context parallelism each context rank holds its part of every sequence (tokens and
-    # targets already in the load-balanced order: `jaxmeg.parallel.context`)
-    rows = P("data", "context") if plan.context > 1 else P("data")
+    # targets already in the load-balanced order: `jaxmeg.parallel.context`); with expert
+    # parallelism each expert rank its share of the replica's rows
+    batch = ("data", gradients.EXPERT) if gradients.EXPERT in plan.manual else "data"
+    rows = P(batch, "context") if plan.context > 1 else P(batch)
     mapped = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(*plan.param_specs, rows, rows, *link_specs),
         out_specs=(P(), plan.grad_specs, *link_specs[:1]),
-        axis_names=frozenset(gradients.map_axes(mesh.shape)),
+        axis_names=frozenset(gradients.map_axes(mesh.shape, options.splits_experts)),
         check_vma=plan.check_vma,
     )
 
