@@ -1,7 +1,10 @@
 """Expert parallelism: a MoE layer's experts split over the mesh's `expert` axis
 (`parallel.expert`), run under a map manual over the axes the executor leaves automatic
-(context, expert, tensor), as `jaxmeg.parallel.attention` runs cuDNN. Each device routes its
-own rows, sends every choice to its expert's device and gets the output back by all-to-all
+(context, expert, tensor), as `jaxmeg.parallel.attention` runs cuDNN; where the executor's map
+is manual over `expert` itself (tensor 1: `jaxmeg.training.pipeline_step.splits_experts`) the
+layer runs in it as it is, on the rank's rows and its own experts
+(`ExpertDispatch.experts_here`). Each device routes its own rows, sends every choice to its
+expert's device and gets the output back by all-to-all
 (`jaxmeg.models.experts_ffn.experts_ffn_exchanged`); the experts' width is split over `tensor`.
 
 `exchanged` is the layer's `dispatch` (`jaxmeg.models.moe.MoeMlp`), given the router's logits

@@ -1,10 +1,10 @@
 """The jitted train step: loss and gradients from the pipeline executor (every layout, pipe = 1
 included: see `pipeline_step`), then the optimizer update on the sharded arrays.
 
-Inside the executor's `shard_map` (manual over `data` and `pipe`, automatic over `tensor`) each
-replica accumulates its m microbatches' gradients in fp32 and reduces them once per step
-(`jaxmeg.pipeline.gradients`); the sharding rules let XLA insert Megatron's tensor-parallel
-collectives.
+Inside the executor's `shard_map` (manual over `data` and `pipe`, and over `expert` where
+`pipeline_step.splits_experts` says; automatic over `tensor`) each replica accumulates its m
+microbatches' gradients in fp32 and reduces them once per step (`jaxmeg.pipeline.gradients`);
+the sharding rules let XLA insert Megatron's tensor-parallel collectives.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The pipeline executor: one `jax.shard_map`, manual over `pipe` and `data` (and `context`
 when the sequence is split over it: each rank then holds its part of every sequence, and the
-gradients are averaged over data x context; over every axis where the others have size 1:
+gradients are averaged over data x context; and `expert` where the caller asks,
+`ExecutorOptions.expert_dims`: each rank then holds its share of every microbatch's rows, and
+the dense gradients are summed over it; over every axis where the others have size 1:
 `gradients.map_axes`), that runs a schedule's tick table for a generic
 model given as `StageFunctions`. Every layout takes this path; pipe = 1 is the degenerate
 pipeline of one stage.
