@@ -29,6 +29,7 @@ from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backwa
 from jaxmeg.models.gpt import REMAT_POLICY, LayerGroup, layer_unit
 from jaxmeg.models.grouped_gemm import grouped_gemm
 from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
+from jaxmeg.models.parts import dtype_of
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
@@ -299,10 +300,20 @@ def splits_experts(trainable: Trainable) -> bool:
     it does, so the step's backward refuses them, while one that does not check transposes
     its sums over `tensor` into sums of replicated cotangents. Not with current FP8 scaling
     (`model.fp8: current`): a dense linear scales by the amax of the whole microbatch's rows,
-    which an automatic `expert` reduces for it and a manual one would leave to each rank."""
-    shape = trainable.mesh.shape
-    fp8 = trainable.cfg.model.fp8
-    return shape["expert"] > 1 and shape["tensor"] == 1 and fp8 != "current"
+    which an automatic `expert` reduces for it and a manual one would leave to each rank. And
+    only where it moves fewer bytes: XLA reduces each microbatch's gradients as the backward
+    makes them, in the compute dtype, the step's one reduction the fp32 sums, so it pays from
+    m x (the compute dtype's bytes) > 4 (bf16: 3 microbatches; docs/benchmarks.md measures 1,
+    2 and 8 on a Mixtral-shaped stack)."""
+    cfg, shape = trainable.cfg, trainable.mesh.shape
+    compute_bytes = jnp.dtype(dtype_of(cfg.model.compute_dtype)).itemsize
+    fewer_bytes = cfg.train.microbatches * compute_bytes > 4
+    return (
+        shape["expert"] > 1
+        and shape["tensor"] == 1
+        and cfg.model.fp8 != "current"
+        and (fewer_bytes)
+    )
 
 
 def expert_dims(trainable: Trainable):
