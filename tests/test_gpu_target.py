@@ -187,10 +187,10 @@ def test_the_grouped_gemm_kernels_run_the_routed_rows_on_one_h100():
 
 
 def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eight_h100():
-    """expert 4 x pipe 2 1f1b, 4 microbatches, dropless, bounds of 1x and 4x the even load (all T k = 2048
-    choices per block): on a GPU the rows go by ragged all-to-all (`moe.exchange: auto`), no
-    all-to-all is left. Each F slot's exchange branches hold 2 (dispatch, combine), each B
-    slot's the 2 transposes at the kept first bound and 3 at the largest (whose backward
+    """expert 4 x pipe 2 1f1b, 4 microbatches, dropless, bounds of 1x and 4x the even load (all
+    T k = 2048 choices per block): on a GPU the rows go by ragged all-to-all (`moe.exchange:
+    auto`), no all-to-all is left. Each F slot's exchange branches hold 2 (dispatch, combine),
+    each B slot's the 2 transposes at the kept first bound and 3 at the largest (whose backward
     reruns the dispatch): 4 per MoE layer and microbatch at a balanced route (the CPU step's
     count: tests/test_expert_exchange.py). At the first bound every one's operand and output
     are the device's T k routed rows: the buffers hold no padding. The expert ids travel
@@ -199,9 +199,9 @@ def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eigh
     tick loop two ticks at a time, and in the second copy it waits for the cotangent's recv
     right after the B slot, before the next F: 11/14 of the pipe bytes have a GEMM beside them
     (3/4 at 2 microbatches with `expert` automatic in the executor's map; with the blocks
-    exchange all of them; zb_h1 all either way). The slots all-reduce nothing over `expert` but the bound's scalar
-    max: the dense gradients are summed over it once per chunk and step, after the chunk's
-    last backward (XLA's combined all-reduce, outside the slots)."""
+    exchange all of them; zb_h1 all either way). The slots all-reduce nothing over `expert`
+    but the bound's scalar max: the dense gradients are summed over it once per chunk and
+    step, after the chunk's last backward (XLA's combined all-reduce, outside the slots)."""
     import re
 
     from jaxmeg.parallel import hlo, hlo_module

@@ -185,12 +185,17 @@ def test_the_start_up_line_says_how_the_experts_run():
     from jaxmeg.training.trainer import experts_words
 
     moe = C.MoeConfig(experts=8, top_k=2, grouped_gemm="pallas", exchange="ragged")
-    assert experts_words(moe, 4) == (
+    assert experts_words(moe, 4, summed_once=True) == (
         "experts: 8 per MoE layer, top-2, 2 per device over expert=4, dropless, grouped GEMMs "
-        "pallas, tokens by ragged all-to-all"
+        "pallas, tokens by ragged all-to-all; dense gradients summed over expert once per step"
     )
     blocks = dataclasses.replace(moe, grouped_gemm="ragged", exchange="blocks")
     assert experts_words(blocks, 1).endswith("dropless, grouped GEMMs ragged")
-    assert experts_words(blocks, 2).endswith("tokens by all-to-all in bounded blocks")
+    assert experts_words(blocks, 2).endswith(
+        "tokens by all-to-all in bounded blocks; dense gradients summed over expert in each "
+        "microbatch's backward"
+    )
     capped = dataclasses.replace(moe, capacity_factor=1.0)
-    assert experts_words(capped, 4).endswith("capacity factor 1 (batched GEMMs)")
+    assert experts_words(capped, 4, True).endswith(
+        "capacity factor 1 (batched GEMMs); dense gradients summed over expert once per step"
+    )

@@ -25,7 +25,7 @@ from jaxmeg.config import Config, to_dict
 from jaxmeg.config_validation import check_attention_runs_here
 from jaxmeg.parallel import distributed, make_mesh
 from jaxmeg.parallel.mesh import mesh_words
-from jaxmeg.training import partitioning
+from jaxmeg.training import partitioning, pipeline_step
 from jaxmeg.training.batches import (
     DEFAULT_CORPUS,
     expected_vocab,
@@ -119,21 +119,28 @@ def _describe(trainable: Trainable, dataset) -> None:
     if p > 1:
         say(f"pipeline {cfg.parallel.schedule}: {trainable.layout.describe()}")
     if cfg.moe.experts:
-        say(experts_words(trainable.moe_cfg, trainable.mesh.shape["expert"]))
+        summed_once = pipeline_step.splits_experts(trainable)
+        say(experts_words(trainable.moe_cfg, trainable.mesh.shape["expert"], summed_once))
 
 
-def experts_words(moe, expert: int) -> str:
+def experts_words(moe, expert: int, summed_once: bool = False) -> str:
     """The start-up line of an MoE run: how its experts run as settled for the devices
-    (`Trainable.moe_cfg`: `moe.grouped_gemm` and `moe.exchange` past `auto`)."""
+    (`Trainable.moe_cfg`: `moe.grouped_gemm` and `moe.exchange` past `auto`), and with an
+    expert axis where the dense gradients are summed over it (`summed_once`:
+    `pipeline_step.splits_experts`)."""
     words = f"experts: {moe.experts} per MoE layer, top-{moe.top_k}"
     if expert > 1:
         words += f", {moe.experts // expert} per device over expert={expert}"
     if moe.capacity_factor:
-        return words + f", capacity factor {moe.capacity_factor:g} (batched GEMMs)"
-    words += f", dropless, grouped GEMMs {moe.grouped_gemm}"
-    if expert > 1:
+        words += f", capacity factor {moe.capacity_factor:g} (batched GEMMs)"
+    else:
+        words += f", dropless, grouped GEMMs {moe.grouped_gemm}"
+    if expert > 1 and not moe.capacity_factor:
         how = "ragged all-to-all" if moe.exchange == "ragged" else "all-to-all in bounded blocks"
         words += f", tokens by {how}"
+    if expert > 1:
+        when = "once per step" if summed_once else "in each microbatch's backward"
+        words += f"; dense gradients summed over expert {when}"
     return words
 
 
