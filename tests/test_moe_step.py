@@ -478,3 +478,16 @@ def test_train_py_refuses_a_step_that_could_hang_before_its_first_step(
         not (tmp_path / "run" / "metrics.jsonl").exists()
         or not (tmp_path / "run" / "metrics.jsonl").read_text().strip()
     )
+
+
+def test_the_fused_embedding_sync_sums_the_expert_ranks_first():
+    """expert 4 x pipe 2 with `compression.fused_embedding_sync` (the shared gradients and the
+    loss in one all-reduce over {first, last stage} x data, `gradients.fused_sync`): with the
+    executor's map manual over `expert` each rank holds its share of them, summed over `expert`
+    before the fused all-reduce; the step equals one device."""
+    from jaxmeg.training.pipeline_step import splits_experts
+
+    cfg = config((1, 2, 1), TOP2, LLAMA, expert=4)
+    cfg = dataclasses.replace(cfg, compression=C.CompressionConfig(fused_embedding_sync=True))
+    assert splits_experts(trainable_for(cfg))
+    check(cfg)
