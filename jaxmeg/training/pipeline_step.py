@@ -308,12 +308,8 @@ def splits_experts(trainable: Trainable) -> bool:
     cfg, shape = trainable.cfg, trainable.mesh.shape
     compute_bytes = jnp.dtype(dtype_of(cfg.model.compute_dtype)).itemsize
     fewer_bytes = cfg.train.microbatches * compute_bytes > 4
-    return (
-        shape["expert"] > 1
-        and shape["tensor"] == 1
-        and cfg.model.fp8 != "current"
-        and (fewer_bytes)
-    )
+    manual = shape["expert"] > 1 and shape["tensor"] == 1 and cfg.model.fp8 != "current"
+    return manual and fewer_bytes
 
 
 def expert_dims(trainable: Trainable):

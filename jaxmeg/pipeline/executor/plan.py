@@ -62,8 +62,8 @@ class Plan:
     manual / replica_axes: the map's manual axes, and those the dense gradients are averaged
         over (`gradients.replica_axes`)
     experts: with a manual `expert` axis, a tree like the stage params of bools: the leaves
-        split over it (a rank's own experts), which `gradients.reduce_over_data` only scales;
-        None without
+        split over it (a rank's own experts), which `gradients.reduce_over_data` reduces over
+        the replicas only, not summed over `expert`; None without
     """
 
     fns: StageFunctions
