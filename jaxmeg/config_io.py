@@ -56,8 +56,9 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
     if isinstance(default, tuple):
         if value in STAGE_LAYERS_MODES and field.name == "stage_layers":
             return value
+        names = str(field.type) == "tuple[str, ...]"
         numbers = bool(default) and isinstance(default[0], float)
-        kinds = (int, float) if numbers else (int,)
+        kinds = (str,) if names else (int, float) if numbers else (int,)
         if isinstance(value, (*kinds, str)) and not isinstance(value, bool):
             value = yaml.safe_load(f"[{value}]") if isinstance(value, str) else [value]
         if numbers and isinstance(value, (list, tuple)):  # YAML 1.1 reads 1e3 as a string
@@ -65,8 +66,8 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(
             isinstance(v, kinds) and not isinstance(v, bool) for v in value
         ):
-            example = "[1.25, 2.0]" if numbers else "[5, 3]"
-            what = "numbers" if numbers else "integers"
+            example = "[dense, moe]" if names else "[1.25, 2.0]" if numbers else "[5, 3]"
+            what = "names" if names else "numbers" if numbers else "integers"
             raise ConfigError(f"{name} must be a list of {what}, e.g. {example}, got {value!r}")
         return tuple(float(v) for v in value) if numbers else tuple(value)
     if isinstance(default, dict):

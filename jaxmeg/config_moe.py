@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 MOE_ROUTERS = ("softmax", "sigmoid")
@@ -16,6 +17,27 @@ EXCHANGES = ("auto", "blocks", "ragged")
 EXCHANGE_BOUNDS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
 """The bounds a dropless exchange over an expert axis runs at (`exchange_bounds`): rows per
 (sender, receiver) block as multiples of an even load, T k / E_ranks."""
+
+
+LAYER_KINDS = ("dense", "moe")
+"""The `moe.pattern` entries: a layer's MLP is the dense one or the mixture of experts."""
+
+
+@functools.cache
+def stack_split(kinds: tuple[bool, ...]) -> tuple[int, tuple[bool, ...]]:
+    """(dense leading layers, one entry of the layer stack: True where a layer is MoE) of the
+    per-layer pattern `kinds`: of its splits into a dense prefix (at most its leading dense
+    layers) and the shortest unit whose repeats make the rest, the one with the most stack
+    entries, then the shortest prefix. A rest that repeats no shorter unit is one entry."""
+    lead = kinds.index(True) if True in kinds else 0
+    best = (0, 0, kinds)
+    for prefix in range(lead + 1):
+        rest = kinds[prefix:]
+        n = next(n for n in range(1, len(rest) + 1)
+                 if len(rest) % n == 0 and rest == rest[:n] * (len(rest) // n))  # fmt: skip
+        if len(rest) // n > best[0]:
+            best = (len(rest) // n, prefix, rest[:n])
+    return best[1], best[2]
 
 
 EXCHANGE_KEPT_BOUND = 2.0
@@ -95,6 +117,14 @@ class MoeConfig:
     with the dense MLP and then an MoE one, so model.layers - first_dense must be divisible by
     n. A group is one entry of the layer stack: pipeline stages and `parallel.stage_layers`
     count groups."""
+    pattern: tuple[str, ...] = ()
+    """Each layer's MLP in model order, `dense` or `moe` (model.layers of them), in place of
+    `first_dense` and `every` (leave those at 0 and 1): e.g. [moe, dense] repeated, or
+    Qwen2-MoE's `mlp_only_layers` anywhere. The model runs it as dense leading layers (with the
+    embedding, as `first_dense`) and a layer stack of equal entries, each a repeat of the
+    shortest unit the rest is made of (`stack_split`: the split with the most entries); a rest
+    that repeats no shorter unit is one entry, which a pipeline cannot split. [] = the layers
+    `first_dense` and `every` say."""
     router: str = "softmax"
     """`softmax` (Mixtral, Qwen-MoE: probabilities over all experts) or `sigmoid` (DeepSeek-V3:
     independent scores, the chosen ones normalised). The router runs in float32."""
@@ -168,15 +198,38 @@ class MoeConfig:
     with; it is kept in the params (`router_bias`) and the checkpoint, outside the optimizer.
     0 = the bias stays 0 (DeepSeek-V3: 0.001)."""
 
+    def kinds(self, layers: int) -> tuple[bool, ...]:
+        """Each of the model's `layers` layers: True where its MLP is the mixture of experts."""
+        if not self.experts:
+            return (False,) * layers
+        if self.pattern:
+            return tuple(kind == "moe" for kind in self.pattern)
+        return (False,) * self.first_dense + self.unit * ((layers - self.first_dense) // self.every)
+
     @property
     def dense_layers(self) -> int:
-        """The leading layers with a dense MLP: `first_dense` of an MoE model, else 0."""
-        return self.first_dense if self.experts else 0
+        """The leading layers that run with the embedding (dense MLPs): `first_dense`, or the
+        prefix of `pattern`'s split; 0 for a dense model."""
+        if not self.experts:
+            return 0
+        return stack_split(self.kinds(len(self.pattern)))[0] if self.pattern else self.first_dense
+
+    @property
+    def unit(self) -> tuple[bool, ...]:
+        """One entry of the layer stack, a layer each: True where its MLP is the mixture of
+        experts (`every` - 1 dense layers then an MoE one, or `pattern`'s unit; one dense layer
+        for a dense model)."""
+        if not self.experts:
+            return (False,)
+        if self.pattern:
+            return stack_split(self.kinds(len(self.pattern)))[1]
+        return (False,) * (self.every - 1) + (True,)
 
     @property
     def layers_per_unit(self) -> int:
-        """Layers per entry of the layer stack: `every` of an MoE model, else 1."""
-        return self.every if self.experts else 1
+        """Layers per entry of the layer stack (`unit`'s length: `every`, 1 for a dense
+        model)."""
+        return len(self.unit)
 
     def expert_width(self, dense_width: int) -> int:
         """One routed expert's FFN width, given the dense MLP's."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from jaxmeg.config_moe import BOUND_SLOTS, EXCHANGES, GROUPED_GEMMS, MOE_ROUTERS
+from jaxmeg.config_moe import BOUND_SLOTS, EXCHANGES, GROUPED_GEMMS, LAYER_KINDS, MOE_ROUTERS
 from jaxmeg.config_sections import Config, ConfigError, check_choice
 
 
@@ -27,6 +27,11 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
             f"({moe.experts}) must be divisible by it"
         )
     if moe.experts == 0:
+        if moe.pattern:
+            raise ConfigError(
+                "moe.pattern places MoE layers, but the model is dense (moe.experts = 0): give "
+                "it experts, or set moe.pattern = []"
+            )
         return
     check_choice("moe.router", moe.router, MOE_ROUTERS)
     check_choice("moe.grouped_gemm", moe.grouped_gemm, GROUPED_GEMMS)
@@ -60,6 +65,8 @@ def validate_moe(cfg: Config, context: int, expert: int, tensor: int) -> None:
             f"moe.top_k must be between 1 and moe.experts ({moe.experts}), got {moe.top_k}"
         )
     _validate_groups(moe)
+    if moe.pattern:
+        _validate_pattern(moe, cfg.model.layers)
     if not 0 <= moe.first_dense < cfg.model.layers:
         raise ConfigError(
             f"moe.first_dense (dense leading layers) must be between 0 and model.layers - 1 "
@@ -114,3 +121,24 @@ def _validate_groups(moe) -> None:
         )
     if not (math.isfinite(moe.routed_scaling) and moe.routed_scaling > 0):
         raise ConfigError(f"moe.routed_scaling must be > 0, got {moe.routed_scaling}")
+
+
+def _validate_pattern(moe, layers: int) -> None:
+    """`moe.pattern`: a kind per layer, some MoE, and `first_dense` and `every` left alone."""
+    wrong = sorted({kind for kind in moe.pattern if kind not in LAYER_KINDS})
+    if wrong:
+        raise ConfigError(f"moe.pattern entries must be dense or moe, got {wrong}")
+    if len(moe.pattern) != layers:
+        raise ConfigError(
+            f"moe.pattern names {len(moe.pattern)} layers' MLPs; model.layers is {layers}"
+        )
+    if "moe" not in moe.pattern:
+        raise ConfigError(
+            f"moe.pattern has no moe layer (moe.experts = {moe.experts}): name one, or set "
+            f"moe.experts = 0 for a dense model"
+        )
+    if moe.first_dense or moe.every != 1:
+        raise ConfigError(
+            f"moe.pattern replaces moe.first_dense ({moe.first_dense}) and moe.every "
+            f"({moe.every}): leave them at 0 and 1"
+        )

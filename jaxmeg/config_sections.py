@@ -388,13 +388,15 @@ class Config:
     @property
     def stacked_layers(self) -> int:
         """The entries of the layer stack, which the pipeline splits over stages: model.layers
-        but the dense leading ones of an MoE model (`moe.first_dense`), which run with the
-        embedding, in groups of `moe.every` layers."""
+        but the dense leading ones of an MoE model (`moe.dense_layers`), which run with the
+        embedding, in units of `moe.layers_per_unit` layers (`moe.every`, or `moe.pattern`'s)."""
         return (self.model.layers - self.moe.dense_layers) // self.moe.layers_per_unit
 
     @property
     def stacked_layers_field(self) -> str:
         """How errors name `stacked_layers`."""
+        if self.moe.experts and self.moe.pattern:
+            return f"moe.pattern's stack entries (units of {self.moe.layers_per_unit} layers)"
         name = "model.layers - moe.first_dense" if self.moe.dense_layers else "model.layers"
         if self.moe.layers_per_unit > 1:
             return f"({name}) / moe.every (layer groups)"

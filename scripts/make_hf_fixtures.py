@@ -71,6 +71,13 @@ def _models():
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
         **{**attention, "num_hidden_layers": 4},
     )  # fmt: skip
+    # MoE, dense, MoE, dense (mlp_only_layers 1 and 3: jaxmeg's moe.pattern, a unit that
+    # starts with its MoE layer, which first_dense and every cannot say)
+    qwen2_moe_pattern = Qwen2MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1, 3],
+        **{**attention, "num_hidden_layers": 4},
+    )  # fmt: skip
     return {
         "gpt2": (GPT2LMHeadModel(gpt2), "float16"),
         "llama_gqa": (LlamaForCausalLM(llama), "bfloat16"),
@@ -78,6 +85,7 @@ def _models():
         "qwen2_moe": (Qwen2MoeForCausalLM(qwen2_moe), "bfloat16"),
         "qwen2_moe_dense": (Qwen2MoeForCausalLM(qwen2_moe_dense), "bfloat16"),
         "qwen2_moe_every2": (Qwen2MoeForCausalLM(qwen2_moe_every2), "bfloat16"),
+        "qwen2_moe_pattern": (Qwen2MoeForCausalLM(qwen2_moe_pattern), "bfloat16"),
     }
 
 

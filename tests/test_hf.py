@@ -27,7 +27,8 @@ from tests.helpers import put_batch, random_batch, trainable_for, without_bound_
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
-MODELS = ["gpt2", "llama_gqa", "mixtral", "qwen2_moe", "qwen2_moe_dense", "qwen2_moe_every2"]
+MODELS = ["gpt2", "llama_gqa", "mixtral", "qwen2_moe", "qwen2_moe_dense", "qwen2_moe_every2",
+          "qwen2_moe_pattern"]  # fmt: skip
 LOGITS_TOL = 1e-4
 GRADS_TOL = 1e-5  # as tests/test_tensor_parallel.py at the initial params
 
@@ -67,6 +68,21 @@ def test_logits_match_transformers(name):
         {"params": params}, jnp.asarray(reference["input_ids"])
     )
     np.testing.assert_allclose(np.asarray(logits), reference["logits"], atol=LOGITS_TOL, rtol=0)
+
+
+def test_qwen2_moe_layers_anywhere_read_as_first_dense_and_every_or_a_pattern():
+    """Qwen2-MoE's mlp_only_layers and decoder_sparse_step: as `moe.first_dense` and
+    `moe.every` where they say it (the layer stack's params do not change), else as
+    `moe.pattern`, whose stack unit may start with its MoE layer or be all the layers."""
+    qwen, _ = hf.read_checkpoint(FIXTURES / "qwen2_moe")
+    layers = {"decoder_sparse_step": 2, "mlp_only_layers": [0, 1], "num_hidden_layers": 6}
+    moe = hf.moe_config({**qwen, **layers})  # dense, dense, dense, MoE, dense, MoE
+    assert (moe.first_dense, moe.every, moe.pattern) == (2, 2, ())
+    moe = fixture("qwen2_moe_pattern")[4]  # mlp_only_layers 1, 3
+    assert moe.pattern == ("moe", "dense", "moe", "dense") and moe.unit == (True, False)
+    moe = hf.moe_config({**qwen, "decoder_sparse_step": 4, "num_hidden_layers": 6})
+    assert moe.kinds(6) == (False, False, False, True, False, False)
+    assert (moe.dense_layers, moe.layers_per_unit) == (0, 6)  # one entry: repeats nothing
 
 
 def test_llama_fixture_has_gqa_rope_theta_and_ffn():
@@ -266,7 +282,7 @@ def assert_equal_to(loss_and_grads, ref_loss, ref_grads, mesh) -> None:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2_moe_every2"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2_moe_every2", "qwen2_moe_pattern"])
 def test_an_imported_mixture_of_experts_trains_on_expert_2_pipe_2_as_on_one_device(name, imported):
     """The experts split over 2 devices and the layers over 2 stages (4 devices): the imported
     step-0 loss and every gradient, routers and expert weights included, equal one device's."""
@@ -288,16 +304,12 @@ def test_what_mixtral_and_qwen2_moe_cannot_hold_is_refused_before_writing(tmp_pa
         hf.write_checkpoint(tmp_path / "sigmoid", model, params, sigmoid)
     assert not (tmp_path / "moved").exists() and not (tmp_path / "sigmoid").exists()
     qwen, _ = hf.read_checkpoint(FIXTURES / "qwen2_moe")
-    with pytest.raises(hf.HFCheckpointError, match="decoder_sparse_step = 4"):
-        hf.moe_config({**qwen, "decoder_sparse_step": 4, "num_hidden_layers": 6})
-    with pytest.raises(
-        hf.HFCheckpointError, match=r"mlp_only_layers = \[1\] \(2 layers\): jaxmeg runs dense"
-    ):
-        hf.moe_config({**qwen, "mlp_only_layers": [1]})
+    with pytest.raises(hf.HFCheckpointError, match="no layer of 6 has experts"):
+        hf.moe_config({**qwen, "decoder_sparse_step": 8, "num_hidden_layers": 6})
     dense_mixtral = dataclasses.replace(moe, first_dense=1)
     model = dataclasses.replace(model, layers=3)
     with pytest.raises(
-        hf.HFCheckpointError, match="first_dense = 1, moe.every = 1: Mixtral has no dense layers"
+        hf.HFCheckpointError, match=r"first_dense = 1, moe.every = 1, moe.pattern = \[\]: Mixtral"
     ):
         hf.write_checkpoint(tmp_path / "dense", model, params, dense_mixtral)
 

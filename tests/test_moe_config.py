@@ -59,6 +59,9 @@ def test_dense_leading_layers_and_layer_groups_are_named_where_they_do_not_fit()
         model = dataclasses.replace(cfg.model, layers=layers)
         return dataclasses.replace(cfg, model=model, moe=dataclasses.replace(FIRST_DENSE, **moe))
 
+    def pattern(kinds, **moe):
+        return varied(len(kinds), **{"first_dense": 0, "pattern": tuple(kinds), **moe})
+
     for bad, message in [
         (varied(3, first_dense=3), r"moe.first_dense \(dense leading layers\) must be between "
                                    r"0 and model.layers - 1 \(2\), got 3"),
@@ -68,6 +71,17 @@ def test_dense_leading_layers_and_layer_groups_are_named_where_they_do_not_fit()
                              r"model.layers - moe.first_dense = 4 - 1, come in groups"),
         (varied(7, every=2), r"\(model.layers - moe.first_dense\) / moe.every \(layer groups\) "
                              r"\(3\) must be divisible by parallel.pipe"),
+        (pattern(["moe", "mlp", "moe"]),
+         r"moe.pattern entries must be dense or moe, got \['mlp'\]"),
+        (varied(3, first_dense=0, pattern=("moe", "dense")),
+         r"moe.pattern names 2 layers' MLPs; model.layers is 3"),
+        (pattern(["dense"] * 3), r"moe.pattern has no moe layer \(moe.experts = 4\)"),
+        (pattern(["dense", "moe", "moe"], first_dense=1),
+         r"moe.pattern replaces moe.first_dense \(1\) and moe.every \(1\)"),
+        # repeats no shorter unit after its leading dense layer: one entry for two stages
+        (pattern(["moe", "moe", "dense"]), r"moe.pattern's stack entries \(units of 3 layers\) "
+                                           r"\(1\) must be divisible by parallel.pipe"),
+        (pattern(["moe"] * 3, experts=0), r"moe.pattern places MoE layers, but the model is dense"),
     ]:  # fmt: skip
         with pytest.raises(C.ConfigError, match=message):
             C.validate(bad, 2)
@@ -146,7 +160,13 @@ def test_a_dense_checkpoint_does_not_resume_as_a_mixture_of_experts():
     assert checkpoint_meta.shape_mismatches({"config": C.to_dict(capped)}, more) == []
     # dense leading layers move layers out of the stack the checkpoint saved
     dense = C.validate(dataclasses.replace(config((1, 1, 1), FIRST_DENSE), model=LLAMA), 1)
-    assert checkpoint_meta.shape_mismatches(dropless, dense) == [("moe.first_dense", 0, 1)]
+    assert checkpoint_meta.shape_mismatches(dropless, dense) == [
+        ("moe layers (moe.pattern)", ["moe", "moe"], ["dense", "moe"])
+    ]
+    # the same layers as a pattern hold the same arrays: it resumes
+    same = dataclasses.replace(FIRST_DENSE, first_dense=0, pattern=("dense", "moe"))
+    same = C.validate(dataclasses.replace(dense, moe=same), 1)
+    assert checkpoint_meta.shape_mismatches({"config": C.to_dict(dense)}, same) == []
 
 
 def test_auto_runs_the_kernels_where_a_gpu_holds_several_experts_in_16_bits():
@@ -199,3 +219,16 @@ def test_the_start_up_line_says_how_the_experts_run():
     assert experts_words(capped, 4, True).endswith(
         "capacity factor 1 (batched GEMMs); dense gradients summed over expert once per step"
     )
+
+
+def test_the_start_up_line_says_where_the_dense_layers_are():
+    """An MoE model with dense layers says how its stack holds them (`trainer.layers_words`)."""
+    from jaxmeg.training.trainer import layers_words
+
+    every = C.MoeConfig(experts=4, first_dense=1, every=2)
+    assert layers_words(every, 5) == (
+        "MoE in 2 of 5 layers; 1 dense leading with the embedding, then 2 stack entries of "
+        "[dense, moe]"
+    )
+    pattern = C.MoeConfig(experts=4, pattern=("moe", "dense", "moe") * 2)
+    assert layers_words(pattern, 6) == "MoE in 4 of 6 layers; 2 stack entries of [moe, dense, moe]"

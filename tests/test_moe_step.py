@@ -63,7 +63,9 @@ def config(mesh, moe, model=LLAMA, schedule="1f1b", chunks=1, microbatches=2, **
     data, pipe, tensor = mesh
     return C.Config(
         model=dataclasses.replace(
-            model, layers=max(model.layers, pipe * chunks * moe.every + moe.first_dense)
+            model,
+            layers=len(moe.pattern)
+            or max(model.layers, pipe * chunks * moe.layers_per_unit + moe.dense_layers),
         ),
         moe=moe,
         parallel=C.ParallelConfig(
@@ -204,13 +206,25 @@ CASES = {
         (1, 2, 1), dataclasses.replace(GROUPED, capacity_factor=1.0), GPT, "1f1b", 1,
         {"expert": 4},
     ),
+    # any layer pattern (`moe.pattern`): stack entries of MoE, dense, MoE (two MoE blocks an
+    # entry; on the executor's manual expert map the first one's output is kept, `UNIT_KEPT`,
+    # else the backward reran its exchange beside the second's and the step could hang), and
+    # of MoE then dense, with a capacity factor
+    "e4p2-pattern": (
+        (1, 2, 1), dataclasses.replace(TOP2, pattern=("moe", "dense", "moe") * 2), LLAMA,
+        "1f1b", 1, {"expert": 4},
+    ),
+    "e2p2t2-zb_h1-pattern-capacity": (
+        (1, 2, 2), dataclasses.replace(CAPACITY, pattern=("moe", "dense") * 2), GPT, "zb_h1", 1,
+        {"expert": 2},
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_step_equals_one_device(name, monkeypatch):
-    """With zero-bubble schedules the experts' weight gradients come in W: with an expert
-    axis from the rows the exchange recorded (`experts.weight_gradient`, traced here)."""
+    """With zero-bubble schedules the experts' weight gradients come in W: dropless with an
+    expert axis from the rows the exchange recorded (`experts.weight_gradient`, traced here)."""
     from jaxmeg.parallel import experts
 
     mesh, moe, model, schedule, chunks, parallel = CASES[name]
@@ -222,7 +236,8 @@ def test_moe_step_equals_one_device(name, monkeypatch):
 
     monkeypatch.setattr(experts, "weight_gradient", tracing)
     check(config(mesh, moe, model, schedule, chunks, **parallel))
-    exchanged_in_w = schedule == "zb_h1" and parallel.get("expert", 1) > 1
+    dropless = not moe.capacity_factor  # a capacity factor's experts run as batched GEMMs
+    exchanged_in_w = schedule == "zb_h1" and parallel.get("expert", 1) > 1 and dropless
     assert sorted(set(traced)) == (["w_gate", "w_in", "w_out"] if exchanged_in_w else [])
 
 
@@ -491,3 +506,30 @@ def test_the_fused_embedding_sync_sums_the_expert_ranks_first():
     cfg = dataclasses.replace(cfg, compression=C.CompressionConfig(fused_embedding_sync=True))
     assert splits_experts(trainable_for(cfg))
     check(cfg)
+
+
+def test_a_units_moe_blocks_report_in_model_order():
+    """With several MoE blocks in a stack entry (`moe.pattern`), the loads, moved biases and
+    per-layer metrics follow the layers' order: `layer_2` before `layer_10` (a tree sorts the
+    names the other way), the entries' blocks interleaved."""
+    from jaxmeg.pipeline.layout import StageLayout
+
+    def unit(first, second):  # a stack of 2 entries, [v, p, Lc, E], on one stage
+        return {"layer_10": {"moe": {"router_bias": second}},
+                "layer_2": {"moe": {"router_bias": first}}}  # fmt: skip
+
+    first = np.array([[[[2.0, 0, 0, 0], [1.0, 1, 1, 1]]]], np.float32)  # layers 2 and 2 + 11
+    second = np.array([[[[3.0, 1, 0, 0], [0.0, 0, 0, 4]]]], np.float32)  # layers 10 and 21
+    _, loads, _, _ = expert_balance.take_loads(unit(first, second))
+    assert [x is first for x in loads] == [True, False]
+    layout = StageLayout.create(2, 1, 1)
+    spread = np.asarray(expert_balance.load_spread(loads, layout))
+    np.testing.assert_allclose(spread, [4.0, 3.0, 1.0, 4.0])  # model order: entry by entry
+    zeros = np.zeros_like(first)
+    moved = expert_balance.move_biases(unit(zeros, zeros), loads, 0.5)
+    np.testing.assert_allclose(
+        moved["layer_2"]["moe"]["router_bias"][0, 0, 0], [-0.5, 0.5, 0.5, 0.5]
+    )
+    np.testing.assert_allclose(
+        moved["layer_10"]["moe"]["router_bias"][0, 0, 1], [0.5, 0.5, 0.5, -0.5]
+    )

@@ -165,7 +165,7 @@ def test_dense_leading_layers_count_as_dense_ones_and_stay_out_of_the_stages():
     model = C.ModelConfig(block="llama", hidden=64, layers=5, heads=4, vocab_size=256)
     moe = C.MoeConfig(experts=4, first_dense=1, every=2)
     shape = shape_of(model, moe)
-    assert (shape.experts.dense_layers, shape.experts.every) == (1, 2)
+    assert (shape.experts.dense_layers, shape.experts.unit) == (1, (False, True))
     assert (shape.stacked_layers, shape.moe_layers) == (2, 2)
 
 
@@ -203,7 +203,8 @@ def test_moe_every_other_layer_is_priced_halfway_between_dense_and_all_moe():
     """Half the layers MoE: parameters, FLOPs, the experts' all-to-all bytes and a stage's
     layer time halfway between the dense model's and the all-MoE one's; the stages split
     groups of two layers (16 here), and the tensor traffic is every layer's, as for both."""
-    every2 = dataclasses.replace(MIXTRAL, experts=dataclasses.replace(MIXTRAL.experts, every=2))
+    halves = dataclasses.replace(MIXTRAL.experts, unit=(False, True))
+    every2 = dataclasses.replace(MIXTRAL, experts=halves)
     dense = dataclasses.replace(MIXTRAL, experts=None)
     assert (every2.moe_layers, every2.stacked_layers) == (16, 16)
 

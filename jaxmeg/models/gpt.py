@@ -3,9 +3,9 @@
 Shapes live in names; the letters are B batch, S sequence, D hidden, N heads, K key/value
 heads, H head dim, F MLP width, V (padded) vocabulary, L layers. Parameters are annotated with
 logical axes (`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `qkv`, `positions`,
-`layers`); activations are
-passed through `constrain(x, logical_axes)`, a hook that the caller supplies (identity by
-default). The model never sees a mesh: the parallel package maps logical axes to mesh axes.
+`layers`); activations are passed through `constrain(x, logical_axes)`, a hook that the caller
+supplies (identity by default). The model never sees a mesh: the parallel package maps
+logical axes to mesh axes.
 
 Decoding (`GPT.decode`) runs the same parameters on a few new tokens at a time against a
 key/value cache [L, 2, B, T, K, H] (T = the cache's length, keys after rotary), written at the
@@ -30,9 +30,11 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmeg.config import ModelConfig, MoeConfig
 from jaxmeg.models.moe import MOE_STATS, Dispatch, MoeMlp
+from jaxmeg.models.moe_exchange import UNIT_KEPT
 from jaxmeg.models.parts import (  # noqa: F401 (MATMUL_INPUTS, TAPS, RESIDUAL_AXES: re-exported)
     MATMUL_INPUTS,
     RESIDUAL_AXES,
@@ -270,11 +272,11 @@ REMAT_POLICY = {
 
 
 class StackEntry(nn.Module):
-    """The fields of one entry of the layer stack (`Block`, `LayerGroup`). What it keeps for
-    its backward is REMAT_POLICY[cfg.remat], applied by its caller (`BlockStack`, the
-    pipeline's chunk) around each entry. `moe_grad_scale`: the weight of the MoE layers'
-    auxiliary losses in the backward (`jaxmeg.models.moe.into_backward`); `moe_dispatch`: how
-    the MoE layer runs experts split over devices (None: all here)."""
+    """The fields of one entry of the layer stack (`Block`, `LayerGroup`), which keeps for its
+    backward REMAT_POLICY[cfg.remat] (its caller's, `BlockStack` or the pipeline's chunk).
+    `moe_grad_scale`: the weight of the MoE layers' auxiliary losses in the backward
+    (`jaxmeg.models.moe.into_backward`); `moe_dispatch`: how the MoE layer runs experts split
+    over devices (None: all here)."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
@@ -312,41 +314,36 @@ class Block(StackEntry):
 
 
 class LayerGroup(StackEntry):
-    """`moe.every` = n consecutive layers as one entry of the layer stack (n > 1): n - 1
-    Blocks with the dense MLP, then one whose MLP is the mixture of experts; params
-    {'layer_0': .., 'layer_{n-1}': ..}, the MoE block's in the last. With a key/value cache
+    """`moe.unit`'s n > 1 layers as one stack entry, params {'layer_0': .., 'layer_{n-1}': ..}
+    (an MoE block's output named `UNIT_KEPT` but the last's). With a key/value cache
     [n, 2, B, T, K, H] (decoding), also returns the cache its layers wrote."""
 
     @nn.compact
     def __call__(
         self, x_BxSxD: Array, cache_Nx2xBxTxKxH: Array | None = None, start: Array | int = 0
     ) -> tuple[Array, Array | None]:
-        n, caches = self.moe.every, []
-        for k in range(n):
-            moe = self.moe if k == n - 1 else MoeConfig()
+        caches = []
+        for k, is_moe in enumerate(self.moe.unit):
+            moe = self.moe if is_moe else MoeConfig()
             block = Block(self.cfg, self.constrain, self.order, moe, self.moe_grad_scale,
                           self.moe_dispatch, name=f"layer_{k}")  # fmt: skip
             cache = None if cache_Nx2xBxTxKxH is None else cache_Nx2xBxTxKxH[k]
             x_BxSxD, cache = block(x_BxSxD, cache, start)
+            if is_moe and k < len(self.moe.unit) - 1:
+                x_BxSxD = checkpoint_name(x_BxSxD, UNIT_KEPT)
             caches.append(cache)
         return x_BxSxD, None if cache_Nx2xBxTxKxH is None else jnp.stack(caches)
 
 
 def layer_unit(moe: MoeConfig) -> type[nn.Module]:
-    """What one entry of the layer stack is: a `Block`, or with MoE every n > 1 layers
-    (`moe.every`) a `LayerGroup` of n layers."""
+    """One entry of the layer stack: a `Block`, or a `LayerGroup` of `moe.unit`'s n > 1."""
     return LayerGroup if moe.layers_per_unit > 1 else Block
 
 
-def moe_path(moe: MoeConfig) -> tuple[str, ...]:
-    """Where a stack entry's MoE block sits in its params (and in what it sows)."""
-    return (f"layer_{moe.every - 1}", "moe") if moe.layers_per_unit > 1 else ("moe",)
-
-
 class BlockStack(nn.Module):
-    """`num_layers` stack entries (`layer_unit`: Blocks, or groups of `moe.every` layers) with
-    parameters stacked on a leading `layers` dim, applied by scan (what the MoE layers sow,
-    stacked likewise). A key/value cache has one entry per layer, [num_layers x n, 2, ...]."""
+    """`num_layers` stack entries (`layer_unit`) with parameters stacked on a leading `layers`
+    dim, applied by scan (what the MoE layers sow, stacked likewise). A key/value cache has
+    one entry per layer, [num_layers x n, 2, ...]."""
 
     cfg: ModelConfig
     num_layers: int
@@ -455,7 +452,7 @@ class GPT(nn.Module):
     for its `first_dense` leading layers, which keep the dense MLP and are a stack of their own,
     {'dense_blocks': {'layers': [first_dense, ...]}}, run with the embedding (`embed_tokens`):
     'blocks' then holds the L - first_dense others, the ones a pipeline splits over stages;
-    with `moe.every` n > 1 as (L - first_dense) / n groups of n layers (`LayerGroup`).
+    in units of n layers (`moe.unit`; n > 1: `LayerGroup`); first_dense is `moe.dense_layers`.
     """
 
     cfg: ModelConfig

@@ -441,15 +441,14 @@ def from_hf(tensors: Tensors, cfg: ModelConfig, moe: MoeConfig | None = None) ->
 
 
 def _layer_moe(moe: MoeConfig, i: int) -> MoeConfig:
-    """Layer i's MLP: `moe`'s experts, or the dense MLP in the leading `moe.first_dense` and,
-    with `moe.every` n > 1, in all but the last of each group of n after them."""
-    dense, n = moe.dense_layers, moe.layers_per_unit
-    return moe if i >= dense and (i - dense) % n == n - 1 else MoeConfig()
+    """Layer i's MLP: `moe`'s experts, or the dense MLP where `moe.kinds` says."""
+    dense, unit = moe.dense_layers, moe.unit
+    return moe if i >= dense and unit[(i - dense) % len(unit)] else MoeConfig()
 
 
 def _layer_params(params: Params, moe: MoeConfig, i: int) -> Params:
     """Layer i of the canonical params: of the dense leading stack or of the blocks (of its
-    group's `layer_k` with `moe.every` > 1)."""
+    group's `layer_k` with units of n > 1 layers)."""
     dense, n = moe.dense_layers, moe.layers_per_unit
     if i < dense:
         return _layer(params["dense_blocks"]["layers"], i)

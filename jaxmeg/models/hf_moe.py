@@ -1,8 +1,8 @@
 """Hugging Face mixtures of experts <-> jaxmeg (`jaxmeg.models.hf` for the rest of the model):
 `MixtralForCausalLM` and `Qwen2MoeForCausalLM`, both a llama block with every MLP a
-`jaxmeg.models.moe.MoeMlp`, but Qwen2-MoE's leading `mlp_only_layers` (jaxmeg's
-`moe.first_dense`), which keep the dense one, and with its `decoder_sparse_step` n (jaxmeg's
-`moe.every`) all but every n-th layer.
+`jaxmeg.models.moe.MoeMlp`, but Qwen2-MoE's `mlp_only_layers` and, with its
+`decoder_sparse_step` n, all but every n-th layer, which keep the dense one (jaxmeg's
+`moe.first_dense` and `moe.every` where they say it, else `moe.pattern`).
 
   Mixtral     softmax router, top-k weights renormalised; experts w1 (gate), w3 (up), w2
               (down), each [f, h] or [h, f] as torch stores them; `intermediate_size` is one
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxmeg.config import ModelConfig, MoeConfig
-from jaxmeg.config_moe import BOUND_SLOTS
+from jaxmeg.config_moe import BOUND_SLOTS, LAYER_KINDS, stack_split
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -68,24 +68,30 @@ def moe_config(architecture: str, hf: dict) -> MoeConfig:
             experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden=-1,
             normalize=True, aux_loss=float(hf.get("router_aux_loss_coef", 0.0)),
         )  # fmt: skip
-    dense, step = list(hf.get("mlp_only_layers") or []), hf.get("decoder_sparse_step", 1)
-    layers = hf["num_hidden_layers"]
-    if dense != list(range(len(dense))) or len(dense) % step or (layers - len(dense)) % step:
+    dense, step = set(hf.get("mlp_only_layers") or []), hf.get("decoder_sparse_step", 1)
+    kinds = tuple(i not in dense and (i + 1) % step == 0 for i in range(hf["num_hidden_layers"]))
+    if True not in kinds:
         raise HFCheckpointError(
-            f"config.json decoder_sparse_step = {step}, mlp_only_layers = {dense} "
-            f"({layers} layers): jaxmeg runs dense MLPs in leading layers (moe.first_dense: "
-            f"mlp_only_layers 0, 1, .., n - 1) and after them MoE in every step-th layer "
-            f"(moe.every), so both n and the layers after them must be multiples of the step"
+            f"config.json decoder_sparse_step = {step}, mlp_only_layers = {sorted(dense)}: no "
+            f"layer of {len(kinds)} has experts"
         )
     shared = hf.get("shared_expert_intermediate_size") or 0
     return MoeConfig(
-        experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], first_dense=len(dense),
-        every=step,
+        experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], **_layer_fields(kinds),
         ffn_hidden=hf["moe_intermediate_size"], shared_experts=1 if shared else 0,
         shared_ffn_hidden=shared or -1, shared_gate=bool(shared),
         normalize=bool(hf.get("norm_topk_prob", False)),
         aux_loss=float(hf.get("router_aux_loss_coef", 0.0)),
     )  # fmt: skip
+
+
+def _layer_fields(kinds: tuple[bool, ...]) -> dict[str, Any]:
+    """The MoeConfig fields that place MoE layers where `kinds` says: `first_dense` and `every`
+    where they can, else `pattern`."""
+    dense, unit = stack_split(kinds)
+    if unit == (False,) * (len(unit) - 1) + (True,):
+        return {"first_dense": dense, "every": len(unit)}
+    return {"pattern": tuple(LAYER_KINDS[kind] for kind in kinds)}
 
 
 def architecture_of(model: ModelConfig, moe: MoeConfig) -> str:
@@ -104,17 +110,12 @@ def architecture_of(model: ModelConfig, moe: MoeConfig) -> str:
             f"(1 and 1.0)"
         )
     mixtral = moe.shared_experts == 0 and not model.qkv_bias and moe.normalize
-    if mixtral and (moe.first_dense or moe.every > 1):
+    if mixtral and not all(moe.kinds(model.layers)):
         raise HFCheckpointError(
-            f"moe.first_dense = {moe.first_dense}, moe.every = {moe.every}: Mixtral has no "
-            f"dense layers, and this model is no Qwen2-MoE (which holds them as "
-            f"mlp_only_layers and decoder_sparse_step; it has q, k, v biases or a gated shared "
-            f"expert)"
-        )
-    if moe.first_dense % moe.every:
-        raise HFCheckpointError(
-            f"moe.first_dense = {moe.first_dense} is no multiple of moe.every = {moe.every}: "
-            f"Qwen2-MoE's MoE layers are those whose index + 1 the step divides"
+            f"moe.first_dense = {moe.first_dense}, moe.every = {moe.every}, moe.pattern = "
+            f"{list(moe.pattern)}: Mixtral has no dense layers, and this model is no Qwen2-MoE "
+            f"(which holds them as mlp_only_layers and decoder_sparse_step; it has q, k, v "
+            f"biases or a gated shared expert)"
         )
     if mixtral:
         return "MixtralForCausalLM"
@@ -143,7 +144,7 @@ def hf_fields(model: ModelConfig, moe: MoeConfig) -> dict[str, Any]:
         "moe_intermediate_size": width, "intermediate_size": model.mlp_hidden,
         "shared_expert_intermediate_size": moe.shared_width(model.mlp_hidden),
         "norm_topk_prob": moe.normalize, "qkv_bias": model.qkv_bias,
-        "decoder_sparse_step": moe.every, "mlp_only_layers": list(range(moe.first_dense)),
+        **_sparse_layers(model, moe),
         "use_sliding_window": False,
         "router_aux_loss_coef": moe.aux_loss,
     }  # fmt: skip
@@ -194,3 +195,12 @@ def layer_to_hf(layer: dict[str, Any], architecture: str, moe: MoeConfig) -> Ten
         tensors[f"{module}.shared_expert.down_proj.weight"] = shared["w_out"].T
         tensors[f"{module}.shared_expert_gate.weight"] = layer["w_shared_gate"].T
     return tensors
+
+
+def _sparse_layers(model: ModelConfig, moe: MoeConfig) -> dict[str, Any]:
+    """Qwen2-MoE's decoder_sparse_step and mlp_only_layers: `moe.every` and the leading dense
+    layers where the step divides them, else a step of 1 and every dense layer listed."""
+    if not moe.pattern and moe.first_dense % moe.every == 0:
+        return {"decoder_sparse_step": moe.every, "mlp_only_layers": list(range(moe.first_dense))}
+    kinds = moe.kinds(model.layers)
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, k in enumerate(kinds) if not k]}

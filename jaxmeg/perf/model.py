@@ -64,7 +64,7 @@ from jaxmeg.pipeline.layout import StageLayout
 def parameter_count(shape: Shape) -> float:
     """Megatron eq. 2: P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)) (MLP of 4h); with
     experts, the MoE layers' (`experts.moe_layer_parameters`), the dense ones' (leading, and
-    between MoE layers with `Experts.every`) as eq. 2 counts a layer, and the same
+    between MoE layers, `Experts.unit`) as eq. 2 counts a layer, and the same
     embeddings."""
     h, l, v, s = shape.hidden, shape.layers, shape.vocab, shape.seq_len
     if shape.experts:
@@ -102,7 +102,7 @@ def flops_per_iteration(shape: Shape, batch: int, recompute: bool = True) -> flo
 def stage_layout(shape: Shape, layout: Layout) -> StageLayout:
     """Which layers each stage holds (`jaxmeg.pipeline.layout`); raises LayoutError naming the
     numbers when l does not split over p v (or `stage_layers` does not fit). Its layers are
-    the entries of the layer stack (groups of `Experts.every` layers)."""
+    the entries of the layer stack (units of `Experts.unit` layers)."""
     return _stage_layout(
         shape.stacked_layers, layout.pipe, layout.chunks, tuple(layout.stage_layers),
         schedules.placement_of(layout.schedule),

@@ -33,9 +33,10 @@ class Experts:
     """Leading layers that keep the dense MLP (`moe.first_dense`), counted as dense layers in
     the parameters and FLOPs. They run with the embedding on the first stage; the per-stage
     time and memory price the l - dense_layers MoE layers the stages split."""
-    every: int = 1
-    """MoE in every n-th layer after the dense leading ones (`moe.every`), the others dense: a
-    stage holds groups of n layers, and its per-layer figures are a group's averages
+    unit: tuple[bool, ...] = (True,)
+    """One entry of the layer stack after the dense leading ones, a layer each, True where the
+    MLP is the mixture of experts (`moe.unit`: MoE in every n-th layer with `moe.every`): a
+    stage holds such units, and its per-layer figures are a unit's averages
     (`Shape.moe_share`)."""
     exchange_bounds: tuple[float, ...] = EXCHANGE_BOUNDS
     """The bounds of a dropless exchange (`moe.exchange_bounds`)."""
@@ -69,26 +70,25 @@ class Shape:
     @property
     def stacked_layers(self) -> int:
         """The entries of the layer stack, which the pipeline stages split: l less the dense
-        leading ones, in groups of `Experts.every` (one MoE layer each)."""
-        every = self.experts.every if self.experts else 1
-        return (self.layers - self.dense_layers) // every
+        leading ones, in units of `layers_per_entry`."""
+        return (self.layers - self.dense_layers) // self.layers_per_entry
 
     @property
     def moe_layers(self) -> int:
         """Layers whose MLP is the mixture of experts (0 for a dense model)."""
-        return self.stacked_layers if self.experts else 0
+        return self.stacked_layers * sum(self.experts.unit) if self.experts else 0
 
     @property
     def layers_per_entry(self) -> int:
-        """Layers per entry of the layer stack: `Experts.every`, 1 for a dense model."""
-        return self.experts.every if self.experts else 1
+        """Layers per entry of the layer stack: `Experts.unit`'s, 1 for a dense model."""
+        return len(self.experts.unit) if self.experts else 1
 
     @property
     def moe_share(self) -> float:
-        """The share of a stage's layers whose MLP is the mixture of experts (1 / every; 0 for
-        a dense model): the per-layer figures of a stage weight the MoE block's by it and the
-        dense MLP's by the rest."""
-        return 1.0 / self.experts.every if self.experts else 0.0
+        """The share of a stage's layers whose MLP is the mixture of experts (a unit's MoE
+        layers over its layers; 0 for a dense model): the per-layer figures of a stage weight
+        the MoE block's by it and the dense MLP's by the rest."""
+        return sum(self.experts.unit) / len(self.experts.unit) if self.experts else 0.0
 
 
 def shape_of(model: ModelConfig, moe: MoeConfig | None = None) -> Shape:
@@ -111,6 +111,6 @@ def experts_of(model: ModelConfig, moe: MoeConfig | None) -> Experts | None:
     return Experts(
         count=moe.experts, top_k=moe.top_k, width=moe.expert_width(dense),
         shared_width=moe.shared_width(dense), gated=model.block != "gpt",
-        capacity_factor=moe.capacity_factor, dense_layers=moe.first_dense, every=moe.every,
+        capacity_factor=moe.capacity_factor, dense_layers=moe.dense_layers, unit=moe.unit,
         exchange_bounds=moe.exchange_bounds, exchange_kept_bound=moe.exchange_kept_bound,
     )  # fmt: skip

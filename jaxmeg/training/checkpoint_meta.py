@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jaxmeg.config import Config, to_dict
+from jaxmeg.config import Config, MoeConfig, to_dict
+from jaxmeg.config_moe import LAYER_KINDS
 
 # Config fields that fix the shapes or the tree of the saved arrays.
 SHAPE_FIELDS = (
@@ -29,7 +30,6 @@ SHAPE_FIELDS = (
     "moe.shared_experts",
     "moe.shared_ffn_hidden",
     "moe.shared_gate",
-    "moe.first_dense",
 )
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay_steps")
 # Fields that change what a mixture of experts computes with the same arrays: a resume says so.
@@ -87,6 +87,11 @@ def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
         for name in SHAPE_FIELDS
         if _field(saved, name) is not None and _field(saved, name) != _field(now, name)
     ]
+    # Which layers are MoE (`moe.first_dense`, `moe.every`, `moe.pattern`) fixes the tree.
+    if _field(saved, "moe.experts") and cfg.moe.experts:
+        saved_kinds = _layer_kinds(saved)
+        if saved_kinds != _layer_kinds(now):
+            mismatches.append(("moe layers (moe.pattern)", saved_kinds, _layer_kinds(now)))
     # A capacity factor on or off adds or removes the MoE layers' kept-share slot.
     saved_cf = _field(saved, "moe.capacity_factor")
     if saved_cf is not None and (saved_cf > 0) != (cfg.moe.capacity_factor > 0):
@@ -113,6 +118,15 @@ def shape_mismatches(meta: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     if saved_clip is not None and (saved_clip > 0) != (cfg.optimizer.grad_clip > 0):
         mismatches.append(("optimizer.grad_clip", saved_clip, cfg.optimizer.grad_clip))
     return mismatches
+
+
+def _layer_kinds(config: dict) -> list[str]:
+    """Each layer's MLP, `dense` or `moe`, of an MoE model's saved config."""
+    moe = MoeConfig(
+        experts=1, first_dense=_field(config, "moe.first_dense") or 0,
+        every=_field(config, "moe.every") or 1, pattern=tuple(_field(config, "moe.pattern") or ()),
+    )  # fmt: skip
+    return [LAYER_KINDS[kind] for kind in moe.kinds(_field(config, "model.layers"))]
 
 
 def check_compatible(meta: dict, cfg: Config, path: Path) -> None:

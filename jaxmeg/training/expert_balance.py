@@ -30,20 +30,32 @@ def _is_bias(path) -> bool:
     return _name(path) == BIAS
 
 
+def _position(path) -> int:
+    """A leaf's layer within its stack entry: k of a `LayerGroup`'s `layer_k`, else 0."""
+    for key in path:
+        name = str(getattr(key, "key", key))
+        if name.startswith("layer_") and name[6:].isdigit():
+            return int(name[6:])
+    return 0
+
+
 def take_loads(grads) -> tuple[object, list[jax.Array], list[jax.Array], list[jax.Array]]:
     """(the gradients with every routing bias's, kept slot's and taken-bounds slot's entry
     zeroed, the bias entries: the loads, the kept slots' entries: the kept shares, the taken
-    slots' entries: the bounds' counts; [] where there are none)."""
+    slots' entries: the bounds' counts; [] where there are none). Each list holds a leaf per
+    MoE block of a stack entry, in model order (a group's `layer_k` by k, not by name)."""
     taken = {BIAS: [], KEPT: [], TAKEN: []}
 
     def take(path, g):
         if _name(path) in taken:
-            taken[_name(path)].append(g)
+            taken[_name(path)].append((_position(path), g))
             return jnp.zeros_like(g)
         return g
 
     cleaned = jax.tree_util.tree_map_with_path(take, grads)
-    return cleaned, taken[BIAS], taken[KEPT], taken[TAKEN]
+    ordered = {name: [g for _, g in sorted(leaves, key=lambda x: x[0])]
+               for name, leaves in taken.items()}  # fmt: skip
+    return cleaned, ordered[BIAS], ordered[KEPT], ordered[TAKEN]
 
 
 def without_bound_counts(grads):
@@ -56,40 +68,48 @@ def without_bound_counts(grads):
 
 
 def move_biases(params, loads: list[jax.Array], rate: float):
-    """Each bias + rate x sign(its layer's mean load - the expert's load)."""
-    moves = iter(loads)
+    """Each bias + rate x sign(its layer's mean load - the expert's load); `loads` in
+    `take_loads`' order."""
+    paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(params) if _is_bias(path)]
+    order = sorted(range(len(paths)), key=lambda i: _position(paths[i]))
+    by_leaf = dict(zip(order, loads, strict=True))
+    leaf = iter(range(len(paths)))
 
     def move(path, p):
         if not _is_bias(path):
             return p
-        load = next(moves)
+        load = by_leaf[next(leaf)]
         error = jnp.mean(load, axis=-1, keepdims=True) - load
         return p + (rate * jnp.sign(error)).astype(p.dtype)
 
     return jax.tree_util.tree_map_with_path(move, params)
 
 
+def _model_order(leaves: list[jax.Array], layout: StageLayout) -> jax.Array:
+    """[MoE layers, ...] in model order of the stack entries' MoE blocks' leaves, each
+    [v, p, Lc, ...] (a stage layout's stack) in `take_loads`' order."""
+    stacked = jnp.stack([layout.to_canonical(leaf) for leaf in leaves], axis=1)
+    return stacked.reshape(-1, *stacked.shape[2:])
+
+
 def load_spread(loads: list[jax.Array], layout: StageLayout) -> jax.Array:
-    """max / mean load over the experts of each MoE layer [L - moe.first_dense], in model order
+    """max / mean load over the experts of each MoE layer [MoE layers], in model order
     (1 = even)."""
-    (load,) = loads  # the stacked layers' one bias leaf, [v, p, Lc, E]
-    load = layout.to_canonical(load)
+    load = _model_order(loads, layout)
     mean = jnp.mean(load, axis=-1)
     return jnp.max(load, axis=-1) / jnp.where(mean > 0, mean, 1.0)
 
 
 def dropped_share(kept: list[jax.Array], layout: StageLayout) -> jax.Array:
     """The share of each MoE layer's routing choices that its experts' capacity dropped
-    [L - moe.first_dense], in model order (0 = none)."""
-    (share,) = kept  # the stacked layers' one leaf, [v, p, Lc, E]
-    return 1.0 - jnp.sum(layout.to_canonical(share), axis=-1)
+    [MoE layers], in model order (0 = none)."""
+    return 1.0 - jnp.sum(_model_order(kept, layout), axis=-1)
 
 
 def largest_bound(counts: list[jax.Array], layout: StageLayout, factors, ranks: int) -> jax.Array:
     """The largest exchange bound each MoE layer took in the step, as a multiple of an even
     load (`moe.exchange_bounds`; all T k choices count as `ranks`, E_ranks x an even load)
-    [L - moe.first_dense], in model order; 0 where no exchange ran (one expert rank)."""
-    (count,) = counts  # the stacked layers' one leaf, [v, p, Lc, BOUND_SLOTS]
-    count = layout.to_canonical(count)
+    [MoE layers], in model order; 0 where no exchange ran (one expert rank)."""
+    count = _model_order(counts, layout)
     values = jnp.asarray(slot_factors(factors, ranks), jnp.float32)
     return jnp.max(jnp.where(count > 0, values, 0.0), axis=-1)

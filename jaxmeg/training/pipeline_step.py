@@ -28,7 +28,7 @@ from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY, LayerGroup, layer_unit
 from jaxmeg.models.grouped_gemm import grouped_gemm
-from jaxmeg.models.moe_exchange import EXCHANGE_KEPT
+from jaxmeg.models.moe_exchange import EXCHANGE_KEPT, UNIT_KEPT
 from jaxmeg.models.parts import dtype_of
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
@@ -110,9 +110,9 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     policy = REMAT_POLICY[remat]
     if remat != "full":
         # the dropless exchange keeps what it computed: the backward runs only its transpose
-        # (`jaxmeg.parallel.experts`)
+        # (`jaxmeg.parallel.experts`), and no other MoE block's forward (`UNIT_KEPT`)
         policy = jax.checkpoint_policies.save_from_both_policies(
-            policy, jax.checkpoint_policies.save_only_these_names(EXCHANGE_KEPT)
+            policy, jax.checkpoint_policies.save_only_these_names(EXCHANGE_KEPT, UNIT_KEPT)
         )
     each = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     stacked_layer = jax.checkpoint(
@@ -184,7 +184,7 @@ def sequence_order(cfg) -> SequenceOrder | None:
 
 
 def step_block(trainable: Trainable, constrain) -> Block | LayerGroup:
-    """One entry of the layer stack as the step runs it (a layer, or a `moe.every` group):
+    """One entry of the layer stack as the step runs it (a layer, or a `LayerGroup`):
     its MoE auxiliary losses weighted 1/m in the backward, m the microbatches each replica's
     loss is the mean of (`jaxmeg.models.moe.into_backward`; 1/(m e) on each of e expert ranks
     where the executor's map is manual over `expert`, whose sum the step takes:

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg.models import cross_entropy
-from jaxmeg.models.gpt import moe_path
 from jaxmeg.models.moe import MOE_STATS
 from jaxmeg.training.state import Trainable, to_canonical_layout, to_stage_layout
 
@@ -29,14 +28,16 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
     microbatches = cfg.train.microbatches
 
     def loss_fn(params, tokens_BxS, targets_BxS):
-        """(cross-entropy + the MoE layers' auxiliary losses, (cross-entropy, the MoE layers'
-        experts' shares of the routing choices [L, E] or None))."""
+        """(cross-entropy + the MoE layers' auxiliary losses, (cross-entropy, the experts'
+        shares of the routing choices [L, E] of each MoE block of a stack entry, or None))."""
         logits, stats = model.apply({"params": params}, tokens_BxS, mutable=[MOE_STATS])
         loss = cross_entropy(logits, targets_BxS, cfg.model.vocab_size)
         if not stats:
             return loss, (loss, None)
-        moe_stats = _at(stats[MOE_STATS]["blocks"]["layers"], moe_path(cfg.moe))
-        return loss + jnp.sum(moe_stats["aux"]), (loss, moe_stats["share"])
+        layers = stats[MOE_STATS]["blocks"]["layers"]
+        moe_stats = [_at(layers, path) for path in moe_paths(cfg.moe)]
+        aux = sum(jnp.sum(one["aux"]) for one in moe_stats)
+        return loss + aux, (loss, [one["share"] for one in moe_stats])
 
     def loss_and_grads(params, tokens, targets):
         params = to_canonical_layout(params, layout)
@@ -49,12 +50,13 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
             (_, (loss, load)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 params, *microbatch
             )
-            if load is not None:  # the routing bias's slot holds the load shares (`models.moe`)
-                moe = _at(grads["blocks"]["layers"], moe_path(cfg.moe))
+            for path, share in zip(moe_paths(cfg.moe), load or [], strict=False):
+                # the routing bias's slot holds the load shares (`models.moe`)
+                moe = _at(grads["blocks"]["layers"], path)
                 if "router_kept" in moe:  # [layers, 2, E]: routed and kept shares
-                    load, kept = load[:, 0], load[:, 1]
+                    share, kept = share[:, 0], share[:, 1]
                     moe["router_kept"] = kept.astype(jnp.float32)
-                moe["router_bias"] = load.astype(jnp.float32)
+                moe["router_bias"] = share.astype(jnp.float32)
             grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
             return (loss_sum + loss, grad_sum), None
 
@@ -65,6 +67,13 @@ def make_plain_loss_and_grads(trainable: Trainable) -> Callable:
         return loss / microbatches, to_stage_layout(grads, layout)
 
     return loss_and_grads
+
+
+def moe_paths(moe) -> list[tuple[str, ...]]:
+    """Where a stack entry's MoE blocks sit in its params (and sows), in model order (a
+    `LayerGroup`'s `layer_k`)."""
+    group = moe.layers_per_unit > 1
+    return [(f"layer_{k}", "moe") if group else ("moe",) for k, m in enumerate(moe.unit) if m]
 
 
 def _at(tree: dict, path: tuple[str, ...]) -> dict:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxmeg.config import Config, to_dict
+from jaxmeg.config_moe import LAYER_KINDS
 from jaxmeg.config_validation import check_attention_runs_here
 from jaxmeg.parallel import distributed, make_mesh
 from jaxmeg.parallel.mesh import mesh_words
@@ -121,6 +122,8 @@ def _describe(trainable: Trainable, dataset) -> None:
     if cfg.moe.experts:
         summed_once = pipeline_step.splits_experts(trainable)
         say(experts_words(trainable.moe_cfg, trainable.mesh.shape["expert"], summed_once))
+        if not all(cfg.moe.kinds(cfg.model.layers)):
+            say(layers_words(cfg.moe, cfg.model.layers))
 
 
 def experts_words(moe, expert: int, summed_once: bool = False) -> str:
@@ -142,6 +145,17 @@ def experts_words(moe, expert: int, summed_once: bool = False) -> str:
         when = "once per step" if summed_once else "in each microbatch's backward"
         words += f"; dense gradients summed over expert {when}"
     return words
+
+
+def layers_words(moe, layers: int) -> str:
+    """Where an MoE model's dense layers are, and how its layer stack holds them."""
+    kinds = moe.kinds(layers)
+    unit = ", ".join(LAYER_KINDS[kind] for kind in moe.unit)
+    entries = (layers - moe.dense_layers) // len(moe.unit)
+    words = f"MoE in {sum(kinds)} of {layers} layers; "
+    if moe.dense_layers:
+        words += f"{moe.dense_layers} dense leading with the embedding, then "
+    return words + f"{entries} stack entries of [{unit}]"
 
 
 def _meta(trainable: Trainable, loader, progress: _Progress) -> dict[str, Any]:
