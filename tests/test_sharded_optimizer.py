@@ -123,3 +123,25 @@ def test_zero1_gathers_the_weights_before_the_loop_and_scatters_gradients_in_it(
     # are the quarter (d = 4) of the layer weights that the gathers before the loop rebuild.
     layer_gathers = sum(c.bytes for c in gathers if c.bytes >= 2048)
     assert 4 * sum(c.bytes for c in scatters) == pytest.approx(layer_gathers / 4, rel=0.05)
+
+
+def test_the_data_group_moves_a_tensor_ranks_block_not_the_whole_leaf():
+    """With `tensor` > 1 each reduce-scatter and all-gather over the data group runs on a
+    device's block of the automatic axes that split the leaf (`gradients.on_blocks`): before,
+    XLA all-gathered each leaf over `tensor`, reduce-scattered (or gathered) the whole leaf and
+    sliced its block back out. ZeRO-3 on (2,2,2): no all-gather over `tensor` but the ones the
+    step has without a sharded optimizer, and the reduce-scatters over `data` carry half (d = 2)
+    of what the unsharded step all-reduces over `data`."""
+
+    def by_kind(zero_stage):
+        trainable, step = compiled((2, 2, 2), zero_stage)
+        totals = {}
+        for c in collectives(step.as_text(), trainable.mesh):
+            key = (c.kind, tuple(sorted(c.axes)))
+            totals[key] = totals.get(key, 0) + c.bytes
+        return totals
+
+    plain, split = by_kind(0), by_kind(3)
+    assert split[("all-gather", ("tensor",))] == plain[("all-gather", ("tensor",))]
+    scattered = plain[("all-reduce", ("data",))] - split[("all-reduce", ("data",))]
+    assert 2 * split[("reduce-scatter", ("data",))] == pytest.approx(scattered, rel=0.01)

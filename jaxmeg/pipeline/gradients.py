@@ -39,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import powersgd, rings
 
@@ -218,6 +219,11 @@ def drop_leading_dims(dims, count: int):
     return jax.tree.map(lambda dim: dim - count if dim >= 0 else dim, dims)
 
 
+def drop_leading_specs(specs, count: int):
+    """Specs of arrays seen without their first `count` dims (None stays None)."""
+    return jax.tree.map(lambda s: P(*tuple(s)[count:]), specs, is_leaf=_is_spec)
+
+
 def reduce_chunk_compressed(part, chunk, state, dc):
     """(reduced part, new state): one chunk's gradients `part` reduced over `data` by PowerSGD
     (`powersgd.reduce`) with the chunk's slice of `state` (leaves [v, ...]), updated in place."""
@@ -267,26 +273,62 @@ def fused_sync(tree):
     return summed
 
 
-def reduce_scatter(tree, dims, axes: tuple[str, ...], experts=None):
+def reduce_scatter(tree, dims, axes: tuple[str, ...], experts=None, specs=None):
     """Sharded optimizer: each leaf summed over `axes`, divided by the replica count, and split
     (tiled) over `axes` along its dim in `dims`; leaves with dim -1 are all-reduced whole. With
     context parallelism the context ranks' sum comes first (the optimizer is split over `data`
-    only), and over `summed_axes` too but for the leaves `experts` marks (`reduce_over_data`)."""
+    only), and over `summed_axes` too but for the leaves `experts` marks (`reduce_over_data`).
+    `specs`: the leaves' own specs, whose automatic axes the split runs on blocks of
+    (`on_blocks`)."""
     count = replicas()
     split = replica_axes()[1:]
     flags = jax.tree.map(lambda _: False, tree) if experts is None else experts
+    specs = jax.tree.map(lambda _: P(), tree) if specs is None else specs
 
-    def one(a, dim, expert):
+    def one(a, dim, expert, spec):
         first = (*split, *(() if expert else summed_axes()))
         if first:
             a = jax.lax.psum(a, first)
         if dim < 0:
             summed = jax.lax.psum(a, axes)
         else:
-            summed = jax.lax.psum_scatter(a, axes, scatter_dimension=dim, tiled=True)
+            scatter = functools.partial(
+                jax.lax.psum_scatter, axis_name=axes, scatter_dimension=dim, tiled=True
+            )
+            summed = on_blocks(scatter, a, spec)
         return summed / count
 
-    return jax.tree.map(one, tree, dims, flags)
+    return jax.tree.map(one, tree, dims, flags, specs, is_leaf=_is_spec)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def on_blocks(fn, a: jax.Array, spec: P, out_spec: P | None = None) -> jax.Array:
+    """fn(a), a collective over manual axes, run on each device's block of the automatic mesh
+    axes (> 1) that split `a` by its own `spec` (`out_spec` for the result, default `spec`),
+    in a map manual over them: XLA's partitioner would otherwise all-gather `a` over those
+    axes, reduce-scatter or gather the whole array and slice the block back out (three
+    collectives where one does, and copies of the whole array)."""
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def kept(s: P) -> P:
+        def entry(e):
+            names = tuple(n for n in ((e,) if isinstance(e, str) else e or ())
+                          if n not in mesh.manual_axes and mesh.shape[n] > 1)  # fmt: skip
+            return names[0] if len(names) == 1 else names or None
+
+        return P(*(entry(e) for e in s))
+
+    spec_in = kept(spec)
+    spec_out = spec_in if out_spec is None else kept(out_spec)
+    axes = {n for e in (*spec_in, *spec_out) for n in ((e,) if isinstance(e, str) else e or ())}
+    if not axes:
+        return fn(a)
+    mapped = jax.shard_map(fn, in_specs=spec_in, out_specs=spec_out, axis_names=axes,
+                           check_vma=False)  # fmt: skip
+    return mapped(a)
 
 
 def reduce_step(
@@ -300,22 +342,24 @@ def reduce_step(
     shared_axes: tuple[str, ...] = (),
     fused: bool = False,
     experts=None,
+    specs=(None, None),
 ):
     """(loss, stage_grads, shared_grads) of the whole step (see the module docstring for the
     collectives). With `stage_dims` / `shared_dims` (a sharded optimizer: per leaf the local dim
     to split, -1 for none) the gradients are reduce-scattered instead: stage gradients over
     `data`, shared gradients over `shared_axes` (the order their split takes). `fused`: the
     shared gradients and the loss go through `fused_sync` (pipe > 1, no sharded optimizer).
-    `experts`: which stage leaves a manual `expert` axis splits (`reduce_over_data`)."""
+    `experts`: which stage leaves a manual `expert` axis splits (`reduce_over_data`); `specs`:
+    the stage and shared leaves' own specs (`reduce_scatter`)."""
     if fused:
         loss, shared_grads = fused_sync((loss, shared_grads))
     elif shared_dims is None:
         loss, shared_grads = _sum_stages_mean_replicas((loss, shared_grads))
     else:
         (loss,) = _sum_stages_mean_replicas((loss,))
-        shared_grads = reduce_scatter(shared_grads, shared_dims, shared_axes)
+        shared_grads = reduce_scatter(shared_grads, shared_dims, shared_axes, specs=specs[1])
     if stage_dims is not None:
-        stage_grads = reduce_scatter(stage_grads, stage_dims, ("data",), experts)
+        stage_grads = reduce_scatter(stage_grads, stage_dims, ("data",), experts, specs[0])
     elif not stage_grads_reduced:
         stage_grads = reduce_over_data(stage_grads, experts)
     return loss, stage_grads, shared_grads

@@ -331,12 +331,14 @@ def zero_sharding(trainable: Trainable) -> ZeroSharding:
     par = trainable.cfg.parallel
     if par.zero_stage == 0:
         return ZeroSharding()
-    dims = zero_dims(trainable)
+    dims, (specs, _) = zero_dims(trainable), trainable.run_layout_params
     return ZeroSharding(
         stage=par.zero_stage,
         stage_dims=dims["blocks"]["layers"],
         shared_dims={k: v for k, v in dims.items() if k != "blocks"},
         shared_axes=zero.SHARED_AXES,
+        stage_specs=specs["blocks"]["layers"],
+        shared_specs={k: v for k, v in specs.items() if k != "blocks"},
     )
 
 

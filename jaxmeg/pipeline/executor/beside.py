@@ -135,7 +135,7 @@ def scatter_final(plan: Plan, c: Carry, row: dict) -> Carry:
         dims, first = plan.zero.chunk_dims, plan.reduction.pending_layers
         layers = jax.tree.map(lambda dim: slice(None if dim == 0 else first), dims)
         part = jax.tree.map(lambda a, n: a[at, n], s[1], layers)
-        part = gradients.reduce_scatter(part, dims, ("data",), plan.experts)
+        part = gradients.reduce_scatter(part, dims, ("data",), plan.experts, plan.zero.chunk_specs)
         return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], part), s[1]
 
     g_reduced, g_stage = slots.run_if(

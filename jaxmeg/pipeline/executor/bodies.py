@@ -209,12 +209,16 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
     experts = jax.tree.map(lambda _: False, dims) if plan.experts is None else plan.experts
+    specs = plan.zero.chunk_specs or jax.tree.map(lambda _: jax.sharding.PartitionSpec(), dims)
+    specs = gradients.drop_leading_specs(specs, 1)  # one layer's
 
     def scatter(layer):
-        def one(x, dim, expert):
-            return x if dim == 0 else gradients.reduce_scatter(x, dim - 1, ("data",), expert)
+        def one(x, dim, expert, spec):
+            if dim == 0:
+                return x
+            return gradients.reduce_scatter(x, dim - 1, ("data",), expert, spec)
 
-        return jax.tree.map(one, layer, dims, experts)
+        return jax.tree.map(one, layer, dims, experts, specs)
 
     sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, scatter)
     g_stage = jax.tree.map(

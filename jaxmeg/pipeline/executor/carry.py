@@ -6,11 +6,13 @@ the rings and accumulators every tick reads and writes), built once before the t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients
 from jaxmeg.pipeline.executor import residuals, slots
@@ -117,13 +119,17 @@ class Stage:
         self.params = slots.varying_everywhere(params, plan.replica_axes)
         zero = plan.zero
         if plan.gathering:
-            shared = jax.tree.map(
-                lambda a, dim: (
-                    a if dim < 0 else jax.lax.all_gather(a, zero.shared_axes, axis=dim, tiled=True)
-                ),
-                shared,
-                zero.shared_dims,
-            )
+            specs = zero.shared_specs or jax.tree.map(lambda _: P(), zero.shared_dims)
+
+            def gather(a, dim, spec):
+                if dim < 0:
+                    return a
+                gather = functools.partial(
+                    jax.lax.all_gather, axis_name=zero.shared_axes, axis=dim, tiled=True
+                )
+                return gradients.on_blocks(gather, a, spec)
+
+            shared = jax.tree.map(gather, shared, zero.shared_dims, specs)
         self.shared = slots.varying_everywhere(shared, plan.manual)
         # [b, m, s]: microbatch mb is every m-th row from mb on, so with rows split over an
         # automatic axis (expert) each device holds its share of every microbatch and taking
@@ -176,10 +182,16 @@ class Stage:
     def gather_pieces(self, chunk_shard):
         """ZeRO-3: every replica's piece of a chunk's split leaves, stacked [d, ...] (the
         layout the all-gather writes, so the buffer it fills needs no transposing copy)."""
+        zero = self.plan.zero
+        specs = zero.chunk_specs or jax.tree.map(lambda _: P(), zero.chunk_dims)
+        gather = functools.partial(jax.lax.all_gather, axis_name="data", axis=0)
         return jax.tree.map(
-            lambda a, dim: a if dim < 0 else jax.lax.all_gather(a, "data", axis=0),
+            lambda a, dim, spec: (
+                a if dim < 0 else gradients.on_blocks(gather, a, spec, P(None, *spec))
+            ),
             chunk_shard,
-            self.plan.zero.chunk_dims,
+            zero.chunk_dims,
+            specs,
         )
 
     def assemble(self, pieces):

@@ -67,12 +67,18 @@ class ZeroSharding:
         the next (`columns.gather_columns`).
     stage_dims: tree like stage_params, the global dim split over `data` (-1 none).
     shared_dims: tree like shared, the dim split over `shared_axes` (-1 none).
+    stage_specs / shared_specs: the params' own specs (trees like stage_params and shared,
+        None: no leaf split over an automatic axis): each reduce-scatter and all-gather over
+        the data group runs on a device's blocks of the automatic axes they name
+        (`gradients.on_blocks`).
     """
 
     stage: int = 0
     stage_dims: Any = None
     shared_dims: Any = None
     shared_axes: tuple[str, ...] = ("pipe", "data")
+    stage_specs: Any = None
+    shared_specs: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

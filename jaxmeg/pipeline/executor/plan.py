@@ -28,6 +28,7 @@ class Zero:
     chunk_dims: one chunk's leaves [Lc, ...], the dim split over `data` (-1 none)
     local_stage_dims: one device's stage leaves [v, Lc, ...]
     stage_dims / shared_dims / shared_axes: as `ZeroSharding`
+    chunk_specs / local_stage_specs / shared_specs: the leaves' own specs, as the dims
     """
 
     stage: int
@@ -36,6 +37,9 @@ class Zero:
     stage_dims: Any
     shared_dims: Any
     shared_axes: tuple[str, ...]
+    chunk_specs: Any = None
+    local_stage_specs: Any = None
+    shared_specs: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +196,9 @@ def _zero(options: ExecutorOptions, expert_dims) -> tuple[Zero, tuple]:
         stage_dims=z.stage_dims,
         shared_dims=z.shared_dims,
         shared_axes=z.shared_axes,
+        chunk_specs=gradients.drop_leading_specs(z.stage_specs, 2),
+        local_stage_specs=gradients.drop_leading_specs(z.stage_specs, 1),
+        shared_specs=z.shared_specs,
     )
     experts = jax.tree.map(lambda _: -1, z.stage_dims) if expert_dims is None else expert_dims
     grad_specs = (

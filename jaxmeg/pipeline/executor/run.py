@@ -141,6 +141,7 @@ def _final_reduction(plan: Plan, out: carry.Carry):
             "stage_dims": None if in_loop else zero.local_stage_dims,
             "shared_dims": zero.shared_dims,
             "shared_axes": zero.shared_axes,
+            "specs": (None if in_loop else zero.local_stage_specs, zero.shared_specs),
         }
     loss, g_stage, g_shared = gradients.reduce_step(
         out.g_reduced if sharded and in_loop else out.g_stage,
