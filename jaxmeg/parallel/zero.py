@@ -14,10 +14,16 @@ The fp32 gradient accumulators are not split (whole-stage, plus the split ones t
 reduce-scatters fill).
 The embedding and head, replicated over `pipe`, are split over `pipe` x `data` instead.
 
-Each parameter (in the run's layout) is split on one dim: the first dim after the layer slots
-(for layer stacks [v, p, Lc, ...]: the parameter's own dims, then Lc) that no other mesh axis
-splits and whose size the shard count divides; a parameter without one (too small) stays
-replicated and is all-reduced as before. `zero_dims` gives that dim per leaf, -1 for none.
+Each parameter (in the run's layout) is split on one dim: the first of its candidates that no
+other mesh axis (> 1) splits and whose size the shard count divides; a parameter without one (too
+small) stays replicated and is all-reduced as before. `zero_dims` gives that dim per leaf, -1
+for none. For layer stacks [v, p, Lc, ...] the candidates are the parameter's first own dim,
+then Lc, then its other dims: a GPU reduce-scatters and gathers along the major dim of what it
+moves, and a split along a later dim made XLA lay the whole gradient accumulator out with that
+dim major and transpose it into and out of every B slot's loop (gpt_1.3b (2,2,2) ZeRO-1 on 8
+H100s: 103 GB of copy kernels per step, 23 GB with Lc; docs/benchmarks.md). A split along Lc
+is reduced per chunk after its last backward, not layer by layer beside it
+(`gradients.accumulate_reducing_layers` takes only the parameter's own dims).
 """
 
 from __future__ import annotations
@@ -37,11 +43,16 @@ def _entry_axes(entry) -> tuple:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def zero_dim(shape: tuple[int, ...], spec: P, shards: int, candidates: list[int]) -> int:
-    """The first dim in `candidates` that `spec` leaves unsplit and `shards` divides."""
+def zero_dim(
+    shape: tuple[int, ...], spec: P, shards: int, candidates: list[int], mesh_shape=None
+) -> int:
+    """The first dim in `candidates` that `spec` leaves unsplit (it names no axis, or only axes
+    of size 1 in `mesh_shape`) and `shards` divides."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
+    sizes = mesh_shape or {}
     for dim in candidates:
-        if entries[dim] is None and shape[dim] % shards == 0:
+        unsplit = all(sizes.get(axis, 2) == 1 for axis in _entry_axes(entries[dim]))
+        if unsplit and shape[dim] % shards == 0:
             return dim
     return NO_DIM
 
@@ -55,11 +66,11 @@ def zero_dims(shapes, specs, mesh_shape, is_layer_stack) -> object:
         shape = tuple(shape_struct.shape)
         if is_layer_stack(path):
             shards = mesh_shape["data"]
-            candidates = [*range(3, len(shape)), 2]
+            candidates = [3, 2, *range(4, len(shape))]  # own first dim, Lc, the rest
         else:
             shards = mesh_shape["data"] * mesh_shape["pipe"]
             candidates = list(range(len(shape)))
-        return zero_dim(shape, spec, shards, candidates)
+        return zero_dim(shape, spec, shards, candidates, mesh_shape)
 
     return jax.tree_util.tree_map_with_path(pick, shapes, specs)
 
