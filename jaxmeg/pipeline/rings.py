@@ -24,6 +24,15 @@ def write(buf: jax.Array, index, value: jax.Array, start: int = 0) -> jax.Array:
     return jax.lax.dynamic_update_slice(buf, value[None], starts)
 
 
+def write_layers(buf: jax.Array, index, layers: list, start: int = 0) -> jax.Array:
+    """buf[index, start + l] = layers[l] for each l: one in-place update per layer (writing
+    them stacked, XLA first copies every layer into the stack, then the stack into `buf`)."""
+    for l, value in enumerate(layers):
+        starts = (index, start + l, *(0,) * (buf.ndim - 2))
+        buf = jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype)[None, None], starts)
+    return buf
+
+
 def add(buf: jax.Array, index, value: jax.Array) -> jax.Array:
     """buf[index] += value (cast to buf's dtype). With one slot (one chunk per stage, the
     gradient accumulators' usual case) an elementwise add, which XLA fuses with the cast and

@@ -204,8 +204,8 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
     if not plan.sharded:
         mean = partial(gradients.reduce_over_data, experts=plan.experts)
         sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, mean)
-        chunk = gradients.stack_layers([sums[0], *reduced])
-        return {"g_stage": jax.tree.map(lambda g, r: rings.write(g, index, r), a.g_stage, chunk)}
+        write = lambda g, *layers: rings.write_layers(g, index, list(layers))  # noqa: E731
+        return {"g_stage": jax.tree.map(write, a.g_stage, sums[0], *reduced)}
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
     experts = jax.tree.map(lambda _: False, dims) if plan.experts is None else plan.experts
@@ -222,11 +222,11 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
 
     sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, scatter)
     g_stage = jax.tree.map(
-        lambda g, s: rings.write(g, index, s), a.g_stage, gradients.stack_layers(sums)
+        lambda g, *layers: rings.write_layers(g, index, list(layers)), a.g_stage, *sums
     )
     g_reduced = jax.tree.map(
-        lambda g, r, dim: g if dim == 0 else rings.write(g, index, r, start=1),
-        a.g_reduced, gradients.stack_layers(reduced), dims,
+        lambda g, dim, *layers: g if dim == 0 else rings.write_layers(g, index, list(layers), 1),
+        a.g_reduced, dims, *reduced,
     )  # fmt: skip
     return {"g_stage": g_stage, "g_reduced": g_reduced}
 
