@@ -3,13 +3,13 @@ device's (`jaxmeg.training.reference`, which adds the auxiliary losses to the lo
 differentiates, while the step injects their gradient in the backward), router and routing-bias
 slot included, for pipelines, tensor and data parallelism, the zero-bubble split backward, a
 sharded optimizer, both routers, top-1 and top-2, shared experts, and a router that sends every
-token to one expert; the bias update and the load metric of the train step; the config checks."""
+token to one expert; the config checks. The routing bias, the loads and the per-layer metrics:
+tests/test_expert_balance.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 
 import jax
@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.training import expert_balance
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.reference import make_plain_loss_and_grads
 from jaxmeg.training.state import (
@@ -26,7 +25,6 @@ from jaxmeg.training.state import (
     to_canonical_layout,
     to_stage_layout,
 )
-from jaxmeg.training.step import make_train_step
 from tests.helpers import (
     put_batch,
     random_batch,
@@ -276,73 +274,6 @@ def test_every_token_to_one_expert_leaves_the_others_at_zero(mesh, schedule, exp
         np.testing.assert_array_equal(experts[name][:, 1:], 0)
 
 
-def test_bias_update_evens_a_skewed_load_and_the_step_reports_it():
-    """Loss-free balancing in the train step: a bias that starts with expert 0 taking most of
-    the choices moves toward an even load step by step (max/mean falls), the bias never enters
-    the optimizer (its AdamW moments stay 0), and `moe_load_spread` is each layer's max/mean."""
-    moe = dataclasses.replace(TOP2, top_k=1, aux_loss=0.0, bias_update_rate=0.004)
-    trainable = trainable_for(config((1, 2, 1), moe))  # the spread whole on both stages
-    tokens = put_batch(trainable, random_batch(trainable.cfg))
-    with jax.set_mesh(trainable.mesh):
-        state = init_state(trainable, seed=0)
-        bias = state["params"]["blocks"]["layers"]["moe"]["router_bias"]
-        state["params"]["blocks"]["layers"]["moe"]["router_bias"] = bias.at[..., 0].set(0.06)
-        step = make_train_step(trainable)
-        spreads = []
-        for _ in range(16):
-            state, metrics = step(state, *tokens)
-            spreads.append(np.asarray(metrics["moe_load_spread"].addressable_data(0)))
-    assert spreads[0].shape == (LLAMA.layers,)
-    # measured: 3.25 at the first step (expert 0 takes most tokens), 1.4 over the last three
-    first, last = spreads[0].mean(), np.mean(spreads[-3:])
-    assert first > 2.5 and last < 0.6 * first, (first, last)
-    moments = [
-        np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"])
-        if "router_bias" in jax.tree_util.keystr(path)
-    ]
-    assert moments and all(np.all(m == 0) for m in moments)
-
-
-def test_the_step_reports_the_share_of_choices_its_capacity_dropped():
-    """`moe_dropped`, each layer's share of the step's routing choices past an expert's slots:
-    with C = ceil(cf s k / E) slots per expert and sequence, at least 1 - E C / (s k) of them
-    (a factor of 0.5: 4 x 2 slots for 16 choices, at least half dropped); none with a factor
-    that gives every expert a slot for every token; the kept-share slot never enters the
-    optimizer."""
-    dropped = {}
-    for factor in (0.5, 2.0):  # 2.0: C = s = 8
-        moe = dataclasses.replace(TOP2, capacity_factor=factor)
-        trainable = trainable_for(config((1, 2, 1), moe))
-        with jax.set_mesh(trainable.mesh):
-            state = init_state(trainable, seed=0)
-            state, metrics = make_train_step(trainable)(
-                state, *put_batch(trainable, random_batch(trainable.cfg))
-            )
-        dropped[factor] = np.asarray(metrics["moe_dropped"].addressable_data(0))
-        moments = [
-            np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"])
-            if "router_kept" in jax.tree_util.keystr(path)
-        ]
-        assert moments and all(np.all(m == 0) for m in moments)
-    assert dropped[0.5].shape == (LLAMA.layers,)
-    assert np.all(dropped[0.5] >= 0.5 - 1e-6) and np.all(dropped[0.5] < 1), dropped
-    np.testing.assert_allclose(dropped[2.0], 0, atol=1e-6)
-
-
-def test_loads_leave_the_gradients_and_move_each_bias_toward_the_mean():
-    grads = {"moe": {"router_bias": np.array([[0.5, 0.25, 0.25, 0.0]], np.float32),
-                     "w_in": np.ones(2, np.float32)}}  # fmt: skip
-    cleaned, loads, kept, _ = expert_balance.take_loads(grads)
-    assert kept == []  # no capacity factor
-    np.testing.assert_array_equal(cleaned["moe"]["router_bias"], 0)
-    np.testing.assert_array_equal(cleaned["moe"]["w_in"], 1)
-    params = {"moe": {"router_bias": np.zeros((1, 4), np.float32), "w_in": np.ones(2)}}
-    moved = expert_balance.move_biases(params, loads, 0.1)
-    np.testing.assert_allclose(moved["moe"]["router_bias"], [[-0.1, 0.0, 0.0, 0.1]])
-
-
 def test_a_microbatch_split_across_expert_ranks_is_a_named_hazard(monkeypatch):
     """(expert 4, pipe 2) with `expert` automatic in the executor's map (as it is with tensor
     > 1; here it would be manual, `pipeline_step.splits_experts`, and every rank would take its
@@ -448,27 +379,6 @@ def test_the_fit_check_does_not_price_moe_steps_as_dense_ones():
     assert predicted_step_bytes(trainable_for(config((1, 1, 1), TOP2))) is None
 
 
-def test_the_expert_load_plot_reads_metrics_and_names_a_file_without_them(tmp_path, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "plot_expert_load", Path(__file__).resolve().parent.parent / "scripts/plot_expert_load.py"
-    )
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(
-        json.dumps({"step": i, "loss": 1.0, "moe_load_spread": [4.0 / i, 2.0]}) + "\n"
-        for i in range(1, 4)
-    ))  # fmt: skip
-    assert plot.main([str(metrics), "--out", str(tmp_path / "load.png")]) == 0
-    assert (tmp_path / "load.png").stat().st_size > 0
-    dense = tmp_path / "dense.jsonl"
-    dense.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
-    assert plot.main([str(dense), "--out", str(tmp_path / "x.png")]) == 2
-    assert "has no moe_load_spread records" in capsys.readouterr().err
-
-
 def test_train_py_refuses_a_step_that_could_hang_before_its_first_step(
     unordered_ticks, tmp_path, small_corpus
 ):
@@ -506,30 +416,3 @@ def test_the_fused_embedding_sync_sums_the_expert_ranks_first():
     cfg = dataclasses.replace(cfg, compression=C.CompressionConfig(fused_embedding_sync=True))
     assert splits_experts(trainable_for(cfg))
     check(cfg)
-
-
-def test_a_units_moe_blocks_report_in_model_order():
-    """With several MoE blocks in a stack entry (`moe.pattern`), the loads, moved biases and
-    per-layer metrics follow the layers' order: `layer_2` before `layer_10` (a tree sorts the
-    names the other way), the entries' blocks interleaved."""
-    from jaxmeg.pipeline.layout import StageLayout
-
-    def unit(first, second):  # a stack of 2 entries, [v, p, Lc, E], on one stage
-        return {"layer_10": {"moe": {"router_bias": second}},
-                "layer_2": {"moe": {"router_bias": first}}}  # fmt: skip
-
-    first = np.array([[[[2.0, 0, 0, 0], [1.0, 1, 1, 1]]]], np.float32)  # layers 2 and 2 + 11
-    second = np.array([[[[3.0, 1, 0, 0], [0.0, 0, 0, 4]]]], np.float32)  # layers 10 and 21
-    _, loads, _, _ = expert_balance.take_loads(unit(first, second))
-    assert [x is first for x in loads] == [True, False]
-    layout = StageLayout.create(2, 1, 1)
-    spread = np.asarray(expert_balance.load_spread(loads, layout))
-    np.testing.assert_allclose(spread, [4.0, 3.0, 1.0, 4.0])  # model order: entry by entry
-    zeros = np.zeros_like(first)
-    moved = expert_balance.move_biases(unit(zeros, zeros), loads, 0.5)
-    np.testing.assert_allclose(
-        moved["layer_2"]["moe"]["router_bias"][0, 0, 0], [-0.5, 0.5, 0.5, 0.5]
-    )
-    np.testing.assert_allclose(
-        moved["layer_10"]["moe"]["router_bias"][0, 0, 1], [0.5, 0.5, 0.5, -0.5]
-    )
