@@ -441,7 +441,8 @@ def from_hf(tensors: Tensors, cfg: ModelConfig, moe: MoeConfig | None = None) ->
 
 
 def _layer_moe(moe: MoeConfig, i: int) -> MoeConfig:
-    """Layer i's MLP: `moe`'s experts, or the dense MLP where `moe.kinds` says."""
+    """Layer i's MLP: `moe`'s experts, or the dense MLP in the dense leading layers and where
+    `moe.unit` says."""
     dense, unit = moe.dense_layers, moe.unit
     return moe if i >= dense and unit[(i - dense) % len(unit)] else MoeConfig()
 

@@ -37,10 +37,10 @@ EXCHANGE_KEPT = "moe_exchange"
 conditionals (`residual_switch`): a policy that saves it keeps them for the backward instead
 of rerunning the exchange, and the cost report prices its branch by it."""
 UNIT_KEPT = "moe_unit_output"
-"""The checkpoint name of a `LayerGroup` MoE block's output where a later block of the group is
-MoE too: kept like `EXCHANGE_KEPT`, so the group's backward does not rerun this block's
-forward (its bound's all-reduce and exchange) to rebuild the next block's input, beside the
-later block's transposed exchange and in no order that data fixes."""
+"""The checkpoint name of a `LayerGroup` MoE block's output where it is not the group's last
+block: kept like `EXCHANGE_KEPT`, so the group's backward does not rerun this block's forward
+(its bound's all-reduce and exchange) to rebuild the next block's input, beside a later MoE
+block's transposed exchange and in no order that data fixes."""
 
 
 def _all_to_all_raw(x: jax.Array, axis: str) -> jax.Array:

@@ -209,8 +209,7 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
     experts = jax.tree.map(lambda _: False, dims) if plan.experts is None else plan.experts
-    specs = plan.zero.chunk_specs or jax.tree.map(lambda _: jax.sharding.PartitionSpec(), dims)
-    specs = gradients.drop_leading_specs(specs, 1)  # one layer's
+    specs = gradients.drop_leading_specs(plan.zero.chunk_specs, 1)  # one layer's
 
     def scatter(layer):
         def one(x, dim, expert, spec):

@@ -119,7 +119,6 @@ class Stage:
         self.params = slots.varying_everywhere(params, plan.replica_axes)
         zero = plan.zero
         if plan.gathering:
-            specs = zero.shared_specs or jax.tree.map(lambda _: P(), zero.shared_dims)
 
             def gather(a, dim, spec):
                 if dim < 0:
@@ -129,7 +128,7 @@ class Stage:
                 )
                 return gradients.on_blocks(gather, a, spec)
 
-            shared = jax.tree.map(gather, shared, zero.shared_dims, specs)
+            shared = jax.tree.map(gather, shared, zero.shared_dims, zero.shared_specs)
         self.shared = slots.varying_everywhere(shared, plan.manual)
         # [b, m, s]: microbatch mb is every m-th row from mb on, so with rows split over an
         # automatic axis (expert) each device holds its share of every microbatch and taking
@@ -183,7 +182,6 @@ class Stage:
         """ZeRO-3: every replica's piece of a chunk's split leaves, stacked [d, ...] (the
         layout the all-gather writes, so the buffer it fills needs no transposing copy)."""
         zero = self.plan.zero
-        specs = zero.chunk_specs or jax.tree.map(lambda _: P(), zero.chunk_dims)
         gather = functools.partial(jax.lax.all_gather, axis_name="data", axis=0)
         return jax.tree.map(
             lambda a, dim, spec: (
@@ -191,7 +189,7 @@ class Stage:
             ),
             chunk_shard,
             zero.chunk_dims,
-            specs,
+            zero.chunk_specs,
         )
 
     def assemble(self, pieces):

@@ -28,7 +28,8 @@ class Zero:
     chunk_dims: one chunk's leaves [Lc, ...], the dim split over `data` (-1 none)
     local_stage_dims: one device's stage leaves [v, Lc, ...]
     stage_dims / shared_dims / shared_axes: as `ZeroSharding`
-    chunk_specs / local_stage_specs / shared_specs: the leaves' own specs, as the dims
+    chunk_specs / local_stage_specs / shared_specs: the leaves' own specs, as the dims (P()
+        for each leaf where the caller gave none)
     """
 
     stage: int
@@ -183,12 +184,18 @@ def _whole_specs(expert_dims):
     return jax.tree.map(lambda e: _spec_with((None, "pipe"), -1, None, e), expert_dims)
 
 
+def _specs_or_none(specs, dims):
+    """The leaves' own specs, or P() for each (no automatic axis splits them)."""
+    return jax.tree.map(lambda _: P(), dims) if specs is None else specs
+
+
 def _zero(options: ExecutorOptions, expert_dims) -> tuple[Zero, tuple]:
     """The sharded optimizer's dims, and the gradients' specs (stage, shared)."""
     z = options.zero
     if not z.stage:
         return Zero(0, None, None, None, None, z.shared_axes), (_whole_specs(expert_dims), P())
     # stage leaves are [v, p, Lc, ...]; per device [v, Lc, ...]; one chunk [Lc, ...]
+    stage_specs = _specs_or_none(z.stage_specs, z.stage_dims)
     zero = Zero(
         stage=z.stage,
         chunk_dims=gradients.drop_leading_dims(z.stage_dims, 2),
@@ -196,9 +203,9 @@ def _zero(options: ExecutorOptions, expert_dims) -> tuple[Zero, tuple]:
         stage_dims=z.stage_dims,
         shared_dims=z.shared_dims,
         shared_axes=z.shared_axes,
-        chunk_specs=gradients.drop_leading_specs(z.stage_specs, 2),
-        local_stage_specs=gradients.drop_leading_specs(z.stage_specs, 1),
-        shared_specs=z.shared_specs,
+        chunk_specs=gradients.drop_leading_specs(stage_specs, 2),
+        local_stage_specs=gradients.drop_leading_specs(stage_specs, 1),
+        shared_specs=_specs_or_none(z.shared_specs, z.shared_dims),
     )
     experts = jax.tree.map(lambda _: -1, z.stage_dims) if expert_dims is None else expert_dims
     grad_specs = (
