@@ -15,7 +15,9 @@ import test_pipeline as tp
 
 import jaxmeg.config as C
 from jaxmeg.models import Block, split_backward
+from jaxmeg.models.gpt import REMAT_POLICY
 from jaxmeg.pipeline import analysis, schedules, timing
+from jaxmeg.pipeline.executor import residuals
 from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
 
 
@@ -200,6 +202,28 @@ def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
         assert grouped(input_backward, rest, x, taps, cot) == 6
         assert grouped(split_backward.weight_gradients, inputs, d_taps) == 3
         assert grouped(whole, params, x, cot) == 9
+
+
+def test_a_checkpointed_split_layer_keeps_no_zero_tap_and_no_matmul_input_twice():
+    """A selective layer's pullback keeps the checkpointed function's inputs, its zero taps
+    among them: I makes them again (`residuals.TAP`), so the forward stores none (before: a
+    QKV-output-sized ring of zeros per layer). The matmul inputs W reads stay in the slot their
+    forward wrote (`f_x_slot` to `w_x_slot`); I keeps only their output cotangents. Both hold
+    the gradients (the equivalence tests below with `selective`)."""
+    model = dataclasses.replace(tp.MODEL, remat="selective", vocab_size=512)
+    layer = Block(model)
+    x = jax.random.normal(jax.random.key(1), (2, model.seq_len, model.hidden))
+    params = nn.meta.unbox(layer.init(jax.random.key(0), x)["params"])
+    taps = split_backward.zero_taps(layer, params, x)
+    weights, rest = split_backward.split_weights(params, taps)
+    tapped = jax.checkpoint(split_backward.tapped(layer), policy=REMAT_POLICY["selective"])
+    fn = lambda w, r, x_, t: tapped(split_backward.merge_weights(w, r), x_, t)  # noqa: E731
+    _, split, stored, _ = residuals.forward_split(fn, weights, rest, x, taps)
+    tap_shapes = {leaf.shape for leaf in jax.tree.leaves(taps)}
+    assert sum(kind == residuals.TAP for kind, _ in split.sources) >= 1, split.sources
+    assert not any(leaf.shape in tap_shapes and not leaf.any() for leaf in stored)
+    table = build_tick_table(schedules.build("zb_h1", 4, 8, 1, "min_memory"))
+    assert (table.num_input_slots, table.num_w_slots, table.num_x_slots) == (4, 4, 4)
 
 
 # Loss and every gradient against one device (tests/test_pipeline.check_against_single_device,

@@ -93,9 +93,9 @@ def split_store_bytes_per_layer(shape: Shape, layout: Layout) -> float:
 
 
 def matmul_input_bytes_per_layer(shape: Shape, layout: Layout) -> float:
-    """The matmul inputs X a split backward's forward keeps for W until I moves them (with
-    stored residuals), 16-bit: s b (2 h + (h + f) / t), the first term / t with sequence
-    parallelism."""
+    """The matmul inputs X a split backward's forward keeps for W (with stored residuals, in
+    the ring slot the forward wrote, until W), 16-bit: s b (2 h + (h + f) / t), the first term
+    / t with sequence parallelism."""
     s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
     f = shape.mlp_ratio * h
     residual = h / t if layout.sequence_parallel else h

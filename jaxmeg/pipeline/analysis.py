@@ -96,8 +96,10 @@ class _Replay:
         self.inputs = [dict() for _ in range(p)]
         self.cots = [dict() for _ in range(p)]
         self.wstore = [dict() for _ in range(p)]
+        self.xs = [dict() for _ in range(p)]  # split backwards: matmul inputs, F to W
         self.ran = [[] for _ in range(p)]
         self.peak_in, self.peak_cot, self.peak_w = [0] * p, [0] * p, [0] * p
+        self.peak_x = [0] * p
 
     def neighbour(self, s: int, c: int, step: int) -> tuple[int, int]:
         sch = self.schedule
@@ -125,6 +127,9 @@ class _Replay:
                 self.deliver(self.inputs[s], s, slot, (c, mb), self.peak_in, where)
             else:
                 _replay_slot(self.inputs[s], slot, (c, mb), where)
+            if table.split:
+                x_slot = int(table.f_x_slot[t, s])
+                self.deliver(self.xs[s], s, x_slot, (c, mb), self.peak_x, where + " X")
             cot_slot = int(table.f_cot_slot[t, s])
             if u != self.last:
                 ns, nc = self.neighbour(s, c, 1)
@@ -161,6 +166,8 @@ class _Replay:
             if split:
                 w_slot = int(table.b_w_slot[t, s])
                 self.deliver(self.wstore[s], s, w_slot, (c, mb), self.peak_w, where + " W")
+            elif table.split:  # a whole B takes its matmul inputs with it
+                self._take_x(s, int(table.b_x_slot[t, s]), (c, mb), where)
             if u != 0:
                 ps, pc = self.neighbour(s, c, -1)
                 sends[s] = (ps, pc, mb)
@@ -174,9 +181,10 @@ class _Replay:
             if mb < 0:
                 continue
             self.ran[s].append(("W", mb, c))
-            slot = int(table.w_slot[t, s])
-            _replay_slot(self.wstore[s], slot, (c, mb), f"tick {t} stage {s} W{mb}.{c}")
+            slot, where = int(table.w_slot[t, s]), f"tick {t} stage {s} W{mb}.{c}"
+            _replay_slot(self.wstore[s], slot, (c, mb), where)
             del self.wstore[s][slot]
+            self._take_x(s, int(table.w_x_slot[t, s]), (c, mb), where)
         if table.ticks == TWO_SLOTS:
             return
         paired = table.paired
@@ -193,6 +201,10 @@ class _Replay:
                     f"pair them ({self.ran[s][-2:]})"
                 )
 
+    def _take_x(self, s: int, slot: int, item: tuple[int, int], where: str) -> None:
+        _replay_slot(self.xs[s], slot, item, where + " X")
+        del self.xs[s][slot]
+
     def finish(self) -> None:
         """Every stage ran its order and ended with empty rings that fit the table's slots."""
         table, sch = self.table, self.schedule
@@ -202,11 +214,14 @@ class _Replay:
                     f"stage {s} ran {self.ran[s][:6]}... which is not its order "
                     f"{sch.order(s)[:6]}..."
                 )
-            if self.inputs[s] or self.cots[s] or self.wstore[s]:
+            if self.inputs[s] or self.cots[s] or self.wstore[s] or self.xs[s]:
                 _fail(f"stage {s} ends with buffers still holding {self.inputs[s]} / "
-                      f"{self.cots[s]} / {self.wstore[s]}")  # fmt: skip
+                      f"{self.cots[s]} / {self.wstore[s]} / {self.xs[s]}")  # fmt: skip
         if max(self.peak_w) > table.num_w_slots:
             _fail(f"W needs {max(self.peak_w)} wstore slots, the table has {table.num_w_slots}")
+        if max(self.peak_x) > table.num_x_slots:
+            _fail(f"the matmul inputs need {max(self.peak_x)} slots, the table has "
+                  f"{table.num_x_slots}")  # fmt: skip
         if max(self.peak_in) > table.num_input_slots or max(self.peak_cot) > table.num_cot_slots:
             _fail(
                 f"buffers need {max(self.peak_in)}/{max(self.peak_cot)} slots, the table has "

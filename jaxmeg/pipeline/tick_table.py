@@ -29,9 +29,11 @@ the orders deadlock (nothing changes by waiting): ValueError.
 
 Split backwards (zero-bubble schedules: I and W instead of B) run in unit ticks: a stage runs
 at most one action per tick, F in the F slot, I in the B slot (it sends the input cotangent as
-B does, and keeps the matmul inputs and output cotangents for W in the `wstore` ring), W in a
-third slot that sends nothing. With F, I and W of one cost each, every tick lasts one action
-and a hop one tick in both directions, so the lockstep grid is the asynchronous schedule.
+B does, and keeps the output cotangents of the weight matmuls for W in the `wstore` ring), W in
+a third slot that sends nothing. The matmul inputs W reads stay in the ring slot (`x slots`)
+their forward wrote, from F until W: no backward copies them. With F, I and W of one cost each,
+every tick lasts one action and a hop one tick in both directions, so the lockstep grid is the
+asynchronous schedule.
 
 Paired ticks (DualPipeV, `Schedule.paired`): one action per stage and tick as above, but a
 forward that the order pairs with the backward after it runs in the same tick as that
@@ -54,10 +56,10 @@ import numpy as np
 from jaxmeg.pipeline.schedules import SPECS, Schedule, build, stage_and_chunk, virtual_stage
 
 FIELDS = (
-    "f_mb", "f_chunk", "f_slot",
+    "f_mb", "f_chunk", "f_slot", "f_x_slot",
     "f_cot_slot",
-    "b_mb", "b_chunk", "b_slot", "b_cot_slot", "b_split", "b_w_slot",
-    "w_mb", "w_chunk", "w_slot",
+    "b_mb", "b_chunk", "b_slot", "b_cot_slot", "b_split", "b_w_slot", "b_x_slot",
+    "w_mb", "w_chunk", "w_slot", "w_x_slot",
     "recv_act_slot", "recv_cot_slot",
     "recv_act_back_slot", "recv_cot_back_slot", "recv_act_local_slot", "recv_cot_local_slot",
 )  # fmt: skip
@@ -78,6 +80,9 @@ class TickTable:
         (freed after); b_cot_slot: the `cots` slot of its output cotangent (-1 when p v = 1).
     b_split: 1 where the B slot runs I (a split backward), which keeps what W needs in the
         `wstore` slot b_w_slot.
+    f_x_slot, b_x_slot, w_x_slot: in a table that splits backwards, the `matmul_inputs` slot
+        that F writes (the weight matmuls' inputs), that a whole B reads (freed after) and
+        that W reads (freed after); held from F to W, so I moves nothing.
     w_mb, w_chunk: the W in the W slot; w_slot: the `wstore` slot it reads (freed after).
     recv_act_slot: after the F slot's ppermute, the `inputs` slot the arriving activation goes to.
     recv_cot_slot: after the B slot's ppermute, the `cots` slot the arriving cotangent goes to.
@@ -85,7 +90,8 @@ class TickTable:
         direction (ZB-V's chunk 1: activations from stage s + 1, cotangents from s - 1);
         recv_act_local_slot, recv_cot_local_slot: what a stage hands itself (the V's turn on
         stage p - 1). -1 for every other placement.
-    num_input_slots (K), num_cot_slots (J), num_w_slots: ring sizes, max over stages.
+    num_input_slots (K), num_cot_slots (J), num_w_slots, num_x_slots: ring sizes, max over
+        stages.
     ticks: how a stage's actions share a tick: TWO_SLOTS (an F then a B; whole backwards),
         ONE_ACTION (one action; zero-bubble) or PAIRS (one action, or an F&B pair; DualPipeV)
     split: the schedule splits backwards (I and W): the forward keeps what W reads, there is
@@ -111,9 +117,13 @@ class TickTable:
     w_mb: np.ndarray
     w_chunk: np.ndarray
     w_slot: np.ndarray
+    f_x_slot: np.ndarray
+    b_x_slot: np.ndarray
+    w_x_slot: np.ndarray
     num_input_slots: int
     num_cot_slots: int
     num_w_slots: int = 0
+    num_x_slots: int = 0
     ticks: str = "two_slots"
     split: bool = False
     placement: str = "interleaved"
@@ -191,6 +201,7 @@ class _Packer:
         self.inputs = [_Slots() for _ in range(self.p)]
         self.cots = [_Slots() for _ in range(self.p)]
         self.wstore = [_Slots() for _ in range(self.p)]
+        self.xs = [_Slots() for _ in range(self.p)]  # the matmul inputs, F to W
         self.split = split_backward(schedule)
         self.ticks = PAIRS if schedule.paired else ONE_ACTION if self.split else TWO_SLOTS
         self.paired = [set(positions) for positions in schedule.paired] or [set()] * self.p
@@ -250,6 +261,8 @@ class _Packer:
             else:
                 continue
             row["f_mb"][s], row["f_chunk"][s], row["f_slot"][s] = mb, c, slot
+            if self.split:
+                row["f_x_slot"][s] = self.xs[s].put((c, mb))
             self.run("F", s, mb, c, t)
             if u != p * v - 1:
                 sent.append((s, *self.stage_and_chunk(u + 1), mb))
@@ -283,6 +296,8 @@ class _Packer:
             if self.orders[s][self.position[s]][0] == "I":
                 row["b_split"][s] = 1
                 row["b_w_slot"][s] = self.wstore[s].put((c, mb))
+            elif self.split:  # a whole B in a table that splits others: its W at once
+                row["b_x_slot"][s] = self.xs[s].pop((c, mb))
             self.run("B", s, mb, c, t)
             if u != 0:
                 sent.append((s, *self.stage_and_chunk(u - 1), mb))
@@ -301,6 +316,7 @@ class _Packer:
                 continue
             row["w_mb"][s], row["w_chunk"][s] = mb, c
             row["w_slot"][s] = self.wstore[s].pop((c, mb))
+            row["w_x_slot"][s] = self.xs[s].pop((c, mb))
             self.run("W", s, mb, c, t)
 
     def tick(self) -> None:
@@ -342,14 +358,13 @@ def _pack(schedule: Schedule) -> _Packer:
     return packer
 
 
-def _ring_sizes(packer: _Packer) -> tuple[int, int, int]:
-    return tuple(
-        max(b.peak for b in rings) for rings in (packer.inputs, packer.cots, packer.wstore)
-    )
+def _ring_sizes(packer: _Packer) -> tuple[int, int, int, int]:
+    rings = (packer.inputs, packer.cots, packer.wstore, packer.xs)
+    return tuple(max(b.peak for b in ring) for ring in rings)
 
 
-def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int, int]:
-    """(K, J, W) of the same schedule at m = 2p, where 1F1B-type rings reach their steady
+def _steady_state_ring_sizes(schedule: Schedule) -> tuple[int, int, int, int]:
+    """(K, J, W, X) of the same schedule at m = 2p, where 1F1B-type rings reach their steady
     state."""
     m = STEADY_STATE_MICROBATCHES_PER_STAGE * schedule.num_stages
     steady = build(schedule.name, schedule.num_stages, m, schedule.num_chunks, schedule.warmup)
@@ -377,9 +392,9 @@ def build_tick_table(schedule: Schedule) -> TickTable:
         and schedule.num_microbatches < steady_m
     ):
         sizes = tuple(map(max, sizes, _steady_state_ring_sizes(schedule)))
-    input_slots, cot_slots, w_slots = sizes
+    input_slots, cot_slots, w_slots, x_slots = sizes
     return TickTable(
         **arrays, num_input_slots=max(input_slots, 1), num_cot_slots=max(cot_slots, 1),
-        num_w_slots=w_slots, ticks=packer.ticks, split=packer.split,
+        num_w_slots=w_slots, num_x_slots=x_slots, ticks=packer.ticks, split=packer.split,
         placement=schedule.placement,
     )  # fmt: skip

@@ -10,7 +10,9 @@ microbatch's tokens and targets. A slot runs the body of its kind as a loop of 0
      full), accumulating its gradients in place; the first virtual stage also the embedding's;
      with p v = 1 chunk + head + loss under one `jax.vjp`, then the embedding: plain training.
   I  a split backward's input half: the input cotangent, the norm and bias gradients and what W
-     needs, kept in the `wstore` ring.  W  the weight gradients dW = X^T dY from `wstore`.
+     needs (the matmuls' output cotangents dY), kept in the `wstore` ring.  W  the weight
+     gradients dW = X^T dY, X from the ring slot its F wrote (`matmul_inputs`), dY from
+     `wstore`.
      In a table that also splits backwards (DualPipeV), a whole B is I with its W at once.
   F&B  one microbatch's F and another's whole B in one loop (`paired_slot`): B's operands are
      read before F writes the rings, so nothing orders B after F, and a GPU's scheduler can
@@ -117,8 +119,13 @@ def _keep(plan: Plan, at: At, r: Carry, stored) -> dict:
 
     if plan.table.split and plan.store:
         stored, inputs = stored
-        return {"stored": write(r.stored, stored),
-                "matmul_inputs": write(r.matmul_inputs, inputs)}  # fmt: skip
+        x_slot = jnp.maximum(at.row["f_x_slot"], 0)
+        return {
+            "stored": write(r.stored, stored),
+            "matmul_inputs": jax.tree.map(
+                lambda buf, leaf: rings.write(buf, x_slot, leaf), r.matmul_inputs, inputs
+            ),
+        }
     return {"stored": write(r.stored, stored)}
 
 
@@ -273,8 +280,9 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
     weights, rest = sf.split_weights(at.cp, taps)
     if plan.store:
         kept = [buf[at.slot] for buf in a.stored]
-        d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot)
-        inputs = jax.tree.map(lambda buf: buf[at.slot], a.matmul_inputs)
+        d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot, taps)
+        x_slot = jnp.maximum(at.row["b_x_slot"], 0)
+        inputs = jax.tree.map(lambda buf: buf[x_slot], a.matmul_inputs) if whole else None
     else:
         _, pullback, inputs = jax.vjp(
             lambda r_, x_, t_: st.tapped(at.real, recompute=True)(weights, r_, x_, t_),
@@ -282,12 +290,12 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
         )  # fmt: skip
         d_rest, d_x, d_taps = pullback(cot)
     written = {}
-    if not whole:
+    if not whole:  # what W reads besides the matmul inputs its F kept (`Carry.wstore`)
         w_slot = jnp.maximum(at.row["b_w_slot"], 0)
+        kept_for_w = {"dys": d_taps} if plan.store else {"inputs": inputs, "dys": d_taps}
         written["wstore"] = jax.tree.map(
-            lambda buf, leaf: rings.write(buf, w_slot, leaf),
-            a.wstore, {"inputs": inputs, "dys": d_taps},
-        )  # fmt: skip
+            lambda buf, leaf: rings.write(buf, w_slot, leaf), a.wstore, kept_for_w
+        )
     g_weights, g_rest = sf.split_weights(a.g_stage, taps)
     g_rest = gradients.accumulate_at(g_rest, at.index, d_rest)
     if whole:
@@ -383,7 +391,8 @@ def paired_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     f_at = At(st.slot_params(c, "f", f_chunk), st.real_layers(f_chunk),
               jnp.maximum(row["f_slot"], 0), None, row)  # fmt: skip
     b_slot, cot_slot = jnp.maximum(row["b_slot"], 0), jnp.maximum(row["b_cot_slot"], 0)
-    b_row = {**row, "b_cot_slot": jnp.zeros_like(row["b_cot_slot"])}
+    x_slot = jnp.maximum(row["b_x_slot"], 0)
+    b_row = {**row, **{k: jnp.zeros_like(row[k]) for k in ("b_cot_slot", "b_x_slot")}}
     b_at = At(st.slot_params(c, "b", b_chunk), st.real_layers(b_chunk), 0,
               st.chunk_at(b_chunk), b_row)  # fmt: skip
     forwards = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
@@ -392,7 +401,7 @@ def paired_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
 
     def one_slot(a):
         taken = {k: getattr(a, k) for k in B_READS if getattr(a, k) is not None}
-        slot_of = {"cots": cot_slot}
+        slot_of = {"cots": cot_slot, "matmul_inputs": x_slot}
         return {
             k: jax.tree.map(
                 lambda buf, k=k: jax.lax.dynamic_slice_in_dim(buf, slot_of.get(k, b_slot), 1),
@@ -430,14 +439,16 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     at = st.chunk_at(row["w_chunk"])
 
     def weights(a, reducing=False):
-        w_slot = jnp.maximum(row["w_slot"], 0)
+        w_slot, x_slot = jnp.maximum(row["w_slot"], 0), jnp.maximum(row["w_x_slot"], 0)
         kept = jax.tree.map(lambda buf: buf[w_slot], a.wstore)
+        if plan.store:  # X from the slot its forward wrote
+            kept["inputs"] = jax.tree.map(lambda buf: buf[x_slot], a.matmul_inputs)
         if reducing:
             layers = _weight_layers(sf, a.g_stage, at, kept)
             return a.replace(**_accumulate(plan, a, at, layers, last=True))
         return a.replace(g_stage=_add_weight_grads(sf, a.g_stage, at, kept))
 
-    state = c.only(("g_stage", "wstore", *_scattering(plan)))
+    state = c.only(("g_stage", "wstore", "matmul_inputs", *_scattering(plan)))
     if not plan.reduction.layers:
         return c.merge(slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope))
     last = row[W_CHUNK_REDUCING.scope] > 0

@@ -76,15 +76,17 @@ class Carry:
     loss: Any = None
     """The loss over the microbatches so far, fp32 []."""
     matmul_inputs: Any = None
-    """Split backwards with stored residuals: each weight matmul's input X per slot [K, ...],
-    from the forward until I moves it to `wstore`."""
+    """Split backwards with stored residuals: each weight matmul's input X per slot [X, ...]
+    (the tick table's `num_x_slots`), from the forward until its W (or whole B) reads it."""
     pending: Any = None
     """A chunk's gradients until its mean is written back [Lc or 1, ...] fp32
     (`reduction.AFTER`, `BESIDE_B`)."""
     stored: Any = None
     """The residuals the F slot keeps for the backward: a list of rings [K, ...]."""
     wstore: Any = None
-    """Split backwards: what I keeps for W, {"inputs": X, "dys": dY} per slot [W, ...]."""
+    """Split backwards: what I keeps for W per slot [W, ...], {"dys": dY} (the output
+    cotangents of the weight matmuls), with {"inputs": X} beside it when the backward
+    recomputes the chunk (`model.remat` full: no forward kept X)."""
     y: Any = None
     """x: the activation the F slot sends this tick."""
 
@@ -251,7 +253,7 @@ class Stage:
             self.kept = residuals.trace_split(
                 lambda cp, x_: plan.fns.chunk(cp, x_, real), plan.taken(self.whole_chunk), x
             )
-        if plan.table.split:  # what I keeps for W: the matmul inputs and their output cotangents
+        if plan.table.split:  # what W reads: the matmul inputs and their output cotangents
             taps = self.zero_taps(self.whole_chunk, x)
             inputs = jax.eval_shape(
                 lambda cp, x_, t: sf.chunk(cp, x_, real, t)[1], self.whole_chunk, x, taps
@@ -287,10 +289,11 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
         "y": st.zeros_x(),  # the activation the F slot sends
         "d_x": st.zeros_x(),  # the input cotangent the B slot sends
     }
-    if table.split:
+    if table.split and plan.store:  # X from the forward to W, dY from I to W
+        carry["matmul_inputs"] = _ring(table.num_x_slots, st.w_avals["inputs"])
+        carry["wstore"] = _ring(table.num_w_slots, {"dys": st.w_avals["dys"]})
+    elif table.split:  # I reruns the chunk, and keeps X with dY
         carry["wstore"] = _ring(table.num_w_slots, st.w_avals)
-        if plan.store:  # the matmul inputs from the forward until I moves them to `wstore`
-            carry["matmul_inputs"] = _ring(table.num_input_slots, st.w_avals["inputs"])
     for slot in plan.gathering_slots:  # each slot's chunk, and the one gathered for its next
         carry[f"{slot}_params"] = st.whole_chunk
         carry[f"{slot}_next"] = jax.tree.map(
