@@ -72,7 +72,7 @@ def fewest_layers(pipe: int, chunks: int, stage_layers=None) -> int:
 
 def config(
     data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=1, layers=None, model=None,
-    **parallel,
+    microbatch_size=1, **parallel,
 ):  # fmt: skip
     model = model or MODEL
     layers = layers or fewest_layers(pipe, chunks, parallel.get("stage_layers"))
@@ -81,7 +81,9 @@ def config(
         parallel=C.ParallelConfig(
             data=data, pipe=pipe, tensor=tensor, schedule=schedule, chunks=chunks, **parallel
         ),
-        train=C.TrainConfig(global_batch=data * microbatches, microbatch_size=1),
+        train=C.TrainConfig(
+            global_batch=data * microbatches * microbatch_size, microbatch_size=microbatch_size
+        ),
     )
 
 
@@ -135,17 +137,19 @@ def test_pipeline_matches_single_device_more_orders(mesh, schedule, chunks, fact
 
 def check_against_single_device(
     mesh, schedule, chunks, factor, warmup="min_bubble", layers=None, model=MODEL,
-    tol=TOL, **parallel,
+    tol=TOL, microbatch_size=1, **parallel,
 ):  # fmt: skip
     data, pipe, tensor = mesh
     layers = layers or fewest_layers(pipe, chunks, parallel.get("stage_layers"))
     microbatches = int(factor * pipe)
     cfg = config(
-        data, pipe, tensor, schedule, chunks, microbatches, layers, model,
+        data, pipe, tensor, schedule, chunks, microbatches, layers, model, microbatch_size,
         pipeline_warmup=warmup, **parallel,
     )  # fmt: skip
     trainable = trainable_for(cfg)
-    tokens, ref_params, ref_loss, ref_grads = reference(data * microbatches, layers, model)
+    tokens, ref_params, ref_loss, ref_grads = reference(
+        data * microbatches * microbatch_size, layers, model
+    )
     # The same initial params, in this run's stage layout and sharded for this mesh.
     params = jax.device_put(
         to_stage_layout(ref_params, trainable.layout), state_shardings(trainable)["params"]
@@ -188,8 +192,10 @@ MORE_CASES = {
     "llama-untied-selective-p2t2": (
         (1, 2, 2), "1f1b", 1, 2, dataclasses.replace(LLAMA, remat="selective"), TOL, {},
     ),
+    # microbatches of 4 rows: the residual stream split over tensor on its rows (one each)
     "gpt-sequence-parallel-p2t4-v2": (
-        (1, 2, 4), "interleaved_1f1b", 2, 1, MODEL, TOL, {"sequence_parallel": True},
+        (1, 2, 4), "interleaved_1f1b", 2, 1, MODEL, TOL,
+        {"sequence_parallel": True, "microbatch_size": 4},
     ),
     "uneven-1-3-p2": ((1, 2, 1), "1f1b", 1, 2, MODEL, TOL, {"stage_layers": (1, 3)}),
     "uneven-1-3-2-2-p4": ((1, 4, 1), "1f1b", 1, 1, MODEL, TOL, {"stage_layers": (1, 3, 2, 2)}),

@@ -122,9 +122,9 @@ def test_sequence_parallel_collectives_per_layer():
     found, _ = compiled_collectives(trainable)
     forward = layer_collectives(found, False)
     bodies = layer_bodies(trainable)
-    # Each column-parallel input is all-gathered along the sequence (the residual stream stays
-    # sequence-sharded); each row-parallel output is reduced and scattered back along the
-    # sequence. XLA:CPU emits that reduction as an all-reduce plus a local slice (its pipeline
+    # Each column-parallel input is all-gathered (the residual stream stays split over tensor,
+    # here on its rows: 4 per microbatch); each row-parallel output is reduced and scattered
+    # back. XLA:CPU emits that reduction as an all-reduce plus a local slice (its pipeline
     # has no reduce-scatter fusion), so either kind is counted.
     assert count(forward, "all-gather", {"tensor"}) == 2 * bodies
     reductions = count(forward, "all-reduce", {"tensor"}) + count(

@@ -25,10 +25,11 @@ def no_constraint(x: Array, logical_axes: tuple) -> Array:
     return x
 
 
-RESIDUAL_AXES = ("act_batch", "act_seq", "act_embed")
-"""Between the layer's parts: `act_seq` is split over `tensor` with sequence parallelism (and
-over `context` with context parallelism); inside attention and the MLP the sequence dim is
-`act_tokens`, whole but for context parallelism."""
+RESIDUAL_AXES = ("act_rows", "act_seq", "act_embed")
+"""Between the layer's parts: with sequence parallelism split over `tensor` on its rows
+(`act_rows`, the batch dim) where t divides them, else on `act_seq` (`rules.activation_rules`);
+over `context` on `act_seq` with context parallelism. Inside attention and the MLP the batch
+dim is `act_batch` and the sequence dim `act_tokens`, whole but for context parallelism."""
 
 
 def dtype_of(name: str) -> Any:
@@ -84,7 +85,7 @@ GATHERED_AXES = ("act_batch", "act_tokens", "act_embed")
 def _fp8_layouts(module: nn.Module, residual: str) -> fp8.Layouts:
     """A linear's FP8 operand layouts (`fp8.Layouts`): with sequence parallelism the input of a
     column-parallel linear (`residual` "input") and the output cotangent of a row-parallel one
-    ("output") are put into FP8 split on the sequence and gathered as FP8."""
+    ("output") are put into FP8 split over `tensor` (`RESIDUAL_AXES`) and gathered as FP8."""
     split = lambda t: module.constrain(t, RESIDUAL_AXES)  # noqa: E731
     whole = lambda t: module.constrain(t, GATHERED_AXES)  # noqa: E731
     if residual == "input":

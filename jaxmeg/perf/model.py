@@ -378,7 +378,7 @@ def pipe_message_seconds(
     if not (layout.pipe_scatter_gather or layout.sequence_parallel) or t == 1:
         return message / (gb_per_s * 1e9) + latency_us * 1e-6
     send = message / t / (gb_per_s * 1e9) + latency_us * 1e-6
-    if layout.sequence_parallel:  # the next stage wants the sequence-sharded piece as it is
+    if layout.sequence_parallel:  # the next stage wants the tensor-split piece as it is
         return send
     gb_per_s, latency_us = tensor_link(layout, hw)
     gather = (t - 1) / t * message / (gb_per_s * 1e9) + (t - 1) * latency_us * 1e-6

@@ -243,10 +243,22 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
     )
 
 
+def residual_rows(trainable: Trainable) -> int | None:
+    """A microbatch's rows on each (data, expert) rank, which sequence parallelism splits over
+    `tensor` where it can (`rules.activation_rules`); None with MoE layers, whose residual stream
+    stays split on the sequence: split on its rows, XLA partitioned a shared expert's GEMM with
+    a collective that nothing ordered against the exchange's (tests/test_moe_step.py,
+    e2p2t2-sequence_parallel-shared-gpt: a hazard of a hang)."""
+    cfg = trainable.cfg
+    if trainable.moe_cfg.experts:
+        return None
+    return cfg.train.microbatch_size // cfg.parallel.expert
+
+
 def stage_functions(trainable: Trainable) -> StageFunctions:
     cfg = trainable.cfg
     constrain = make_constrain(
-        activation_rules(cfg.parallel),
+        activation_rules(cfg.parallel, residual_rows(trainable)),
         manual_axes=frozenset(gradients.map_axes(trainable.mesh.shape, splits_experts(trainable))),
     )
     model = GPT(
