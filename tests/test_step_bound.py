@@ -133,3 +133,25 @@ ENTRY %main (a: f32[8,4], b: f32[1,4], i: s32[]) -> f32[8,4] {
     slot = 4 * 4
     assert cost.kernel_bytes == 3 * slot + 4  # old slot + new + the slot written, the index
     assert isinstance(cost, Cost) and cost.kernel_bytes_by_class["elementwise"] == cost.kernel_bytes
+
+
+def test_a_gpu_reduce_scatter_moves_its_result_times_the_group_less_one():
+    """A GPU `reduce-scatter-start` returns ((operand), result): each device sends (g - 1)
+    result-sized blocks. Counting the operand too made every reduce-scatter 3x its bytes at
+    2 ranks (sequence parallelism's, and a sharded optimizer's over `data`)."""
+    start = (
+        "((bf16[4,8]{1,0}), bf16[2,8]{1,0}) reduce-scatter-start(%a), channel_id=1, "
+        "replica_groups={{0,1}}, use_global_device_ids=true, dimensions={0}, to_apply=%sum"
+    )
+    hlo = f"""HloModule m
+ENTRY %main (a: bf16[4,8]) -> bf16[2,8] {{
+  %a = bf16[4,8]{{1,0}} parameter(0)
+  %rs = {start}
+  ROOT %d = bf16[2,8]{{1,0}} reduce-scatter-done(%rs)
+}}
+"""
+    import jax
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    cost = StepCost(hlo, mesh).cost("main", 0)
+    assert dict(cost.collective_bytes) == {("reduce-scatter", ("data",)): 2 * 8 * 2}

@@ -465,7 +465,9 @@ class StepCost:
         elif ins.op in ("collective-permute-start", "all-gather-start") and ins.shape[0] == "(":
             # a GPU start's result is (operand, result[, contexts]): the result is what moves
             nbytes = hlo_gpu.first_array_bytes(ins.shape.split(", ", 1)[1])
-        elif ins.op == "all-to-all-start":  # ((operands...), results...): the results move
+        elif ins.op in ("all-to-all-start", "reduce-scatter-start"):
+            # ((operands...), results...): the results move (a reduce-scatter's share per
+            # device is its result times group - 1; the operands counted too, 3x at 2 ranks)
             nbytes = _result_bytes(hlo_gpu.after_operand_tuple(ins.shape))
         if kind == "collective-permute":
             sources = {self._stage_of(a) for a, _ in groups}
