@@ -375,6 +375,20 @@ def test_every_pipe_send_overlaps_a_gemm_on_four_h100_interleaved():
     four_stages("interleaved_1f1b", chunks=2)
 
 
+def test_uneven_stages_run_cudnn_unrolled_and_skip_their_padding_on_two_h100():
+    """stage_layers (2, 1): a shorter stage's padding slot is a conditional in the unrolled
+    chunk (`pipeline_step.PADDING_SLOT`), so uneven stages keep cuDNN attention (before: XLA's
+    attention in a scan of conditionals, gpt_1.3b (2,2,2) [13, 11] 2.2x the roofline of the
+    even split); the report counts each stage's real layers only (cuDNN once per layer and
+    microbatch), and the stage with more layers is the busiest."""
+    cfg = gpu_config(pipe=2, layers=3, parallel={"stage_layers": (2, 1)})
+    trainable, report = report_for(cfg)
+    assert trainable.model_cfg.attention == "cudnn"
+    assert_cudnn_once_per_layer_and_microbatch(trainable, report)
+    assert not report["unweighted_conditionals"], report["unweighted_conditionals"]
+    assert report["roofline_stage"] == 0
+
+
 def test_zb_h1_beats_1f1b_on_the_schedule_bound_on_four_h100():
     """Zero-bubble pays: its W slots fill the bubble, and its step bound is below 1F1B's
     (1.059x before the matmul inputs stayed in their forward's slot and the zero taps were no

@@ -195,7 +195,7 @@ class StepCost:
     roofline: (peak FLOP/s, memory bytes/s[, FP8 peak FLOP/s]) of one device, for
         `Cost.roofline_seconds` (FP8 GEMMs at the third where given).
     chosen_branches: JAX name scope of a conditional (under any transformation: `jvp(name)`,
-        `transpose(jvp(name))`) -> the branch to count.
+        `transpose(jvp(name))`) -> the branch to count, or a tuple of one per pipeline stage.
     """
 
     def __init__(
@@ -441,6 +441,8 @@ class StepCost:
         scope = self._scope(ins)
         costs = [self.cost(b, stage, tick) for b in branches]
         chosen = self.chosen.get(re.sub(r"^(?:[\w\-]+\()*([^()]*)\)*$", r"\1", scope))
+        if isinstance(chosen, tuple):  # per stage
+            chosen = chosen[stage]
         if chosen is not None:
             total.add(costs[min(chosen, len(costs) - 1)])
             return

@@ -113,8 +113,9 @@ class StageLayout:
 
     @property
     def unrolled(self) -> bool:
-        """Whether a chunk runs its layers one after another (`UNROLLED_LAYERS`)."""
-        return not self.uneven and self.layers_per_chunk <= UNROLLED_LAYERS
+        """Whether a chunk runs its layers one after another (`UNROLLED_LAYERS`; a padding slot
+        of a shorter stage under a conditional that skips it)."""
+        return self.layers_per_chunk <= UNROLLED_LAYERS
 
     @property
     def reshaped(self) -> bool:

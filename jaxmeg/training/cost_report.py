@@ -44,7 +44,7 @@ from jaxmeg.perf.model import flops_per_iteration, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step
-from jaxmeg.training.pipeline_step import make_loss_and_grads
+from jaxmeg.training.pipeline_step import make_loss_and_grads, padding_branches
 from jaxmeg.training.state import Trainable
 
 AXES = ("pipe", "data", "tensor")
@@ -91,9 +91,11 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     # the dropless exchange's bound is the data's: counted at a balanced load's
     branch = exchange_branch(shape, layout)
     bounded = dataclasses.replace(layout, expert_exchange="bounded")
+    padding = padding_branches(trainable.layout)  # what each stage runs of its layer slots
     counter = StepCost(
         compiled.as_text(), trainable.mesh, loss_and_grads.program.branch_columns,
-        roofline=roofline, chosen_branches={} if branch is None else {EXCHANGE_KEPT: branch},
+        roofline=roofline,
+        chosen_branches=padding if branch is None else {**padding, EXCHANGE_KEPT: branch},
     )  # fmt: skip
     total, stages = counter.total(), counter.per_stage()
     mesh = trainable.mesh
@@ -178,7 +180,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
 
             def at_bound(j):
                 return StepCost(text, mesh, columns, roofline=roofline,
-                                chosen_branches={EXCHANGE_KEPT: j})  # fmt: skip
+                                chosen_branches={**padding, EXCHANGE_KEPT: j})  # fmt: skip
 
             report["exchange_bounds"] = exchange_bound_figures(
                 trainable, shape, layout, at_bound, hw, model_flops

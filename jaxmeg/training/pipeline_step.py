@@ -19,6 +19,7 @@ model under one `jax.vjp` with the policy applied per layer, as plain training d
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +89,7 @@ def unrolls_layers(trainable: Trainable) -> bool:
     (`jaxmeg.parallel.attention`) inside a scanned, checkpointed layer the shape of the whole
     mesh's stack, not the device's, and the step fails to lower there."""
     layout = trainable.layout
-    cudnn = trainable.model_cfg.attention == "cudnn"
-    return layout.unrolled or (cudnn and not layout.uneven)
+    return layout.unrolled or trainable.model_cfg.attention == "cudnn"
 
 
 def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
@@ -97,8 +97,10 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     [Lc, ...] | None): `layer(params_i, x, extra_i) -> (x, aux_i)` for each of the chunk's
     layers, one after another (`unrolls_layers`; layer_params may then also be a list of Lc
     per-layer trees, `StageFunctions.per_layer`) or as a scan over its layer slots; with
-    uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond` (aux zeros).
-    REMAT_POLICY[remat] around each layer."""
+    uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond` (aux zeros):
+    unrolled, only the slots some stage pads (from the shortest stage's count on), each under
+    the name scope `PADDING_SLOT`i, which the cost report weighs per stage. REMAT_POLICY[remat]
+    around each layer."""
 
     def stacked_layer(layer_params, x, extra, i):
         # the layer's slice is taken inside the checkpoint, so what the pullback keeps of the
@@ -119,6 +121,7 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
         stacked_layer, policy=policy, prevent_cse=False, static_argnums=(3,)
     )
     padded, unrolled = trainable.layout.uneven, unrolls_layers(trainable)
+    shortest = min(trainable.layout.stage_layers)  # the slots every stage runs
 
     def chunk(layer_params, x_BxSxD, real_layers, extra=None):
         def skip(params_i, x, extra_i):
@@ -147,13 +150,46 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
             # writes straight into its rings; a scan would first stack them in its outputs.
             auxes = []
             for i in range(count):
-                x_BxSxD, aux = stacked_layer(layer_params, x_BxSxD, extra, i)
+                if padded and i >= shortest:
+                    run = partial(_run_slot, stacked_layer, i)
+                    pad = partial(_pad_slot, skip, i)
+                    with jax.named_scope(f"{PADDING_SLOT}{i}"):
+                        x_BxSxD, aux = jax.lax.cond(
+                            i < real_layers, run, pad, layer_params, x_BxSxD, extra
+                        )
+                else:
+                    x_BxSxD, aux = stacked_layer(layer_params, x_BxSxD, extra, i)
                 auxes.append(aux)
             return x_BxSxD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
         slots = jnp.arange(count)
         return jax.lax.scan(body, x_BxSxD, (layer_params, extra, slots))
 
     return chunk
+
+
+PADDING_SLOT = "padding_slot_"
+"""The name scope of an unrolled chunk's layer slot that shorter stages pad (`_over_layers`),
+followed by the slot's index: its conditional runs the layer (branch 1) on the stages that hold
+more layers than the index, else passes x through (branch 0)."""
+
+
+def padding_branches(layout) -> dict[str, tuple[int, ...]]:
+    """Per padding slot's scope, the branch each stage runs (`StepCost`'s chosen branches)."""
+    counts = layout.stage_layers
+    return {
+        f"{PADDING_SLOT}{i}": tuple(int(i < n) for n in counts)
+        for i in range(min(counts), max(counts))
+    } if layout.uneven else {}  # fmt: skip
+
+
+def _run_slot(stacked_layer, i, layer_params, x, extra):
+    return stacked_layer(layer_params, x, extra, i)
+
+
+def _pad_slot(skip, i, layer_params, x, extra):
+    pick = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+    own = layer_params[i] if isinstance(layer_params, list) else pick(layer_params)
+    return skip(own, x, pick(extra))
 
 
 def model_order(trainable: Trainable) -> SequenceOrder | None:

@@ -77,12 +77,8 @@ class Trainable:
         """`cfg.model` with `attention: auto` settled for the mesh's devices, not the host's."""
         model = self.cfg.model
         impl = attention_implementation(model, self.platform)
-        if model.attention == "auto" and (
-            model.num_kv_heads % self.mesh.shape["tensor"] or self.layout.uneven
-        ):
-            # cuDNN runs per tensor rank on whole key/value heads, in unrolled chunks
-            # (`pipeline_step.unrolls_layers`), which uneven stages' padding cannot be
-            impl = "xla"
+        if model.attention == "auto" and model.num_kv_heads % self.mesh.shape["tensor"]:
+            impl = "xla"  # cuDNN runs per tensor rank on whole key/value heads
         return dataclasses.replace(model, attention=impl)
 
     @property
