@@ -95,7 +95,7 @@ def _run_slot(kinds: dict, plan: Plan, st: Stage, at: At, state: Carry, batch) -
 def _run_chunk(plan: Plan, st: Stage, at: At, x):
     """The chunk's forward, and what it keeps for the backward (nothing when it recomputes)."""
     if not plan.store:
-        return plan.fns.chunk(plan.taken(at.cp), x, at.real), []
+        return plan.fns.chunk(st.taken(at.cp), x, at.real), []
     if plan.table.split:
         taps = st.zero_taps(at.cp, x)
         y, traced, stored, inputs = residuals.forward_split(
@@ -104,7 +104,7 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
         st.kept.check(traced)
         return y, (stored, inputs)
     y, traced, stored = residuals.forward(
-        lambda p_, x_: plan.fns.chunk(p_, x_, at.real), plan.taken(at.cp), x
+        lambda p_, x_: plan.fns.chunk(p_, x_, at.real), st.taken(at.cp), x
     )
     st.kept.check(traced)
     return y, stored
@@ -188,7 +188,7 @@ def _chunk_backward(plan: Plan, st: Stage, at: At, a: Carry):
     """(d_params, d_x) of the chunk, from the kept residuals or by rerunning it."""
     x = a.inputs[at.slot]
     cot = a.cots[jnp.maximum(at.row["b_cot_slot"], 0)]
-    cp = plan.taken(at.cp)
+    cp = st.taken(at.cp)
     if plan.store:
         return residuals.backward(st.kept, cp, x, [buf[at.slot] for buf in a.stored], cot)
     _, pullback = jax.vjp(lambda p_, x_: plan.fns.chunk_recompute(p_, x_, at.real), cp, x)
@@ -258,7 +258,7 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     def chunk_head_loss(p_, sh, x_):
         return fns.head_loss(sh, fns.chunk(p_, x_, at.real), targets)
 
-    loss, pullback = jax.vjp(chunk_head_loss, plan.taken(at.cp), st.shared, a.inputs[at.slot])
+    loss, pullback = jax.vjp(chunk_head_loss, st.taken(at.cp), st.shared, a.inputs[at.slot])
     scale = gradients.loss_scale(plan.m)
     d_params, d_shared, d_x = pullback(jnp.ones_like(loss) * scale)
     d_shared = gradients.accumulate(d_shared, _embed_backward(plan, st, d_x, tokens))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients
-from jaxmeg.pipeline.executor import residuals, slots
+from jaxmeg.pipeline.executor import casts, residuals, slots
 from jaxmeg.pipeline.executor.columns import LATE_COLUMNS
 from jaxmeg.pipeline.executor.plan import Plan
 from jaxmeg.pipeline.executor.reduction import SCATTER
@@ -141,7 +141,21 @@ class Stage:
         self.targets = targets.reshape(-1, plan.m, targets.shape[-1])
         self.index = jax.lax.axis_index("pipe")
         self.x_abstract = jax.eval_shape(plan.fns.embed, self.shared, self.tokens[:, 0])
+        self.layers = None
+        if not plan.gathering:  # the weights the chunk reads in its compute dtype, cast once
+            self.params = casts.cast(self.params, self._read_as())
+            if plan.v == 1 and plan.fns.per_layer:  # and sliced per layer once
+                self.layers = plan.taken(self.chunk_shard(0))
         self._trace_residuals()
+
+    def _read_as(self):
+        """Per leaf of the stage's params, the dtype the chunk only reads it in, if narrower
+        (`casts.read_as`; ZeRO-3 gathers its chunks inside the loop, where they stay fp32)."""
+        plan, x = self.plan, _varying(self.zeros_x(), self.plan.manual)
+        chunk = jax.tree.map(lambda a: a[0], self.params)
+        real = self.real_layers(0)
+        dtypes = casts.read_as(lambda cp, x_: plan.fns.chunk(plan.taken(cp), x_, real), chunk, x)
+        return dtypes
 
     # -- reading the tables -------------------------------------------------------------------
 
@@ -174,6 +188,12 @@ class Stage:
         if self.plan.v == 1:  # a static index: no dynamic-slice copy of the weights per slot
             return jax.tree.map(lambda a: a[0], self.params)
         return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0)], self.params)
+
+    def taken(self, cp):
+        """`Plan.taken` of a slot's chunk `cp`: with one chunk of the stage's own weights, the
+        per-layer slices made once per step, before the tick loop (in the slot, XLA sliced the
+        stacked weights again in every microbatch's forward and backward)."""
+        return self.plan.taken(cp) if self.layers is None else self.layers
 
     def slot_params(self, c, slot: str, chunk):
         """The weights the F ("f") or B ("b") slot runs `chunk` with: gathered ahead under
@@ -251,7 +271,7 @@ class Stage:
             )[1]
         elif plan.store:
             self.kept = residuals.trace_split(
-                lambda cp, x_: plan.fns.chunk(cp, x_, real), plan.taken(self.whole_chunk), x
+                lambda cp, x_: plan.fns.chunk(cp, x_, real), self.taken(self.whole_chunk), x
             )
         if plan.table.split:  # what W reads: the matmul inputs and their output cotangents
             taps = self.zero_taps(self.whole_chunk, x)
