@@ -99,7 +99,7 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
     if plan.table.split:
         taps = st.zero_taps(at.cp, x)
         y, traced, stored, inputs = residuals.forward_split(
-            st.tapped(at.real), *plan.split.split_weights(at.cp, taps), x, taps
+            st.tapped(at.real), *st.split_weights(at.cp, taps), x, taps
         )
         st.kept.check(traced)
         return y, (stored, inputs)
@@ -277,7 +277,7 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
     x = a.inputs[at.slot]
     cot = a.cots[jnp.maximum(at.row["b_cot_slot"], 0)]
     taps = st.zero_taps(at.cp, x)
-    weights, rest = sf.split_weights(at.cp, taps)
+    weights, rest = st.split_weights(at.cp, taps)
     if plan.store:
         kept = [buf[at.slot] for buf in a.stored]
         d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot, taps)

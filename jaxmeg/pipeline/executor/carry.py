@@ -141,11 +141,17 @@ class Stage:
         self.targets = targets.reshape(-1, plan.m, targets.shape[-1])
         self.index = jax.lax.axis_index("pipe")
         self.x_abstract = jax.eval_shape(plan.fns.embed, self.shared, self.tokens[:, 0])
-        self.layers = None
+        self.layers = self.split_layers = None
         if not plan.gathering:  # the weights the chunk reads in its compute dtype, cast once
             self.params = casts.cast(self.params, self._read_as())
             if plan.v == 1 and plan.fns.per_layer:  # and sliced per layer once
                 self.layers = plan.taken(self.chunk_shard(0))
+                if plan.table.split:  # a split backward's matmul weights likewise
+                    chunk = self.chunk_shard(0)
+                    weights, _ = plan.split.split_weights(
+                        chunk, self.zero_taps(chunk, self.zeros_x())
+                    )
+                    self.split_layers = plan.taken(weights)
         self._trace_residuals()
 
     def _read_as(self):
@@ -236,10 +242,25 @@ class Stage:
         return slots.varying_everywhere(self.plan.split.taps(cp, x), self.plan.manual)
 
     def tapped(self, real, recompute=False):
-        """fn(weights, rest, x, taps) -> (y, matmul inputs): the split chunk."""
+        """fn(weights, rest, x, taps) -> (y, matmul inputs): the split chunk; `weights` stacked
+        or, as `split_weights` gives them with one chunk, a list of per-layer trees."""
         sf = self.plan.split
         chunk = sf.chunk_recompute if recompute else sf.chunk
-        return lambda w, r, x, t: chunk(sf.merge_weights(w, r), x, real, t)
+
+        def merged(w, r):
+            if not isinstance(w, list):
+                return sf.merge_weights(w, r)
+            return [sf.merge_weights(w_i, jax.tree.map(lambda a, i=i: a[i], r))
+                    for i, w_i in enumerate(w)]  # fmt: skip
+
+        return lambda w, r, x, t: chunk(merged(w, r), x, real, t)
+
+    def split_weights(self, cp, taps):
+        """(the chunk's matmul weights, the rest) for the split chunk (`tapped`): with one
+        chunk of the stage's own weights, the weights as per-layer slices made once per step,
+        before the tick loop (as `taken`)."""
+        weights, rest = self.plan.split.split_weights(cp, taps)
+        return (weights if self.split_layers is None else self.split_layers), rest
 
     def _trace_residuals(self):
         """Sets `whole_chunk` (a slot's chunk weights, whole) and `g_like` (the gradient
@@ -267,7 +288,7 @@ class Stage:
         if plan.store and plan.table.split:
             taps = self.zero_taps(self.whole_chunk, x)
             self.kept = residuals.forward_split(
-                self.tapped(real), *sf.split_weights(self.whole_chunk, taps), x, taps
+                self.tapped(real), *self.split_weights(self.whole_chunk, taps), x, taps
             )[1]
         elif plan.store:
             self.kept = residuals.trace_split(
