@@ -37,7 +37,7 @@ def read_as(fn: Callable, params, *args):
     found = []
     for leaf, var in zip(leaves, invars, strict=True):
         dtype = _only_cast(closed.jaxpr, var) if _floating(leaf) else None
-        dtype = None if dtype == UNUSED else dtype
+        dtype = None if dtype is UNUSED else dtype
         narrower = dtype is not None and np.dtype(dtype).itemsize < np.dtype(leaf.dtype).itemsize
         found.append(dtype if narrower else None)
     return jax.tree.unflatten(treedef, found)
@@ -48,7 +48,7 @@ def cast(params, dtypes):
     return jax.tree.map(lambda a, d: a if d is None else a.astype(d), params, dtypes)
 
 
-UNUSED = "unused"
+UNUSED = object()
 """What `_only_cast` finds for a variable nothing reads (a call's operand its body drops)."""
 
 
