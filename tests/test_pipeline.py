@@ -197,7 +197,8 @@ MORE_CASES = {
         (1, 2, 4), "interleaved_1f1b", 2, 1, MODEL, TOL,
         {"sequence_parallel": True, "microbatch_size": 4},
     ),
-    "uneven-1-3-p2": ((1, 2, 1), "1f1b", 1, 2, MODEL, TOL, {"stage_layers": (1, 3)}),
+    # five layer slots: a scan whose padding slots a conditional skips (four or fewer unroll)
+    "uneven-5-1-p2": ((1, 2, 1), "1f1b", 1, 2, MODEL, TOL, {"stage_layers": (5, 1)}),
     "uneven-1-3-2-2-p4": ((1, 4, 1), "1f1b", 1, 1, MODEL, TOL, {"stage_layers": (1, 3, 2, 2)}),
     "uneven-zero1-d2p2t2": (
         (2, 2, 2), "1f1b", 1, 1, MODEL, TOL, {"stage_layers": (3, 1), "zero_stage": 1},

@@ -38,9 +38,9 @@ def _as_int(field: str, value: Any) -> int:
 
 UNROLLED_LAYERS = 4
 """A chunk of up to this many layer slots runs its layers one after another rather than in a
-scan (even stages only): each layer's residuals are then arrays of their own, written straight
-into the pipeline's rings, where a scan first stacks them in its outputs; its first layer's input
-is the stage input itself."""
+scan (an uneven stage's padding slots each under a conditional): each layer's residuals are
+then arrays of their own, written straight into the pipeline's rings, where a scan first stacks
+them in its outputs; its first layer's input is the stage input itself."""
 
 
 @dataclasses.dataclass(frozen=True)

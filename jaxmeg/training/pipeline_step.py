@@ -99,8 +99,11 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     per-layer trees, `StageFunctions.per_layer`) or as a scan over its layer slots; with
     uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond` (aux zeros):
     unrolled, only the slots some stage pads (from the shortest stage's count on), each under
-    the name scope `PADDING_SLOT`i, which the cost report weighs per stage. REMAT_POLICY[remat]
-    around each layer."""
+    the name scope `PADDING_SLOT`i, which the cost report weighs per stage. (Known cost: the
+    pullback keeps what such a conditional takes in as new residuals, the slot's weights and
+    a split backward's taps among them, so they are stored per microbatch, as the scan stored
+    its whole weight stack; `residuals` recognises parameters and taps only as the tracers
+    passed in.) REMAT_POLICY[remat] around each layer."""
 
     def stacked_layer(layer_params, x, extra, i):
         # the layer's slice is taken inside the checkpoint, so what the pullback keeps of the

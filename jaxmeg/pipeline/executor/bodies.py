@@ -431,10 +431,12 @@ def paired_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
 
 
 def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
-    """The W slot: the weight gradients of a split backward, dW = X^T dY from what its I kept
-    in `wstore`; it sends nothing. A chunk's last W (`Reduction.layers`) computes them layer
-    by layer, last first, and starts each layer's mean but the first's beside the next one's
-    dW (the norms' and biases' gradients are final since the chunk's last I)."""
+    """The W slot: the weight gradients of a split backward, dW = X^T dY, dY from what its I
+    kept in `wstore` and X from the `matmul_inputs` slot its F wrote (`w_x_slot`; with `full`
+    recompute from `wstore` too); it sends nothing. A chunk's last W (`Reduction.layers`)
+    computes them layer by layer, last first, and starts each layer's mean but the first's
+    beside the next one's dW (the norms' and biases' gradients are final since the chunk's
+    last I)."""
     sf = plan.split
     at = st.chunk_at(row["w_chunk"])
 

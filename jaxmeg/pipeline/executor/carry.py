@@ -40,10 +40,11 @@ def _whole(shape: tuple, dim: int, parts: int) -> tuple:
 class Carry:
     """The tick loop's state on one device, all varying over the map's manual axes (so the
     slots' loops keep one type). A field the build does not use is None (no buffer). Per device:
-    x = one microbatch's activation [b, s, h] (s / t with sequence parallelism), K, J, W the
-    tick table's `num_input_slots`, `num_cot_slots`, `num_w_slots`, v chunks of Lc layers, a
-    chunk's leaves [Lc, ...]. A slot's loop passes the fields it declares (`only`), and its
-    result goes back in by name (`merge`): a misspelt field is an error, not dropped state.
+    x = one microbatch's activation [b, s, h] (split over tensor with sequence parallelism),
+    K, J, W, N the tick table's `num_input_slots`, `num_cot_slots`, `num_w_slots`,
+    `num_x_slots`, v chunks of Lc layers, a chunk's leaves [Lc, ...]. A slot's loop passes the
+    fields it declares (`only`), and its result goes back in by name (`merge`): a misspelt
+    field is an error, not dropped state.
 
     The fields are in name order: that of the dict the carry was, whose flatten order the
     compiled loop's tuple follows.
@@ -76,8 +77,8 @@ class Carry:
     loss: Any = None
     """The loss over the microbatches so far, fp32 []."""
     matmul_inputs: Any = None
-    """Split backwards with stored residuals: each weight matmul's input X per slot [X, ...]
-    (the tick table's `num_x_slots`), from the forward until its W (or whole B) reads it."""
+    """Split backwards with stored residuals: each weight matmul's input X per slot [N, ...],
+    from the forward until its W (or whole B) reads it."""
     pending: Any = None
     """A chunk's gradients until its mean is written back [Lc or 1, ...] fp32
     (`reduction.AFTER`, `BESIDE_B`)."""
