@@ -108,9 +108,8 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     def stacked_layer(layer_params, x, extra, i):
         # the layer's slice is taken inside the checkpoint, so what the pullback keeps of the
         # weights is the stacked params themselves, not a per-microbatch copy of a slice
-        pick = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
-        own = layer_params[i] if isinstance(layer_params, list) else pick(layer_params)
-        return layer(own, x, pick(extra))
+        own, extra_i = _slot(layer_params, extra, i)
+        return layer(own, x, extra_i)
 
     policy = REMAT_POLICY[remat]
     if remat != "full":
@@ -190,9 +189,15 @@ def _run_slot(stacked_layer, i, layer_params, x, extra):
 
 
 def _pad_slot(skip, i, layer_params, x, extra):
+    own, extra_i = _slot(layer_params, extra, i)
+    return skip(own, x, extra_i)
+
+
+def _slot(layer_params, extra, i):
+    """Layer slot i's params (of a stacked tree or a list of per-layer trees) and extra."""
     pick = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
     own = layer_params[i] if isinstance(layer_params, list) else pick(layer_params)
-    return skip(own, x, pick(extra))
+    return own, pick(extra)
 
 
 def model_order(trainable: Trainable) -> SequenceOrder | None:

@@ -146,13 +146,11 @@ class Stage:
         if not plan.gathering:  # the weights the chunk reads in its compute dtype, cast once
             self.params = casts.cast(self.params, self._read_as())
             if plan.v == 1 and plan.fns.per_layer:  # and sliced per layer once
-                self.layers = plan.taken(self.chunk_shard(0))
+                chunk = self.chunk_shard(0)
+                self.layers = plan.taken(chunk)
                 if plan.table.split:  # a split backward's matmul weights likewise
-                    chunk = self.chunk_shard(0)
-                    weights, _ = plan.split.split_weights(
-                        chunk, self.zero_taps(chunk, self.zeros_x())
-                    )
-                    self.split_layers = plan.taken(weights)
+                    taps = self.zero_taps(chunk, self.zeros_x())
+                    self.split_layers = plan.taken(plan.split.split_weights(chunk, taps)[0])
         self._trace_residuals()
 
     def _read_as(self):
@@ -161,8 +159,7 @@ class Stage:
         plan, x = self.plan, _varying(self.zeros_x(), self.plan.manual)
         chunk = jax.tree.map(lambda a: a[0], self.params)
         real = self.real_layers(0)
-        dtypes = casts.read_as(lambda cp, x_: plan.fns.chunk(plan.taken(cp), x_, real), chunk, x)
-        return dtypes
+        return casts.read_as(lambda cp, x_: plan.fns.chunk(plan.taken(cp), x_, real), chunk, x)
 
     # -- reading the tables -------------------------------------------------------------------
 
