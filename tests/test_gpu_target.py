@@ -384,3 +384,31 @@ def test_an_option_this_xla_lacks_is_dropped_and_said(capsys):
     assert gpu_target._known_on_gpu("xla_gpu_enable_latency_hiding_scheduler", True)
     assert not gpu_target._known_on_gpu("xla_gpu_enable_no_such_thing", True)
     assert "has no option xla_gpu_enable_no_such_thing" in capsys.readouterr().err
+
+
+def test_q_k_v_come_out_of_their_own_gemms_with_the_bias_on_one_h100():
+    """A GPT layer's q, k and v are three cuBLAS GEMMs with the bias in their epilogue, kept
+    after it for the backward (`parts.stacked_matmul`): no [B, S, 3, N, H] array is made, so no
+    kernel slices q, k, v out of a joined output or joins their cotangents."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmeg.models.gpt import REMAT_POLICY, Attention
+
+    model = C.ModelConfig(compute_dtype="bfloat16", attention="cudnn", **MODEL)
+    attn = Attention(model)
+    b, s, d = 4, model.seq_len, model.hidden
+    x = jax.ShapeDtypeStruct((b, s, d), jnp.bfloat16)
+    made = jax.eval_shape(lambda: attn.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype)))
+    params = {"params": made["params"]}  # no split backward's taps
+
+    def loss(p, x_):
+        return attn.apply(p, x_).astype(jnp.float32).sum()
+
+    step = jax.grad(jax.checkpoint(loss, policy=REMAT_POLICY["selective"]), argnums=(0, 1))
+    device = jax.sharding.SingleDeviceSharding(gpu_target.load_target("h100", 1).devices[0])
+    options = gpu_target.compiler_options("gpu")
+    hlo = jax.jit(step, in_shardings=device).lower(params, x).compile(options).as_text()
+    assert hlo.count('"epilogue":"BIAS"') == 3, hlo.count('"epilogue":"BIAS"')
+    n, h = model.heads, model.head_dim
+    assert f"[{b},{s},3,{n},{h}]" not in hlo and f"[{b * s},{3 * n * h}]" not in hlo

@@ -43,10 +43,12 @@ from jaxmeg.models.parts import (  # noqa: F401 (MATMUL_INPUTS, TAPS, RESIDUAL_A
     Constrain,
     Mlp,
     dtype_of,
+    keeping_stacked_parts,
     lookup,
     no_constraint,
     normal,
     param,
+    stacked_matmul,
     weight_matmul,
 )
 
@@ -116,16 +118,16 @@ def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, 
     cfg = module.cfg
     n, h = cfg.heads, cfg.head_dim
     compute = dtype_of(cfg.compute_dtype)
-    qkv_BxSx3xNxH = weight_matmul(
-        module, "w_qkv", "bsd,dtnh->bstnh", x_BxSxD, w_qkv.astype(compute), "input"
-    )
+    b_qkv = None
     if cfg.block == "gpt" or cfg.qkv_bias:
         b_qkv = param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
-        qkv_BxSx3xNxH = qkv_BxSx3xNxH + b_qkv.astype(compute)
-    qkv_BxSx3xNxH = module.constrain(
-        qkv_BxSx3xNxH, ("act_batch", "act_tokens", None, "act_heads", None)
+        b_qkv = b_qkv.astype(compute)
+    per_part = attention_implementation(cfg) == "cudnn"  # it reads q, k, v as three arrays
+    parts = stacked_matmul(
+        module, "w_qkv", x_BxSxD, w_qkv.astype(compute), b_qkv, "input", per_part
     )
-    return qkv_BxSx3xNxH[:, :, 0], qkv_BxSx3xNxH[:, :, 1], qkv_BxSx3xNxH[:, :, 2]
+    q, k, v = (module.constrain(p, ("act_batch", "act_tokens", "act_heads", None)) for p in parts)
+    return q, k, v
 
 
 def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array]:
@@ -139,17 +141,18 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
     w_q = param(module, "w_q", (d, n, h), q_axes, normal(cfg.init_std)).astype(compute)
     w_kv = param(module, "w_kv", (d, 2, kv, h), kv_axes, normal(cfg.init_std)).astype(compute)
     q_BxSxNxH = weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q, "input")
-    kv_BxSx2xKxH = weight_matmul(module, "w_kv", "bsd,dtkh->bstkh", x_BxSxD, w_kv, "input")
+    b_kv = None
     if cfg.block == "gpt" or cfg.qkv_bias:
         b_q = param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
         b_kv = param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
         q_BxSxNxH = q_BxSxNxH + b_q.astype(compute)
-        kv_BxSx2xKxH = kv_BxSx2xKxH + b_kv.astype(compute)
+        b_kv = b_kv.astype(compute)
+    per_part = attention_implementation(cfg) == "cudnn"
+    kv_parts = stacked_matmul(module, "w_kv", x_BxSxD, w_kv, b_kv, "input", per_part)
     q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
-    kv_BxSx2xKxH = module.constrain(
-        kv_BxSx2xKxH, ("act_batch", "act_tokens", None, "act_kv_heads", None)
-    )
-    return q_BxSxNxH, kv_BxSx2xKxH[:, :, 0], kv_BxSx2xKxH[:, :, 1]
+    kv_axes_act = ("act_batch", "act_tokens", "act_kv_heads", None)
+    k, v = (module.constrain(p, kv_axes_act) for p in kv_parts)
+    return q_BxSxNxH, k, v
 
 
 class Attention(nn.Module):
@@ -260,11 +263,13 @@ REMAT_POLICY = {
     # the residual adds. A GPT layer keeps s b h (2 + 8 / t) + a s^2 b / t elements, instead of
     # every intermediate (45 s b h on gpt_tiny), and its backward's matmuls are exactly the
     # forward's input and weight gradients.
-    "none": save_matmul_outputs,
+    "none": keeping_stacked_parts(save_matmul_outputs),
     # Keep matmuls against weights, recompute attention scores/softmax (Megatron's selective);
     # cuDNN's attention keeps its output and statistics (it has no scores to recompute).
-    "selective": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_flash_attention
+    "selective": keeping_stacked_parts(
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save_flash_attention
+        )
     ),
     # Keep nothing inside the layer but its input.
     "full": jax.checkpoint_policies.nothing_saveable,

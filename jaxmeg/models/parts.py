@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmeg import ordering
 from jaxmeg.config import ModelConfig
@@ -75,6 +76,59 @@ def weight_matmul(
     if residual == "output" and module.has_variable(TAPS, name):
         y = module.constrain(y, RESIDUAL_AXES)
     return module.perturb(name, y, collection=TAPS)
+
+
+STACKED_PARTS = "stacked_matmul_parts"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of `stacked_matmul`'s outputs, which the
+checkpoint policies that keep matmul outputs keep after the bias, not the GEMM's own output."""
+
+
+def keeping_stacked_parts(policy: Callable) -> Callable:
+    """Checkpoint `policy`, and q, k, v kept after their biases (`STACKED_PARTS`): their GEMMs'
+    outputs are then read by nothing in the backward."""
+    names = jax.checkpoint_policies.save_only_these_names(STACKED_PARTS)
+    return jax.checkpoint_policies.save_from_both_policies(policy, names)
+
+
+def splits_backward(module: nn.Module, name: str) -> bool:
+    """Whether the weight `name`'s matmul runs for a split backward (its tap asked for or being
+    made, `jaxmeg.models.split_backward`)."""
+    return module.is_mutable_collection(TAPS) or module.has_variable(TAPS, name)
+
+
+def stacked_matmul(
+    module: nn.Module,
+    name: str,
+    x_BxSxD: Array,
+    w: Array,
+    bias: Array | None = None,
+    residual: str = "",
+    per_part: bool = True,
+) -> list[Array]:
+    """x [B, S, D] times each part of `w` [D, T, *out] (the fused q/k/v of `w_qkv`, or k/v of
+    `w_kv`), plus its part of `bias` [T, *out]: T arrays [B, S, *out], each its own GEMM with
+    its bias in the GEMM's epilogue (cuBLASLt adds a vector bias to a 2-D output), so each comes
+    out contiguous and its cotangent goes straight into its own GEMM. One GEMM whose output is
+    sliced copies every part out of it and its backward copies the parts' cotangents back into
+    one (on an H100, 1.5% of a gpt_1.3b step). A split backward and FP8 keep the one tapped
+    GEMM (`weight_matmul`), and so does `per_part` False: XLA:CPU reduces each part's input
+    gradient over `tensor` by itself (three all-reduces where one did), and its attention
+    einsums read the slices in place."""
+    out = "nhijk"[: w.ndim - 2]
+    if not per_part or module.cfg.fp8 != "none" or splits_backward(module, name):
+        y = weight_matmul(module, name, f"bsd,dt{out}->bst{out}", x_BxSxD, w, residual)
+        if bias is not None:
+            y = y + bias
+        return [jax.lax.index_in_dim(y, i, 2, keepdims=False) for i in range(w.shape[1])]
+    parts = []
+    for i in range(w.shape[1]):
+        w_i = jax.lax.index_in_dim(w, i, 1, keepdims=False)
+        y = jnp.einsum("bsd,df->bsf", x_BxSxD, w_i.reshape(w.shape[0], -1))
+        if bias is not None:
+            y = y + bias[i].reshape(-1)
+        # kept for the backward after its bias (the GEMM's only reader is then its epilogue)
+        parts.append(checkpoint_name(y.reshape(*y.shape[:2], *w.shape[2:]), STACKED_PARTS))
+    return parts
 
 
 GATHERED_AXES = ("act_batch", "act_tokens", "act_embed")

@@ -42,9 +42,15 @@ GPU_COMPILER_OPTIONS = {
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_dot_merger_threshold_mb": 0,
 }
 """XLA options of every GPU compile of the train step, on a GPU or for a target: overlap
-collectives with compute (the latency-hiding scheduler), combine small reductions."""
+collectives with compute (the latency-hiding scheduler), combine small reductions. No dot
+merger: it joins GEMMs that share an operand and whose other operands are small (under 32 MB)
+by concatenating those operands and slicing the joined output, which undoes the model's one
+GEMM per part of q, k, v (`parts.stacked_matmul`), and with `model.fp8` puts a concatenate
+between the FP8 values and the GEMM, so the merged GEMM ran 16-bit (an expert-4 Llama MoE stack
+on the H100 target: 320 of 432 GEMMs FP8; 432 without merging)."""
 
 POINT_TO_POINT_OPTIONS = {
     "xla_gpu_collective_permute_decomposer_threshold": 0,
@@ -58,13 +64,6 @@ overlapped a GEMM; as send/recv every one does. Not where the slots hold no coll
 collective-permute overlaps there already, and a send costs copies), nor for cyclic pairs (the
 interleaved placement's wrap-around, a context ring): XLA 0.10.2 aborts in its p2p scheduling
 there."""
-
-FP8_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
-"""With `model.fp8`: XLA's dot merger joins two GEMMs that share an operand and whose other
-operands are small (under 32 MB), such as the SwiGLU gate's and input's grouped GEMMs of a
-device's experts, by concatenating those operands, which puts a concatenate between the FP8
-values and the GEMM: the merged GEMM ran 16-bit (an expert-4 Llama MoE stack on the H100
-target: 320 of 432 GEMMs FP8; 432 without merging)."""
 
 TARGET_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cub_radix_sort": False}
 """Without a GPU nothing is autotuned: GEMMs as cuBLAS calls, not Triton fusions with a
@@ -194,10 +193,10 @@ def _has_spec(name: str) -> bool:
     return bool(load_hardware(name).xla_target)
 
 
-def compiler_options(platform: str, point_to_point: bool = False, fp8: bool = False) -> dict:
+def compiler_options(platform: str, point_to_point: bool = False) -> dict:
     """XLA options for compiling the step for devices of `platform`: a GPU's (with
-    `point_to_point` the pipe sends as send/recv, with `fp8` no dot merger), and for GPUs this
-    machine does not have (jax's backend is not `gpu`) also the target-only ones."""
+    `point_to_point` the pipe sends as send/recv), and for GPUs this machine does not have
+    (jax's backend is not `gpu`) also the target-only ones."""
     if platform != "gpu":
         return {}
     import jax
@@ -206,7 +205,6 @@ def compiler_options(platform: str, point_to_point: bool = False, fp8: bool = Fa
     options = {
         **GPU_COMPILER_OPTIONS,
         **(POINT_TO_POINT_OPTIONS if point_to_point else {}),
-        **(FP8_OPTIONS if fp8 else {}),
         **(TARGET_ONLY_OPTIONS if target else {}),
     }
     if target:  # the target compiler is the pinned plugin's, which knows every option above

@@ -89,8 +89,5 @@ def make_train_step(trainable: Trainable, loss_and_grads: Callable | None = None
         in_shardings=(shardings, batch, batch),
         out_shardings=(shardings, None),
         donate_argnums=(0,),
-        compiler_options=compiler_options(
-            trainable.platform, point_to_point, fp8=trainable.cfg.model.fp8 != "none"
-        )
-        or None,
+        compiler_options=compiler_options(trainable.platform, point_to_point) or None,
     )
