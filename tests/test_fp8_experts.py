@@ -68,7 +68,9 @@ def test_the_experts_grouped_gemms_in_fp8_equal_one_device(layout):
         jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads), strict=True
     ):
         scale = float(np.abs(ref).max()) or 1.0
-        assert float(np.abs(got - ref).max()) / scale < 1e-5, jax.tree_util.keystr(path)
+        # 1e-4: e2t2's attention out-projection differs by 5.9e-5 on an AMD EPYC host (XLA:CPU's
+        # sum order follows the host), under 1e-5 on CI's; the experts' FP8 rounds by > 1e-2
+        assert float(np.abs(got - ref).max()) / scale < 1e-4, jax.tree_util.keystr(path)
     experts, full = ref_grads["blocks"]["layers"]["moe"], full_grads["blocks"]["layers"]["moe"]
     for name in ("w_in", "w_out", "w_gate"):  # the experts' FP8 did round
         assert float(np.abs(experts[name] - full[name]).max()) > 1e-2 * np.abs(full[name]).max()

@@ -64,12 +64,14 @@ def test_uneven_stages_run_cudnn_unrolled_and_skip_their_padding_on_two_h100():
 def test_zb_h1_beats_1f1b_on_the_schedule_bound_on_four_h100():
     """Zero-bubble pays: its W slots fill the bubble, and its step bound is below 1F1B's
     (1.059x before the matmul inputs stayed in their forward's slot and the zero taps were no
-    longer stored). Its kernels still cost more than 1F1B's (1.23x, now 1.14x: W copies X and
-    dY out of their ring slots for cuBLAS, docs/schedules.md) and it holds more (1.89x, now
-    1.36x: the rings are sized for the busiest stage of each, docs/benchmarks.md)."""
+    longer stored). Its kernels still cost more than 1F1B's (1.23x, then 1.14x: W copies X and
+    dY out of their ring slots for cuBLAS, docs/schedules.md; 1.15x since 1F1B takes q, k, v
+    from three GEMMs, which zb_h1's tapped one does not, its W reading their joined cotangent)
+    and it holds more (1.89x, now 1.36x: the rings are sized for the busiest stage of each,
+    docs/benchmarks.md)."""
     one_f_one_b, zb_h1 = four_stages("1f1b"), four_stages("zb_h1")
     assert zb_h1["schedule_bound_seconds"] < one_f_one_b["schedule_bound_seconds"]
-    assert zb_h1["roofline_seconds"] <= 1.15 * one_f_one_b["roofline_seconds"]
+    assert zb_h1["roofline_seconds"] <= 1.2 * one_f_one_b["roofline_seconds"]
     assert zb_h1["temp_bytes"] <= 1.4 * one_f_one_b["temp_bytes"]
 
 

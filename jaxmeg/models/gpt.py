@@ -123,10 +123,9 @@ def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, 
         b_qkv = param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
         b_qkv = b_qkv.astype(compute)
     per_part = attention_implementation(cfg) == "cudnn"  # it reads q, k, v as three arrays
-    parts = stacked_matmul(
+    q, k, v = stacked_matmul(
         module, "w_qkv", x_BxSxD, w_qkv.astype(compute), b_qkv, "input", per_part
     )
-    q, k, v = (module.constrain(p, ("act_batch", "act_tokens", "act_heads", None)) for p in parts)
     return q, k, v
 
 
@@ -148,10 +147,9 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
         q_BxSxNxH = q_BxSxNxH + b_q.astype(compute)
         b_kv = b_kv.astype(compute)
     per_part = attention_implementation(cfg) == "cudnn"
-    kv_parts = stacked_matmul(module, "w_kv", x_BxSxD, w_kv, b_kv, "input", per_part)
-    q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
     kv_axes_act = ("act_batch", "act_tokens", "act_kv_heads", None)
-    k, v = (module.constrain(p, kv_axes_act) for p in kv_parts)
+    k, v = stacked_matmul(module, "w_kv", x_BxSxD, w_kv, b_kv, "input", per_part, kv_axes_act)
+    q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
     return q_BxSxNxH, k, v
 
 

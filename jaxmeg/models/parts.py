@@ -104,6 +104,7 @@ def stacked_matmul(
     bias: Array | None = None,
     residual: str = "",
     per_part: bool = True,
+    axes: tuple = ("act_batch", "act_tokens", "act_heads", None),
 ) -> list[Array]:
     """x [B, S, D] times each part of `w` [D, T, *out] (the fused q/k/v of `w_qkv`, or k/v of
     `w_kv`), plus its part of `bias` [T, *out]: T arrays [B, S, *out], each its own GEMM with
@@ -113,12 +114,14 @@ def stacked_matmul(
     one (on an H100, 1.5% of a gpt_1.3b step). A split backward and FP8 keep the one tapped
     GEMM (`weight_matmul`), and so does `per_part` False: XLA:CPU reduces each part's input
     gradient over `tensor` by itself (three all-reduces where one did), and its attention
-    einsums read the slices in place."""
+    einsums read the slices in place. `axes`: each part's logical axes (the joined output's
+    has the stacked axis, unsplit, after its first two)."""
     out = "nhijk"[: w.ndim - 2]
     if not per_part or module.cfg.fp8 != "none" or splits_backward(module, name):
         y = weight_matmul(module, name, f"bsd,dt{out}->bst{out}", x_BxSxD, w, residual)
         if bias is not None:
             y = y + bias
+        y = module.constrain(y, (*axes[:2], None, *axes[2:]))
         return [jax.lax.index_in_dim(y, i, 2, keepdims=False) for i in range(w.shape[1])]
     parts = []
     for i in range(w.shape[1]):
@@ -127,7 +130,8 @@ def stacked_matmul(
         if bias is not None:
             y = y + bias[i].reshape(-1)
         # kept for the backward after its bias (the GEMM's only reader is then its epilogue)
-        parts.append(checkpoint_name(y.reshape(*y.shape[:2], *w.shape[2:]), STACKED_PARTS))
+        y = checkpoint_name(y.reshape(*y.shape[:2], *w.shape[2:]), STACKED_PARTS)
+        parts.append(module.constrain(y, axes))
     return parts
 
 
