@@ -265,7 +265,7 @@ class MoeMlp(nn.Module):
     def _tapped_exchange(self) -> bool:
         """Whether the experts split over devices run tapped: in a split backward's layer (its
         taps collection given or being made), dropless, with a dispatch that can."""
-        split = self.is_mutable_collection(parts.TAPS) or self.has_variable(parts.TAPS, "w_in")
+        split = parts.splits_backward(self, "w_in")
         return split and not self.moe.capacity_factor and hasattr(self.dispatch, "tapped")
 
     def _exchanged_tapped(self, moe, sequences, x, logits, bias, *experts, scaling=None):
