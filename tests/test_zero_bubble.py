@@ -9,12 +9,13 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_pipeline as tp
 
 import jaxmeg.config as C
-from jaxmeg.models import Block, split_backward
+from jaxmeg.models import Block, gpt, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY
 from jaxmeg.pipeline import analysis, schedules, timing
 from jaxmeg.pipeline.executor import residuals
@@ -144,12 +145,20 @@ def test_bad_zero_bubble_configs_are_named_before_compile(overrides, match):
         C.validate(cfg, 4)
 
 
-@pytest.mark.parametrize("block", ["gpt", "llama", "llama-moe", "llama-moe-capacity"])
-def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
+@pytest.mark.parametrize(
+    "block", ["gpt", "llama", "llama-moe", "llama-moe-capacity", "gpt-parts", "llama-parts"]
+)
+def test_split_backward_equals_the_whole_backward_at_the_same_flops(block, monkeypatch):
     """I (one vjp w.r.t. the other params, the input and the taps) and W (X^T dY) give the
     gradients of one vjp of the layer, with the same matmul FLOPs. An MoE layer's experts on
-    one device are grouped GEMMs that are tapped too: their weight gradients come in W."""
+    one device are grouped GEMMs that are tapped too: their weight gradients come in W.
+    `parts`: q, k, v out of their own GEMMs, as where attention is cuDNN's (one tap of an array
+    per part for the fused weight, whose W stacks a GEMM per part)."""
+    if "parts" in block:
+        monkeypatch.setattr(gpt, "qkv_in_parts", lambda cfg: True)
     model = dataclasses.replace(tp.MODEL, block=block.split("-")[0], vocab_size=512)
+    if block == "llama-parts":  # grouped-query attention: k, v from `w_kv`'s two parts
+        model = dataclasses.replace(model, kv_heads=2)
     moe = C.MoeConfig(experts=4, top_k=2, ffn_hidden=32) if "moe" in block else C.MoeConfig()
     if "capacity" in block:  # batched GEMMs over [E, C] buffers
         moe = dataclasses.replace(moe, capacity_factor=1.0)
@@ -165,6 +174,9 @@ def test_split_backward_equals_the_whole_backward_at_the_same_flops(block):
     weights, rest = split_backward.split_weights(params, taps)
     if moe.experts:
         assert set(weights["moe"]) == {"w_in", "w_out", "w_gate"}, weights["moe"].keys()
+    if "parts" in block:  # the fused weight's tap: one array per part
+        fused = "w_qkv" if "w_qkv" in taps["attn"] else "w_kv"
+        assert isinstance(taps["attn"][fused], tuple), jax.tree.map(jnp.shape, taps)
     tapped = split_backward.tapped(layer)
 
     def input_backward(rest, x, taps, cot):
@@ -256,11 +268,17 @@ EQUIVALENCE = [
     pytest.param((2, 2, 2), "zbv", 2, 1, {"overlap_sends": True}, id="zbv-overlap-sends"),
     # and two layers per stage: each stage's last W reduces its second layer over data
     pytest.param((2, 2, 1), "zb_h1", 1, 2, {"overlap_sends": True}, id="zb_h1-overlap-sends"),
+    # q, k, v from their own GEMMs as beside cuDNN's attention: a tuple tap per fused weight,
+    # in I's rings and W's stacked GEMMs, its parts split over tensor
+    pytest.param((1, 2, 2), "zb_h1", 1, 2, {"qkv_parts": True}, id="zb_h1-qkv-parts"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("mesh,name,v,factor,extra", EQUIVALENCE)
-def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra):
+def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra, monkeypatch):
+    extra = dict(extra)
+    if extra.pop("qkv_parts", False):
+        monkeypatch.setattr(gpt, "qkv_in_parts", lambda cfg: True)
     tp.check_against_single_device(mesh, name, v, factor, **extra)
 
 

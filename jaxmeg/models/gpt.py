@@ -122,9 +122,8 @@ def _fused_qkv(module: nn.Module, x_BxSxD: Array, w_qkv: Array) -> tuple[Array, 
     if cfg.block == "gpt" or cfg.qkv_bias:
         b_qkv = param(module, "b_qkv", (3, n, h), QKV_AXES[1:], nn.initializers.zeros)
         b_qkv = b_qkv.astype(compute)
-    per_part = attention_implementation(cfg) == "cudnn"  # it reads q, k, v as three arrays
     q, k, v = stacked_matmul(
-        module, "w_qkv", x_BxSxD, w_qkv.astype(compute), b_qkv, "input", per_part
+        module, "w_qkv", x_BxSxD, w_qkv.astype(compute), b_qkv, "input", qkv_in_parts(cfg)
     )
     return q, k, v
 
@@ -146,8 +145,8 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
         b_kv = param(module, "b_kv", (2, kv, h), kv_axes[1:], nn.initializers.zeros)
         q_BxSxNxH = q_BxSxNxH + b_q.astype(compute)
         b_kv = b_kv.astype(compute)
-    per_part = attention_implementation(cfg) == "cudnn"
     kv_axes_act = ("act_batch", "act_tokens", "act_kv_heads", None)
+    per_part = qkv_in_parts(cfg)
     k, v = stacked_matmul(module, "w_kv", x_BxSxD, w_kv, b_kv, "input", per_part, kv_axes_act)
     q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
     return q_BxSxNxH, k, v
@@ -231,6 +230,12 @@ def attention_implementation(cfg: ModelConfig, platform: str | None = None) -> s
         return cfg.attention
     on_gpu = (platform or jax.default_backend()) == "gpu"
     return "cudnn" if on_gpu and cfg.compute_dtype in ("bfloat16", "float16") else "xla"
+
+
+def qkv_in_parts(cfg: ModelConfig) -> bool:
+    """Whether q, k and v come out of their own GEMMs (`parts.stacked_matmul`): where attention
+    is cuDNN's, which reads them as three arrays."""
+    return attention_implementation(cfg) == "cudnn"
 
 
 _MATMUL_PRIMITIVES = frozenset({"dot_general", "dot_product_attention_fwd_wrapper"})

@@ -61,12 +61,10 @@ def weight_matmul(
     parallelism): the input where `residual` is "input" (a column-parallel matmul's, gathered
     for the matmul), the output's cotangent where it is "output" (a row-parallel matmul's,
     reduce-scattered right after it, and only when tapped)."""
-    kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
     scales = counts = None
     if module.cfg.fp8 == "delayed":
         scales, counts = delayed_scaling(module, name)
-        kept = {fp8.SOWN_INPUT: kept, fp8.SOWN_SCALES: scales}  # W rounds as the forward did
-    module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    sow_input(module, name, x, residual, scales)
     if scales is not None:
         y = fp8.delayed_einsum(spec, x, w, scales, counts, _fp8_layouts(module, residual))
     elif module.cfg.fp8 == "current":
@@ -76,6 +74,17 @@ def weight_matmul(
     if residual == "output" and module.has_variable(TAPS, name):
         y = module.constrain(y, RESIDUAL_AXES)
     return module.perturb(name, y, collection=TAPS)
+
+
+def sow_input(
+    module: nn.Module, name: str, x: Array, residual: str, scales: Array | None = None
+) -> None:
+    """Sows the input x of the weight `name`'s matmul for W (`MATMUL_INPUTS`; `weight_matmul`
+    says how it is split), with the delayed FP8 `scales` the forward rounded it at."""
+    kept = module.constrain(x, RESIDUAL_AXES) if residual == "input" else x
+    if scales is not None:
+        kept = {fp8.SOWN_INPUT: kept, fp8.SOWN_SCALES: scales}  # W rounds as the forward did
+    module.sow(MATMUL_INPUTS, name, kept, init_fn=lambda: None, reduce_fn=lambda _, new: new)
 
 
 STACKED_PARTS = "stacked_matmul_parts"
@@ -111,22 +120,29 @@ def stacked_matmul(
     its bias in the GEMM's epilogue (cuBLASLt adds a vector bias to a 2-D output), so each comes
     out contiguous and its cotangent goes straight into its own GEMM. One GEMM whose output is
     sliced copies every part out of it and its backward copies the parts' cotangents back into
-    one (on an H100, 1.5% of a gpt_1.3b step). A split backward and FP8 keep the one tapped
-    GEMM (`weight_matmul`), and so does `per_part` False: XLA:CPU reduces each part's input
-    gradient over `tensor` by itself (three all-reduces where one did), and its attention
-    einsums read the slices in place. `axes`: each part's logical axes (the joined output's
-    has the stacked axis, unsplit, after its first two)."""
+    one (on an H100, 1.5% of a gpt_1.3b step). For a split backward the parts' outputs share
+    one tap (a tuple of T, `split_backward.weight_gradients` stacks their X^T dY) and x is sown
+    once. FP8 keeps the one GEMM (`weight_matmul`), and so does `per_part` False: XLA:CPU
+    reduces each part's input gradient over `tensor` by itself (three all-reduces where one
+    did), and its attention einsums read the slices in place. `axes`: each part's logical axes
+    (the joined output's has the stacked axis, unsplit, after its first two)."""
     out = "nhijk"[: w.ndim - 2]
-    if not per_part or module.cfg.fp8 != "none" or splits_backward(module, name):
+    if not per_part or module.cfg.fp8 != "none":
         y = weight_matmul(module, name, f"bsd,dt{out}->bst{out}", x_BxSxD, w, residual)
         if bias is not None:
             y = y + bias
         y = module.constrain(y, (*axes[:2], None, *axes[2:]))
         return [jax.lax.index_in_dim(y, i, 2, keepdims=False) for i in range(w.shape[1])]
-    parts = []
+    ys = []
     for i in range(w.shape[1]):
         w_i = jax.lax.index_in_dim(w, i, 1, keepdims=False)
-        y = jnp.einsum("bsd,df->bsf", x_BxSxD, w_i.reshape(w.shape[0], -1))
+        ys.append(jnp.einsum("bsd,df->bsf", x_BxSxD, w_i.reshape(w.shape[0], -1)))
+    if splits_backward(module, name):
+        sow_input(module, name, x_BxSxD, residual)
+        shaped = tuple(y.reshape(*y.shape[:2], *w.shape[2:]) for y in ys)  # as W's parts
+        ys = [y.reshape(*y.shape[:2], -1) for y in module.perturb(name, shaped, collection=TAPS)]
+    parts = []
+    for i, y in enumerate(ys):
         if bias is not None:
             y = y + bias[i].reshape(-1)
         # kept for the backward after its bias (the GEMM's only reader is then its epilogue)

@@ -73,7 +73,8 @@ def weight_gradients(
 ):  # fmt: skip
     """dW = X^T dY for every weight: the sown input X [*lead, b, s, ...in] and the tap's
     cotangent dY [*lead, b, s, ...out] contracted over their `batch_dims` leading dims after the
-    `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape. A
+    `lead` stacking dims (a chunk's layers) -> [*lead, ...in, ...out], the weight's shape; a
+    tuple of T cotangents (`parts.stacked_matmul`'s parts) gives T GEMMs stacked [..in, T, ..out]. A
     grouped GEMM's input (`moe.MoeMlp`: {"rows" [N, in], "sizes" [E]} sorted by expert, or
     {"rows" [E, N, in]} each expert's own) gives each expert's X_e^T dY_e, [E, in, out]; one
     of experts split over devices ({"device_rows", "device_sizes"}) is `exchanged(dy, input,
@@ -87,6 +88,11 @@ def weight_gradients(
     with "fp8_scales" beside them)."""
 
     def dense(dy, x):
+        if isinstance(dy, tuple):  # `parts.stacked_matmul`'s parts: [..in, T, ..out]
+            return jnp.stack([one_gemm(part, x) for part in dy], axis=x.ndim - batch_dims)
+        return one_gemm(dy, x)
+
+    def one_gemm(dy, x):
         if isinstance(x, dict):  # delayed FP8 scaling: at the scales the forward used
             x, dy = fp8.weight_gradient_operands(x[fp8.SOWN_INPUT], dy, x[fp8.SOWN_SCALES])
         elif fp8_gemms:
@@ -115,7 +121,8 @@ def weight_gradients(
             return grouped(dy, x, path[-1].key)
         return dense(dy, x)
 
-    return jax.tree_util.tree_map_with_path(one, cotangents, inputs)
+    parted = lambda t: isinstance(t, tuple)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(one, cotangents, inputs, is_leaf=parted)
 
 
 def _one_by_one(fn: Callable) -> Callable:
