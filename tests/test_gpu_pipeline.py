@@ -66,13 +66,15 @@ def test_zb_h1_beats_1f1b_on_the_schedule_bound_on_four_h100():
     (1.059x before the matmul inputs stayed in their forward's slot and the zero taps were no
     longer stored). Its kernels still cost more than 1F1B's (1.23x, then 1.14x: W copies X and
     dY out of their ring slots for cuBLAS, docs/schedules.md; 1.15x since 1F1B takes q, k, v
-    from three GEMMs, which zb_h1's tapped one does not, its W reading their joined cotangent)
-    and it holds more (1.89x, now 1.36x: the rings are sized for the busiest stage of each,
-    docs/benchmarks.md)."""
+    from three GEMMs, which zb_h1's tapped one did not, its W reading their joined cotangent;
+    1.13x with the split backward's q, k, v GEMMs too). It held more (1.89x, then 1.36x: a
+    program's rings are sized for the busiest stage of each, p - s microbatches' residuals
+    and s + 1 microbatches' dY); now a microbatch's residuals and then its dY share the slot
+    it holds from F to W (`executor.pool`): 0.97x, as the ZB paper's ZB-H1 holds 1F1B's."""
     one_f_one_b, zb_h1 = four_stages("1f1b"), four_stages("zb_h1")
     assert zb_h1["schedule_bound_seconds"] < one_f_one_b["schedule_bound_seconds"]
     assert zb_h1["roofline_seconds"] <= 1.2 * one_f_one_b["roofline_seconds"]
-    assert zb_h1["temp_bytes"] <= 1.4 * one_f_one_b["temp_bytes"]
+    assert zb_h1["temp_bytes"] <= one_f_one_b["temp_bytes"]
 
 
 def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_on_8_h100():

@@ -19,7 +19,9 @@ from jaxmeg.models import Block, gpt, split_backward
 from jaxmeg.models.gpt import REMAT_POLICY
 from jaxmeg.pipeline import analysis, schedules, timing
 from jaxmeg.pipeline.executor import residuals
+from jaxmeg.pipeline.executor import run as executor_run
 from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
+from jaxmeg.training import pipeline_step
 
 
 def _text(order) -> str:
@@ -271,6 +273,12 @@ EQUIVALENCE = [
     # q, k, v from their own GEMMs as beside cuDNN's attention: a tuple tap per fused weight,
     # in I's rings and W's stacked GEMMs, its parts split over tensor
     pytest.param((1, 2, 2), "zb_h1", 1, 2, {"qkv_parts": True}, id="zb_h1-qkv-parts"),
+    # a GPU's slots: a microbatch's residuals, then its dY, in the slot it holds from F to W
+    # (`ExecutorOptions.pooled_slots`; q, k, v's tuple tap among the dY), with chunks, a V
+    pytest.param((1, 4, 1), "zb_h1", 1, 2, {"pooled": True, "qkv_parts": True}, id="zb_h1-pooled"),
+    pytest.param((2, 2, 1), "interleaved_zb", 2, 1, {"pooled": True, "model": dataclasses.replace(
+                 tp.MODEL, remat="selective")}, id="interleaved_zb-pooled-selective"),
+    pytest.param((1, 2, 1), "zbv", 2, 2, {"pooled": True}, id="zbv-pooled"),
 ]  # fmt: skip
 
 
@@ -279,7 +287,14 @@ def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra, monkeyp
     extra = dict(extra)
     if extra.pop("qkv_parts", False):
         monkeypatch.setattr(gpt, "qkv_in_parts", lambda cfg: True)
+    pooled, plans = extra.pop("pooled", False), []
+    if pooled:  # as a GPU compile builds it, and the plan says so
+        monkeypatch.setattr(pipeline_step, "pools_slots", lambda trainable: True)
+        build = executor_run.build_plan
+        recorded = lambda *a: plans.append(build(*a)) or plans[-1]  # noqa: E731
+        monkeypatch.setattr(executor_run, "build_plan", recorded)
     tp.check_against_single_device(mesh, name, v, factor, **extra)
+    assert not pooled or (plans and all(plan.pooled for plan in plans)), plans
 
 
 def test_zb_h1_temp_memory_at_or_below_1f1b_and_flat_in_microbatches():

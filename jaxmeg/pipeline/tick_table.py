@@ -81,8 +81,9 @@ class TickTable:
     b_split: 1 where the B slot runs I (a split backward), which keeps what W needs in the
         `wstore` slot b_w_slot.
     f_x_slot, b_x_slot, w_x_slot: in a table that splits backwards, the `matmul_inputs` slot
-        that F writes (the weight matmuls' inputs), that a whole B reads (freed after) and
-        that W reads (freed after); held from F to W, so I moves nothing.
+        that F writes (the weight matmuls' inputs), that a whole B reads (freed after) or an I
+        reads and keeps, and that W reads (freed after); held from F to W, so I moves
+        nothing (its stored residuals and then its dY share the slot: `executor.pool`).
     w_mb, w_chunk: the W in the W slot; w_slot: the `wstore` slot it reads (freed after).
     recv_act_slot: after the F slot's ppermute, the `inputs` slot the arriving activation goes to.
     recv_cot_slot: after the B slot's ppermute, the `cots` slot the arriving cotangent goes to.
@@ -296,6 +297,7 @@ class _Packer:
             if self.orders[s][self.position[s]][0] == "I":
                 row["b_split"][s] = 1
                 row["b_w_slot"][s] = self.wstore[s].put((c, mb))
+                row["b_x_slot"][s] = self.xs[s].slot_of[(c, mb)]  # held until its W
             elif self.split:  # a whole B in a table that splits others: its W at once
                 row["b_x_slot"][s] = self.xs[s].pop((c, mb))
             self.run("B", s, mb, c, t)

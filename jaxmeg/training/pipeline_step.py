@@ -44,6 +44,12 @@ def overlaps_sends(trainable: Trainable) -> bool:
     return trainable.platform == "gpu" if chosen is None else bool(chosen)
 
 
+def pools_slots(trainable: Trainable) -> bool:
+    """Whether a zero-bubble table keeps a microbatch's residuals and then its dY in one slot
+    (`ExecutorOptions.pooled_slots`): on GPUs."""
+    return trainable.platform == "gpu"
+
+
 def sends_point_to_point(trainable: Trainable, program=None) -> bool:
     """Whether the GPU compile splits the pipe sends into send and recv
     (`gpu_target.POINT_TO_POINT_OPTIONS`): sends outside the slots (`overlaps_sends`) whose
@@ -421,6 +427,7 @@ class LossAndGrads:
             scatter_gather=cfg.parallel.uses_scatter_gather,
             overlap_sends=overlaps_sends(trainable),
             expert_dims=expert_dims(trainable),
+            pooled_slots=pools_slots(trainable),
         )
         self.program = executor.build(
             stage_functions(trainable), table, trainable.layout, trainable.mesh, options

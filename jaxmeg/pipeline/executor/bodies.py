@@ -49,10 +49,10 @@ from jaxmeg.pipeline.executor.columns import (
 )
 from jaxmeg.pipeline.executor.plan import Plan
 
-F_STATE = ("inputs", "stored", "matmul_inputs", "cots", "y", "g_shared", "loss")
+F_STATE = ("inputs", "stored", "pool", "matmul_inputs", "cots", "y", "g_shared", "loss")
 """What the F slot's loops pass through (what its bodies write, or read)."""
 B_STATE = ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored", "matmul_inputs",
-           "wstore")  # fmt: skip
+           "wstore", "pool")  # fmt: skip
 """What the B slot's loops pass through: the rings it reads go through the loop too (a
 read-only operand of a loop would be copied)."""
 
@@ -110,7 +110,7 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
     return y, stored
 
 
-def _keep(plan: Plan, at: At, r: Carry, stored) -> dict:
+def _keep(plan: Plan, st: Stage, at: At, r: Carry, stored) -> dict:
     """The ring writes of what the forward keeps (the stored residuals, and for a split
     backward the matmul inputs)."""
 
@@ -120,12 +120,16 @@ def _keep(plan: Plan, at: At, r: Carry, stored) -> dict:
     if plan.table.split and plan.store:
         stored, inputs = stored
         x_slot = jnp.maximum(at.row["f_x_slot"], 0)
-        return {
-            "stored": write(r.stored, stored),
+        written = {
             "matmul_inputs": jax.tree.map(
                 lambda buf, leaf: rings.write(buf, x_slot, leaf), r.matmul_inputs, inputs
-            ),
+            )
         }
+        if plan.pooled:
+            written["pool"] = st.pool_layout.write(r.pool, "stored", x_slot, list(stored))
+        else:
+            written["stored"] = write(r.stored, stored)
+        return written
     return {"stored": write(r.stored, stored)}
 
 
@@ -139,12 +143,12 @@ def f_first(plan, st, at, r, tokens, targets):
     x = plan.fns.embed(st.shared, tokens).astype(dtype)
     y, stored = _run_chunk(plan, st, at, x)
     inputs = rings.write(r.inputs, at.slot, x)
-    return r.replace(inputs=inputs, **_keep(plan, at, r, stored), y=y.astype(dtype))
+    return r.replace(inputs=inputs, **_keep(plan, st, at, r, stored), y=y.astype(dtype))
 
 
 def f_middle(plan, st, at, r, tokens, targets):
     y, stored = _run_chunk(plan, st, at, r.inputs[at.slot])
-    return r.replace(**_keep(plan, at, r, stored), y=y.astype(st.x_abstract.dtype))
+    return r.replace(**_keep(plan, st, at, r, stored), y=y.astype(st.x_abstract.dtype))
 
 
 def f_last(plan, st, at, r, tokens, targets):
@@ -157,7 +161,7 @@ def f_last(plan, st, at, r, tokens, targets):
     d_shared = jax.tree.map(lambda g: g * scale, d_shared)
     cot_slot = jnp.maximum(at.row["f_cot_slot"], 0)
     return r.replace(
-        **_keep(plan, at, r, stored),
+        **_keep(plan, st, at, r, stored),
         cots=rings.write(r.cots, cot_slot, (d_y * scale).astype(dtype)),
         g_shared=gradients.accumulate(r.g_shared, d_shared),
         loss=r.loss + (loss * scale).astype(jnp.float32),
@@ -279,9 +283,12 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
     taps = st.zero_taps(at.cp, x)
     weights, rest = st.split_weights(at.cp, taps)
     if plan.store:
-        kept = [buf[at.slot] for buf in a.stored]
-        d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot, taps)
         x_slot = jnp.maximum(at.row["b_x_slot"], 0)
+        if plan.pooled:
+            kept = st.pool_layout.read(a.pool, "stored", x_slot)
+        else:
+            kept = [buf[at.slot] for buf in a.stored]
+        d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot, taps)
         inputs = jax.tree.map(lambda buf: buf[x_slot], a.matmul_inputs) if whole else None
     else:
         _, pullback, inputs = jax.vjp(
@@ -290,7 +297,9 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
         )  # fmt: skip
         d_rest, d_x, d_taps = pullback(cot)
     written = {}
-    if not whole:  # what W reads besides the matmul inputs its F kept (`Carry.wstore`)
+    if plan.pooled and not whole:  # dY over the residuals it was made of, all of them read
+        written["pool"] = st.pool_layout.write(a.pool, "dys", x_slot, d_taps)
+    elif not whole:  # what W reads besides the matmul inputs its F kept (`Carry.wstore`)
         w_slot = jnp.maximum(at.row["b_w_slot"], 0)
         kept_for_w = {"dys": d_taps} if plan.store else {"inputs": inputs, "dys": d_taps}
         written["wstore"] = jax.tree.map(
@@ -442,7 +451,10 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
 
     def weights(a, reducing=False):
         w_slot, x_slot = jnp.maximum(row["w_slot"], 0), jnp.maximum(row["w_x_slot"], 0)
-        kept = jax.tree.map(lambda buf: buf[w_slot], a.wstore)
+        if plan.pooled:
+            kept = {"dys": st.pool_layout.read(a.pool, "dys", x_slot)}
+        else:
+            kept = jax.tree.map(lambda buf: buf[w_slot], a.wstore)
         if plan.store:  # X from the slot its forward wrote
             kept["inputs"] = jax.tree.map(lambda buf: buf[x_slot], a.matmul_inputs)
         if reducing:
@@ -450,7 +462,7 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
             return a.replace(**_accumulate(plan, a, at, layers, last=True))
         return a.replace(g_stage=_add_weight_grads(sf, a.g_stage, at, kept))
 
-    state = c.only(("g_stage", "wstore", "matmul_inputs", *_scattering(plan)))
+    state = c.only(("g_stage", "wstore", "pool", "matmul_inputs", *_scattering(plan)))
     if not plan.reduction.layers:
         return c.merge(slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope))
     last = row[W_CHUNK_REDUCING.scope] > 0

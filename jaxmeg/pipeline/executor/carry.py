@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients
-from jaxmeg.pipeline.executor import casts, residuals, slots
+from jaxmeg.pipeline.executor import casts, pool, residuals, slots
 from jaxmeg.pipeline.executor.columns import LATE_COLUMNS
 from jaxmeg.pipeline.executor.plan import Plan
 from jaxmeg.pipeline.executor.reduction import SCATTER
@@ -82,6 +82,10 @@ class Carry:
     pending: Any = None
     """A chunk's gradients until its mean is written back [Lc or 1, ...] fp32
     (`reduction.AFTER`, `BESIDE_B`)."""
+    pool: Any = None
+    """Zero-bubble tables with stored residuals (`Plan.pooled`): per slot [N, ...] a
+    microbatch's stored residuals from its F to its I, then its dY until its W
+    (`executor.pool`), in place of `stored` and `wstore`."""
     stored: Any = None
     """The residuals the F slot keeps for the backward: a list of rings [K, ...]."""
     wstore: Any = None
@@ -280,7 +284,7 @@ class Stage:
             )
         else:
             self.whole_chunk, self.g_like = self.chunk_shard(0), self.params
-        self.kept = self.w_avals = None
+        self.kept = self.w_avals = self.pool_layout = None
         x = _varying(self.zeros_x(), plan.manual)
         real = self.real_layers(0)
         if plan.store and plan.table.split:
@@ -298,6 +302,8 @@ class Stage:
                 lambda cp, x_, t: sf.chunk(cp, x_, real, t)[1], self.whole_chunk, x, taps
             )
             self.w_avals = {"inputs": inputs, "dys": taps}
+        if plan.pooled:
+            self.pool_layout = pool.layout(stored=list(self.kept.stored), dys=taps)
 
     @property
     def stored_avals(self) -> list:
@@ -328,7 +334,11 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
         "y": st.zeros_x(),  # the activation the F slot sends
         "d_x": st.zeros_x(),  # the input cotangent the B slot sends
     }
-    if table.split and plan.store:  # X from the forward to W, dY from I to W
+    if plan.pooled:  # X from the forward to W; residuals to I, then dY to W, in one slot
+        carry["matmul_inputs"] = _ring(table.num_x_slots, st.w_avals["inputs"])
+        carry["pool"] = st.pool_layout.ring(table.num_x_slots, RING_FILL)
+        del carry["stored"]
+    elif table.split and plan.store:  # X from the forward to W, dY from I to W
         carry["matmul_inputs"] = _ring(table.num_x_slots, st.w_avals["inputs"])
         carry["wstore"] = _ring(table.num_w_slots, {"dys": st.w_avals["dys"]})
     elif table.split:  # I reruns the chunk, and keeps X with dY

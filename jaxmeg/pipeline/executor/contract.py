@@ -104,6 +104,10 @@ class ExecutorOptions:
         XLA's GPU scheduler then runs F's send beside the B slot and B's beside the next F. A
         send over the pairs of the tick only, under a `lax.switch`, can overlap nothing; with
         synchronous collectives (CPU) the every-tick send only adds the idle pairs' bytes.
+    pooled_slots: in a zero-bubble table with stored residuals, a microbatch's residuals and
+        then its dY share the slot it holds from F to W (`Plan.pooled`). A GPU compile writes
+        the dY in place once the residuals are read; XLA:CPU, which drops the optimization
+        barriers that would order them, copies the pool twice per I slot instead.
     """
 
     microbatches: int
@@ -114,6 +118,7 @@ class ExecutorOptions:
     scatter_gather: bool = False
     overlap_sends: bool = False
     expert_dims: Any = None
+    pooled_slots: bool = False
 
     @property
     def splits_experts(self) -> bool:

@@ -18,7 +18,7 @@ from jaxmeg.pipeline.executor.columns import LATE_COLUMNS, SlotColumns, slot_col
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
 from jaxmeg.pipeline.executor.reduction import Reduction, choose
 from jaxmeg.pipeline.layout import StageLayout
-from jaxmeg.pipeline.tick_table import PAIRS, TickTable
+from jaxmeg.pipeline.tick_table import ONE_ACTION, PAIRS, TickTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,11 @@ class Plan:
 
     whole_model: p v = 1 (the F slot only embeds; the B slot runs the model under one vjp)
     store: the F slot keeps the chunk's residuals (no recompute); else only the stage input
+    pooled: `ExecutorOptions.pooled_slots`, a zero-bubble table (not DualPipeV's F&B pairs)
+        with stored residuals, and no automatic axis splits what is kept: a microbatch's
+        residuals and then its dY share the slot it holds from F to W as flat runs
+        (`Carry.pool`, `executor.pool`; a flat run of a leaf split over an automatic axis
+        would be gathered)
     gathering / gathering_slots: ZeRO-3, and the slots ("f", "b") that gather their chunk
     reduction: where a chunk's gradients are reduced over data x context inside the loop
         (`reduction.Reduction`: none, after its last backward, beside a B slot, or scattered
@@ -100,6 +105,7 @@ class Plan:
     param_specs: tuple
     grad_specs: tuple
     check_vma: bool
+    pooled: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -245,6 +251,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         table, v, reduction, gathering=gathering, compress=None if pc is None else pc.compress,
         powersgd_stages=None if dc is None else dc.stages,
     )  # fmt: skip
+    store = fns.chunk_recompute is None and not whole_model
     late_cotangents = options.overlap_sends and pc is None
     if late_cotangents:
         _check_last_tick_sends_no_cotangent(columns)
@@ -268,7 +275,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         d=mesh.shape["data"],
         context=context,
         whole_model=whole_model,
-        store=fns.chunk_recompute is None and not whole_model,
+        store=store,
         gathering=gathering,
         # with p v = 1 the F slot only embeds: only the B slot gathers
         gathering_slots=(("b",) if whole_model else ("b", "f")) if gathering else (),
@@ -289,4 +296,9 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         param_specs=grad_specs if zero.stage == 3 else (_whole_specs(expert_dims), P()),
         grad_specs=grad_specs,
         check_vma=check_vma,
+        pooled=options.pooled_slots
+        and table.split
+        and table.ticks == ONE_ACTION
+        and store
+        and all(n == 1 for axis, n in mesh.shape.items() if axis not in manual),
     )
