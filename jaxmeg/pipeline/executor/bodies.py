@@ -10,9 +10,10 @@ microbatch's tokens and targets. A slot runs the body of its kind as a loop of 0
      full), accumulating its gradients in place; the first virtual stage also the embedding's;
      with p v = 1 chunk + head + loss under one `jax.vjp`, then the embedding: plain training.
   I  a split backward's input half: the input cotangent, the norm and bias gradients and what W
-     needs (the matmuls' output cotangents dY), kept in the `wstore` ring.  W  the weight
-     gradients dW = X^T dY, X from the ring slot its F wrote (`matmul_inputs`), dY from
-     `wstore`.
+     needs (the matmuls' output cotangents dY), kept in the `wstore` ring (on GPUs in the
+     `pool` slot its residuals were read from, `Plan.pooled`).  W  the weight gradients
+     dW = X^T dY, X from the ring slot its F wrote (`matmul_inputs`), dY from `wstore` (or
+     that `pool` slot).
      In a table that also splits backwards (DualPipeV), a whole B is I with its W at once.
   F&B  one microbatch's F and another's whole B in one loop (`paired_slot`): B's operands are
      read before F writes the rings, so nothing orders B after F, and a GPU's scheduler can
