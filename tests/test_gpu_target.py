@@ -393,7 +393,8 @@ def test_q_k_v_come_out_of_their_own_gemms_with_the_bias_on_one_h100():
     import jax
     import jax.numpy as jnp
 
-    from jaxmeg.models.gpt import REMAT_POLICY, Attention
+    from jaxmeg.models.gpt import Attention
+    from jaxmeg.models.remat import REMAT_POLICY
 
     model = C.ModelConfig(compute_dtype="bfloat16", attention="cudnn", **MODEL)
     attn = Attention(model)

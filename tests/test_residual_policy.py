@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
-from jaxmeg.models.gpt import REMAT_POLICY, Block
+from jaxmeg.models.gpt import Block
+from jaxmeg.models.remat import REMAT_POLICY
 from jaxmeg.perf.jaxmeg_memory import stored_bytes
 from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import shape_of

@@ -16,7 +16,7 @@ import test_pipeline as tp
 
 import jaxmeg.config as C
 from jaxmeg.models import Block, gpt, split_backward
-from jaxmeg.models.gpt import REMAT_POLICY
+from jaxmeg.models.remat import REMAT_POLICY
 from jaxmeg.pipeline import analysis, schedules, timing
 from jaxmeg.pipeline.executor import residuals
 from jaxmeg.pipeline.executor import run as executor_run

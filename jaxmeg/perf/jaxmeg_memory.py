@@ -61,7 +61,7 @@ def jaxmeg_params_per_device(shape: Shape, layout: Layout, vocab_padded: int) ->
 
 def stored_layer_elements(shape: Shape, layout: Layout, flash_attention: bool = False) -> float:
     """Elements one layer's pullback keeps, per microbatch, as jaxmeg's GPT layer leaves them
-    (`jaxmeg.models.gpt.REMAT_POLICY`; XLA's attention, not cuDNN's).
+    (`jaxmeg.models.remat.REMAT_POLICY`; XLA's attention, not cuDNN's).
 
     none       s b h (2 + 8 / t) + a s^2 b / t: the layer's input and the matmul outputs its
                backward reads: QKV (3 / t), the attention context (1 / t), fc1 (4 / t), the

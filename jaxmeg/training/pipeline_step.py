@@ -5,7 +5,7 @@ stage layout; this module builds them from the model and splits the params into 
 (`blocks`, in the layout's [v, p, Lc, ...] form) and the shared embedding/head params.
 
 `model.remat` decides what a stage keeps for its backward, with or without a pipeline, as a
-checkpoint policy around each layer (`jaxmeg.models.gpt.REMAT_POLICY`):
+checkpoint policy around each layer (`jaxmeg.models.remat.REMAT_POLICY`):
   none       every matmul's output and each layer's input: no matmul runs twice, the cheap
              elementwise work (norms, softmax, GeLU, masks) is recomputed in the backward;
   selective  the weight matmuls' outputs and each layer's input (Megatron's selective policy:
@@ -27,10 +27,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
-from jaxmeg.models.gpt import REMAT_POLICY, LayerGroup, layer_unit
+from jaxmeg.models.gpt import LayerGroup, layer_unit
 from jaxmeg.models.grouped_gemm import grouped_gemm
 from jaxmeg.models.moe_exchange import EXCHANGE_KEPT, UNIT_KEPT
 from jaxmeg.models.parts import dtype_of
+from jaxmeg.models.remat import REMAT_POLICY
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
