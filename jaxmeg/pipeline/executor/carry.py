@@ -326,10 +326,11 @@ def _ring(n: int, tree):
 def initial(plan: Plan, st: Stage, links) -> Carry:
     """The loop's carry before the first tick (`Carry`)."""
     table, zero = plan.table, plan.zero
+    unpooled = plan.store and not plan.pooled  # the residuals in rings of their own
     carry = {
         "inputs": _ring(table.num_input_slots, st.x_abstract),
         "cots": _ring(table.num_cot_slots, st.x_abstract),
-        "stored": [_ring(table.num_input_slots, a) for a in (st.kept.stored if plan.store else ())],
+        "stored": [_ring(table.num_input_slots, a) for a in (st.kept.stored if unpooled else ())],
         "loss": jnp.zeros((), jnp.float32),
         "y": st.zeros_x(),  # the activation the F slot sends
         "d_x": st.zeros_x(),  # the input cotangent the B slot sends
@@ -337,7 +338,6 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
     if plan.pooled:  # X from the forward to W; residuals to I, then dY to W, in one slot
         carry["matmul_inputs"] = _ring(table.num_x_slots, st.w_avals["inputs"])
         carry["pool"] = st.pool_layout.ring(table.num_x_slots, RING_FILL)
-        del carry["stored"]
     elif table.split and plan.store:  # X from the forward to W, dY from I to W
         carry["matmul_inputs"] = _ring(table.num_x_slots, st.w_avals["inputs"])
         carry["wstore"] = _ring(table.num_w_slots, {"dys": st.w_avals["dys"]})
