@@ -12,6 +12,7 @@ import test_gpu_target
 from test_gpu_target import (
     assert_bounds_read_off_the_kernel_classes,
     assert_cudnn_once_per_layer_and_microbatch,
+    assert_weight_gradients_accumulate_in_their_gemms,
     gpu_config,
     report_for,
 )
@@ -36,10 +37,12 @@ def four_stages(schedule: str, chunks: int = 1) -> dict:
     in some ticks (4 microbatches on 4 stages), so the bubble costs time."""
     cfg = gpu_config(pipe=4, microbatches=4, layers=4 * chunks)
     parallel = dataclasses.replace(cfg.parallel, schedule=schedule, chunks=chunks)
-    _, report = report_for(dataclasses.replace(cfg, parallel=parallel))
+    trainable, report = report_for(dataclasses.replace(cfg, parallel=parallel))
     assert report["collective_overlap"]["pipe"] == 1.0, report["collective_overlap"]
     assert_bounds_read_off_the_kernel_classes(report)
     assert report["schedule_bound_seconds"] > 1.1 * report["roofline_seconds"], report
+    if chunks == 1:  # one chunk per stage: per-layer accumulators
+        assert_weight_gradients_accumulate_in_their_gemms(trainable, report)
     return report
 
 

@@ -105,6 +105,15 @@ def assert_bounds_read_off_the_kernel_classes(report, copy_share=0.02) -> None:
     assert report["copy_share"] <= copy_share, report["copy_share"]
 
 
+def assert_weight_gradients_accumulate_in_their_gemms(trainable, report) -> None:
+    """Every microbatch's fc1 and fc2 weight gradients are cuBLAS GEMMs that add into their
+    layer's fp32 accumulator (beta 1, `jaxmeg.pipeline.accumulator`), not bf16 GEMMs followed
+    by an elementwise pass over the stacked accumulator (0 such GEMMs before)."""
+    cfg = trainable.cfg
+    least = 2 * cfg.model.layers * cfg.train.microbatches
+    assert report["fp32_accumulating_gemm_calls"] >= least, report["fp32_accumulating_gemm_calls"]
+
+
 def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     trainable, report = one_gpu()
     assert report["target"].startswith("1 x NVIDIA H100")
@@ -122,6 +131,7 @@ def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     assert report["schedule_bound_seconds"] == pytest.approx(report["roofline_seconds"])
     assert report["kernel_classes"]["loss"] > 0 and report["kernel_classes"]["optimizer"] > 0
     assert report["fp8_gemms"]["calls"] == 0  # the default: 16-bit GEMMs
+    assert_weight_gradients_accumulate_in_their_gemms(trainable, report)
 
 
 def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100():

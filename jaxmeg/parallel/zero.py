@@ -23,7 +23,7 @@ moves, and a split along a later dim made XLA lay the whole gradient accumulator
 dim major and transpose it into and out of every B slot's loop (gpt_1.3b (2,2,2) ZeRO-1 on 8
 H100s: 103 GB of copy kernels per step, 23 GB with Lc; docs/benchmarks.md). A split along Lc
 is reduced per chunk after its last backward, not layer by layer beside it
-(`gradients.accumulate_reducing_layers` takes only the parameter's own dims).
+(`accumulator.add_reducing_layers` takes only the parameter's own dims).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Microbatch gradient accumulation and the step's gradient reductions over `data` and `pipe`.
+"""Microbatch gradient accumulation and the step's gradient reductions over `data` and `pipe`
+(the stage accumulator's two forms: `accumulator`).
 
 The one home of both for every layout (pipe = 1 is the degenerate pipeline): the executor calls
 these inside its `shard_map`, manual over `data` and `pipe`. Gradients accumulate in fp32 in the
@@ -11,7 +12,7 @@ tick loop's carry; a step then makes
 With `data` > 1 each chunk's layer gradients are reduced inside the tick loop, in the tick
 after the chunk's last backward on its stage, beside that tick's slots (where the executor says
 so, its last B slot reduces each layer but the first itself, as the layer's backward ends:
-`accumulate_reducing_layers`); after the loop only the shared gradients and the loss are
+`accumulator.add_reducing_layers`); after the loop only the shared gradients and the loss are
 reduced. With a sharded optimizer every reduction is a
 reduce-scatter (`reduce_scatter`) into split accumulators. With PowerSGD
 (`compression.data_grad_rank`) a chunk's reduction on the stages that compress is
@@ -52,43 +53,6 @@ def zeros_f32(tree):
 def accumulate(acc, delta):
     """acc + delta, delta cast to the accumulator's dtype."""
     return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, delta)
-
-
-def accumulate_at(acc, index, delta):
-    """acc[index] += delta along the leading (chunk) dim, in place in the loop carry; `delta`
-    may also be a list of per-layer trees (`stack_layers`)."""
-    delta = stack_layers(delta)
-    return jax.tree.map(lambda a, d: rings.add(a, index, d), acc, delta)
-
-
-def stack_layers(delta):
-    """A list of per-layer trees as one tree of [Lc, ...] leaves (any other tree as it is)."""
-    if not isinstance(delta, list):
-        return delta
-    return jax.tree.map(lambda *layers: jnp.stack(layers), *delta)
-
-
-def accumulate_reducing_layers(acc, index, layers: list, reduce=None):
-    """A chunk's last backward: acc[index, l] + layers[l] for each layer, and `reduce` (the
-    mean over the replicas, `reduce_over_data`, by default) of each layer l >= 1, last layer
-    first, each started as soon as that layer's gradient is final (its backward has ended) so
-    that it runs beside the backwards of the layers before it. Each reduction waits for the one
-    after it (an optimization barrier): XLA would otherwise combine them into one collective,
-    which waits for every layer. Layer 0, whose backward ends the slot, is left unreduced
-    (`pending` or the sharded optimizer's scatter takes it after the slot). Returns each
-    layer's sum (unreduced) and layers 1 .. Lc - 1 reduced, as lists of per-layer trees."""
-    reduce = reduce or reduce_over_data
-    done, sums, reduced = None, [None] * len(layers), []
-    for i in reversed(range(len(layers))):
-        layer = jax.tree.map(lambda a, d, i=i: a[index, i] + d.astype(a.dtype), acc, layers[i])
-        sums[i] = layer
-        if i == 0:
-            break
-        if done is not None:
-            layer, _ = jax.lax.optimization_barrier((layer, done))
-        done = reduce(layer)
-        reduced.insert(0, done)
-    return sums, reduced
 
 
 MANUAL_AXES = ("data", "pipe")

@@ -283,6 +283,7 @@ def gpu_figures(trainable, compiled, target, counter: StepCost, model_flops) -> 
         },  # fmt: skip
         "gemm_flops": total.matmul_flops,
         "fp8_gemms": {"flops": total.fp8_gemm_flops, "calls": total.fp8_gemm_calls},
+        "fp32_accumulating_gemm_calls": total.fp32_accumulating_gemm_calls,
         "attention_kernels": {
             "forward_per_replica": total.attention_forward_calls / per_replica,
             "backward_per_replica": total.attention_backward_calls / per_replica,
@@ -392,6 +393,11 @@ def _format_gpu(r: dict[str, Any], gb, gf) -> list[str]:
         + (
             f"; FP8 GEMMs {gf(r['fp8_gemms']['flops'])} in {r['fp8_gemms']['calls']:.0f} calls"
             if r["fp8_gemms"]["calls"]
+            else ""
+        )
+        + (
+            f"; {r['fp32_accumulating_gemm_calls']:.0f} add into an fp32 accumulator"
+            if r["fp32_accumulating_gemm_calls"]
             else ""
         ),
         f"  kernel bytes        {gb(r['kernel_bytes'])}   copies {gb(r['copy_kernel_bytes'])} "

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmeg.pipeline import compression, gradients, rings
+from jaxmeg.pipeline import accumulator, compression, gradients, rings
 from jaxmeg.pipeline.executor import slots
 from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
@@ -117,7 +117,7 @@ def take_final(plan: Plan, c: Carry, row: dict) -> Carry:
 
     def take(s):
         first = plan.reduction.pending_layers
-        return jax.tree.map(lambda a: a[jnp.maximum(chunk, 0), :first], s[1]), s[1]
+        return accumulator.layers_at(s[1], jnp.maximum(chunk, 0), slice(None, first)), s[1]
 
     pending, g_stage = slots.run_if(chunk >= 0, take, (c.pending, c.g_stage), REDUCE_TAKE.scope)
     return c.replace(pending=pending, g_stage=g_stage)
@@ -134,7 +134,7 @@ def scatter_final(plan: Plan, c: Carry, row: dict) -> Carry:
         # with `Reduction.layers` the first layer, and whole the leaves split along the layers
         dims, first = plan.zero.chunk_dims, plan.reduction.pending_layers
         layers = jax.tree.map(lambda dim: slice(None if dim == 0 else first), dims)
-        part = jax.tree.map(lambda a, n: a[at, n], s[1], layers)
+        part = accumulator.layers_at(s[1], at, layers)
         part = gradients.reduce_scatter(part, dims, ("data",), plan.experts, plan.zero.chunk_specs)
         return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], part), s[1]
 
@@ -175,7 +175,7 @@ def finish_reduction(plan: Plan, c: Carry, row: dict) -> Carry:
 
     def write(s):
         at = jnp.maximum(chunk, 0)
-        return jax.tree.map(lambda a, r: rings.write(a, at, r), s[0], s[1]), s[1]
+        return accumulator.write_leading(s[0], at, s[1]), s[1]
 
     g_stage, pending = slots.run_if(chunk >= 0, write, (c.g_stage, c.pending), REDUCE_WRITE.scope)
     return c.replace(g_stage=g_stage, pending=pending)

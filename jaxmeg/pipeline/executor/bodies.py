@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmeg import ordering
-from jaxmeg.pipeline import gradients, rings
+from jaxmeg.pipeline import accumulator, gradients, rings
 from jaxmeg.pipeline.executor import residuals, slots
 from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
@@ -212,12 +212,11 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
     back, or with a sharded optimizer the reduce-scatter written into `g_reduced`, but for the
     leaves it splits along the chunk's layers (`beside.scatter_final` takes those whole)."""
     if not last:
-        return {"g_stage": gradients.accumulate_at(a.g_stage, index, d_params)}
+        return {"g_stage": accumulator.add_at(a.g_stage, index, d_params)}
     if not plan.sharded:
         mean = partial(gradients.reduce_over_data, experts=plan.experts)
-        sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, mean)
-        write = lambda g, *layers: rings.write_layers(g, index, list(layers))  # noqa: E731
-        return {"g_stage": jax.tree.map(write, a.g_stage, sums[0], *reduced)}
+        sums, reduced = accumulator.add_reducing_layers(a.g_stage, index, d_params, mean)
+        return {"g_stage": accumulator.write_layers(a.g_stage, index, [sums[0], *reduced])}
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 
     experts = jax.tree.map(lambda _: False, dims) if plan.experts is None else plan.experts
@@ -231,10 +230,8 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
 
         return jax.tree.map(one, layer, dims, experts, specs)
 
-    sums, reduced = gradients.accumulate_reducing_layers(a.g_stage, index, d_params, scatter)
-    g_stage = jax.tree.map(
-        lambda g, *layers: rings.write_layers(g, index, list(layers)), a.g_stage, *sums
-    )
+    sums, reduced = accumulator.add_reducing_layers(a.g_stage, index, d_params, scatter)
+    g_stage = accumulator.write_layers(a.g_stage, index, sums)
     g_reduced = jax.tree.map(
         lambda g, dim, *layers: g if dim == 0 else rings.write_layers(g, index, list(layers), 1),
         a.g_reduced, dims, *reduced,
@@ -306,20 +303,34 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
         written["wstore"] = jax.tree.map(
             lambda buf, leaf: rings.write(buf, w_slot, leaf), a.wstore, kept_for_w
         )
-    g_weights, g_rest = sf.split_weights(a.g_stage, taps)
-    g_rest = gradients.accumulate_at(g_rest, at.index, d_rest)
+    g_weights, g_rest = accumulator.split(a.g_stage, partial(sf.split_weights, taps=taps))
+    g_rest = accumulator.add_at(g_rest, at.index, d_rest)
     if whole:
-        d_weights = sf.weight_grads(inputs, d_taps)
-        g_weights = gradients.accumulate_at(g_weights, at.index, d_weights)
-    return d_x, {**written, "g_stage": sf.merge_weights(g_weights, g_rest)}
+        kept = {"inputs": inputs, "dys": d_taps}
+        g_weights = accumulator.add_at(g_weights, at.index, _weight_grads(sf, g_weights, kept))
+    return d_x, {**written, "g_stage": accumulator.merge(g_weights, g_rest, sf.merge_weights)}
+
+
+def _weight_grads(sf, acc, kept):
+    """dW = X^T dY of `kept` ({"inputs", "dys"}, [Lc, ...] leaves) for an accumulator of the
+    chunk's weights: one batched GEMM over the layers, or per-layer accumulators a GEMM per
+    layer (each runs as its accumulator's in-place update: `accumulator`)."""
+    if not accumulator.per_layer(acc):
+        return sf.weight_grads(kept["inputs"], kept["dys"])
+    return [_layer_weight_grads(sf, kept, i) for i in range(len(acc))]
+
+
+def _layer_weight_grads(sf, kept, i: int):
+    """Layer i's dW, from its own slices of X and dY."""
+    one = jax.tree.map(lambda a: a[i : i + 1], kept)
+    return jax.tree.map(lambda a: a[0], sf.weight_grads(one["inputs"], one["dys"]))
 
 
 def _add_weight_grads(sf, g_stage, index, kept):
     """g_stage with dW = X^T dY of `kept` ({"inputs", "dys"}) added at chunk `index`."""
-    d_weights = sf.weight_grads(kept["inputs"], kept["dys"])
-    g_weights, g_rest = sf.split_weights(g_stage, kept["dys"])
-    g_weights = gradients.accumulate_at(g_weights, index, d_weights)
-    return sf.merge_weights(g_weights, g_rest)
+    g_weights, g_rest = accumulator.split(g_stage, partial(sf.split_weights, taps=kept["dys"]))
+    g_weights = accumulator.add_at(g_weights, index, _weight_grads(sf, g_weights, kept))
+    return accumulator.merge(g_weights, g_rest, sf.merge_weights)
 
 
 def i_middle(plan, st, at, a, tokens, targets, whole=False):
@@ -478,8 +489,7 @@ def _weight_layers(sf, g_stage, at, kept) -> list:
     count = jax.tree.leaves(kept["dys"])[0].shape[0]
     layers = []
     for i in range(count):
-        one = jax.tree.map(lambda a, i=i: a[i : i + 1], kept)
-        d_weights = jax.tree.map(lambda a: a[0], sf.weight_grads(one["inputs"], one["dys"]))
-        _, rest = sf.split_weights(jax.tree.map(lambda a, i=i: a[at, i], g_stage), one["dys"])
+        d_weights = _layer_weight_grads(sf, kept, i)
+        _, rest = sf.split_weights(accumulator.layer(g_stage, at, i), kept["dys"])
         layers.append(sf.merge_weights(d_weights, jax.tree.map(jnp.zeros_like, rest)))
     return layers

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.pipeline import gradients
+from jaxmeg.pipeline import accumulator, gradients
 from jaxmeg.pipeline.executor import casts, pool, residuals, slots
 from jaxmeg.pipeline.executor.columns import LATE_COLUMNS
 from jaxmeg.pipeline.executor.plan import Plan
@@ -350,18 +350,18 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
             st.chunk_shard(0),
             zero.chunk_dims,
         )
-    carry["g_stage"] = gradients.zeros_f32(st.g_like)
+    carry["g_stage"] = accumulator.zeros(st.g_like, plan.layer_accumulators)
     if plan.reduction.where == SCATTER:  # the split accumulator the reductions write into
         carry["g_reduced"] = gradients.zeros_f32(
             jax.tree.map(
                 lambda a, dim: a if dim < 0 else jnp.zeros(_split(a.shape, dim, plan.d)),
-                carry["g_stage"],
+                st.g_like,
                 zero.local_stage_dims,
             )
         )
     if plan.reduction.mean:  # a chunk's gradients until reduced
         first = plan.reduction.pending_layers
-        carry["pending"] = jax.tree.map(lambda a: a[0, :first], carry["g_stage"])
+        carry["pending"] = accumulator.layers_at(carry["g_stage"], 0, slice(None, first))
     carry["g_shared"] = gradients.zeros_f32(st.shared)
     if plan.stateful:
         carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device

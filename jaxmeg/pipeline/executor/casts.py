@@ -9,7 +9,7 @@ one dtype every use converts it to, possibly after ops that only move data (`MOV
 slice, a squeeze); the executor casts those leaves once per step, before its tick loop. The
 values and the gradients are the ones the function gives on the fp32 leaves: the model's own
 cast becomes a no-op, and the cast's transpose was the cotangent's cast back to fp32, which the
-gradient accumulator does (`gradients.accumulate_at`).
+gradient accumulator does (`accumulator.add_at`).
 """
 
 from __future__ import annotations

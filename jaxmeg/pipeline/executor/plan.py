@@ -121,6 +121,12 @@ class Plan:
         return [jax.tree.map(lambda a, i=i: a[i], cp) for i in range(count)]
 
     @property
+    def layer_accumulators(self) -> bool:
+        """The stage's gradients accumulate per layer (`accumulator`): one chunk per stage
+        whose functions take its layers one by one."""
+        return self.v == 1 and self.fns.per_layer
+
+    @property
     def stateful(self) -> bool:
         return self.options.stateful
 

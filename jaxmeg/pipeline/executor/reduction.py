@@ -26,7 +26,7 @@ class Reduction:
     where: one of WHERE
     layers: the chunk's last B (or, with split backwards, its last W) reduces each of its layers
         but the first itself as soon as that layer's gradient is final
-        (`gradients.accumulate_reducing_layers`), beside the next layer's backward: a mean
+        (`accumulator.add_reducing_layers`), beside the next layer's backward: a mean
         written back, or the reduce-scatter into `g_reduced`; `pending` (or the scatter after
         the slot) then takes the first layer only
     """

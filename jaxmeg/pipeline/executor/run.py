@@ -11,7 +11,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.pipeline import gradients
+from jaxmeg.pipeline import accumulator, gradients
 from jaxmeg.pipeline.executor import beside, bodies, carry, slots
 from jaxmeg.pipeline.executor.columns import (
     B_ALONE,
@@ -144,7 +144,7 @@ def _final_reduction(plan: Plan, out: carry.Carry):
             "specs": (None if in_loop else zero.local_stage_specs, zero.shared_specs),
         }
     loss, g_stage, g_shared = gradients.reduce_step(
-        out.g_reduced if sharded and in_loop else out.g_stage,
+        out.g_reduced if sharded and in_loop else accumulator.stacked(out.g_stage),
         out.g_shared,
         out.loss,
         stage_grads_reduced=in_loop,
