@@ -106,12 +106,14 @@ def assert_bounds_read_off_the_kernel_classes(report, copy_share=0.02) -> None:
 
 
 def assert_weight_gradients_accumulate_in_their_gemms(trainable, report) -> None:
-    """Every microbatch's fc1 and fc2 weight gradients are cuBLAS GEMMs that add into their
-    layer's fp32 accumulator (beta 1, `jaxmeg.pipeline.accumulator`), not bf16 GEMMs followed
-    by an elementwise pass over the stacked accumulator (0 such GEMMs before)."""
+    """Every microbatch's q, k, v, fc1 and fc2 weight gradients are cuBLAS GEMMs that add into
+    their layer's fp32 accumulator (beta 1, `jaxmeg.pipeline.accumulator`; q, k and v's each
+    into its own part of `w_qkv`'s), not bf16 GEMMs followed by an elementwise pass over the
+    stacked accumulator (0 such GEMMs before; 2 per layer and microbatch before the parts)."""
     cfg = trainable.cfg
-    least = 2 * cfg.model.layers * cfg.train.microbatches
-    assert report["fp32_accumulating_gemm_calls"] >= least, report["fp32_accumulating_gemm_calls"]
+    least = 5 * cfg.model.layers * cfg.train.microbatches
+    calls = report["fp32_accumulating_gemm_calls"]  # weighted by how often each runs
+    assert round(calls, 6) >= least, calls
 
 
 def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxmeg import config as C
+from jaxmeg.models import gpt
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.reference import make_plain_loss_and_grads
 from jaxmeg.training.state import (
@@ -240,6 +241,18 @@ MORE_CASES = {
 def test_more_layouts_match_single_device(case):
     mesh, schedule, chunks, factor, model, tol, parallel = MORE_CASES[case]
     check_against_single_device(mesh, schedule, chunks, factor, model=model, tol=tol, **parallel)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_per_part_accumulators_match_single_device(zero_stage, monkeypatch):
+    """q, k, v from their own GEMMs, as beside cuDNN's attention: per-layer accumulators keep
+    each part's weight gradient on its own (`accumulator.Parts`, split over tensor with the
+    weight), through a chunk's last B reducing its second layer over data (a mean, or a sharded
+    optimizer's reduce-scatter) and its first layer's mean in the next tick."""
+    monkeypatch.setattr(gpt, "qkv_in_parts", lambda cfg: True)
+    check_against_single_device(
+        (2, 2, 2), "1f1b", 1, 2, layers=4, overlap_sends=True, zero_stage=zero_stage
+    )
 
 
 # Sharded optimizer: each schedule with each ZeRO stage once, over (2,2,2), (2,4,1) and, with

@@ -238,6 +238,13 @@ def qkv_in_parts(cfg: ModelConfig) -> bool:
     return attention_implementation(cfg) == "cudnn"
 
 
+def weights_in_parts(cfg: ModelConfig) -> dict[str, int]:
+    """{leaf name: axis} of the weights whose leaf joins the weights of GEMMs run per part
+    (`parts.stacked_matmul`): `w_qkv` [D, 3, N, H] and `w_kv` [D, 2, K, H] where q, k and v
+    come out of their own GEMMs (`qkv_in_parts`)."""
+    return {"w_qkv": 1, "w_kv": 1} if qkv_in_parts(cfg) else {}
+
+
 class StackEntry(nn.Module):
     """The fields of one entry of the layer stack (`Block`, `LayerGroup`), which keeps for its
     backward REMAT_POLICY[cfg.remat] (its caller's, `BlockStack` or the pipeline's chunk).

@@ -134,8 +134,10 @@ def stacked_matmul(
         y = module.constrain(y, (*axes[:2], None, *axes[2:]))
         return [jax.lax.index_in_dim(y, i, 2, keepdims=False) for i in range(w.shape[1])]
     ys = []
-    for i in range(w.shape[1]):
-        w_i = jax.lax.index_in_dim(w, i, 1, keepdims=False)
+    # split, not sliced: its transpose joins the parts' dW by a concatenate, whose slices XLA
+    # sees through (a slice's transpose pads and adds), so that a per-part gradient
+    # accumulator (`jaxmeg.pipeline.accumulator.Parts`) adds each GEMM's own output
+    for w_i in jax.lax.split(w, [1] * w.shape[1], axis=1):
         ys.append(jnp.einsum("bsd,df->bsf", x_BxSxD, w_i.reshape(w.shape[0], -1)))
     if splits_backward(module, name):
         sow_input(module, name, x_BxSxD, residual)

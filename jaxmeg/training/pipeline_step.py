@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
-from jaxmeg.models.gpt import LayerGroup, layer_unit
+from jaxmeg.models.gpt import LayerGroup, layer_unit, weights_in_parts
 from jaxmeg.models.grouped_gemm import grouped_gemm
 from jaxmeg.models.moe_exchange import EXCHANGE_KEPT, UNIT_KEPT
 from jaxmeg.models.parts import dtype_of
@@ -283,10 +283,10 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
         taps=taps,
         split_weights=split_backward.split_weights,
         merge_weights=split_backward.merge_weights,
-        weight_grads=lambda inputs, cots: split_backward.weight_gradients(
+        weight_grads=lambda inputs, cots, lead=1: split_backward.weight_gradients(
             inputs,
             cots,
-            lead=1,
+            lead=lead,
             exchanged=experts.weight_gradient,
             grouped_gradient=grouped,
             fp8_gemms=fp8_gemms,
@@ -336,6 +336,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
         chunk_recompute=recompute,
         split=split,
         per_layer=unrolls_layers(trainable),
+        weight_parts=weights_in_parts(trainable.model_cfg),
     )
 
 

@@ -322,8 +322,8 @@ def _weight_grads(sf, acc, kept):
 
 def _layer_weight_grads(sf, kept, i: int):
     """Layer i's dW, from its own slices of X and dY."""
-    one = jax.tree.map(lambda a: a[i : i + 1], kept)
-    return jax.tree.map(lambda a: a[0], sf.weight_grads(one["inputs"], one["dys"]))
+    one = jax.tree.map(lambda a: a[i], kept)
+    return sf.weight_grads(one["inputs"], one["dys"], lead=0)
 
 
 def _add_weight_grads(sf, g_stage, index, kept):

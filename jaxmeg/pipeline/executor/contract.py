@@ -5,7 +5,7 @@ and the options of one build (`ExecutorOptions`). It knows nothing else about th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxmeg.pipeline import compression, powersgd
@@ -21,7 +21,8 @@ class SplitFunctions:
         full (the I slot reruns it), or None
     taps(chunk_params, x) -> zero taps [Lc, ...]
     split_weights(tree, taps) -> (matmul weights, rest); merge_weights(weights, rest) -> tree
-    weight_grads(matmul inputs, tap cotangents) -> the weights' gradients (W)
+    weight_grads(matmul inputs, tap cotangents, lead=1) -> the weights' gradients (W), of a
+        chunk's layers ([Lc, ...] leaves) or with lead 0 of one layer
     """
 
     chunk: Callable
@@ -48,6 +49,9 @@ class StageFunctions:
         trees (a chunk that runs its layers one after another): each layer's gradient is then
         an array of its own, final when that layer's backward ends, which a reduction over
         `data` can start from while the layers before it run theirs
+    weight_parts: {leaf name: axis} of the weights whose leaf joins, along that axis of a
+        layer's leaf, the weights of GEMMs run per part; per-layer accumulators keep each
+        part's gradient on its own (`jaxmeg.pipeline.accumulator.Parts`)
     """
 
     embed: Callable
@@ -56,6 +60,7 @@ class StageFunctions:
     chunk_recompute: Callable | None = None
     split: SplitFunctions | None = None
     per_layer: bool = False
+    weight_parts: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
