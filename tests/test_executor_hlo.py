@@ -112,14 +112,16 @@ def slot_matmuls(comps, body) -> dict[str, int]:
 
 def test_split_backward_slots_share_the_backward_matmuls_and_w_sends_nothing():
     """zb_h1, stored residuals: I holds the B slot's matmuls (twice the F slot's) less the
-    weight gradients, which W holds (one dot per weight, batched over the layers); W's loop holds no
-    collective, so it waits for nothing and holds up no other stage."""
+    weight gradients, which W holds (one dot per weight and layer, each adding into its layer's
+    accumulator: `jaxmeg.pipeline.accumulator`; one per weight, batched over the layers, when the
+    accumulator was stacked); W's loop holds no collective, so it waits for nothing and holds up
+    no other stage."""
     layers = 2 * MODEL.layers
     trainable, text, comps, body = compiled_module((1, 4, 1), "zb_h1", layers=layers)
     dots = slot_matmuls(comps, body)
     weight_matmuls = 4 * (layers // 4)  # QKV, attention out, fc1, fc2 per layer
     assert dots["i_middle"] == dots["i_first"] == 2 * dots["f_middle"] - weight_matmuls, dots
-    assert dots["w_chunk"] == 4, dots  # one per weight, batched over the chunk's layers
+    assert dots["w_chunk"] == weight_matmuls, dots  # one per weight and layer
     w_loop = hlo_module.slot_loops(comps[body])["w_chunk"]
     inside = hlo_module.reachable(comps, re.search(r"\bbody=%?([\w.\-]+)", w_loop).group(1))
     assert not [c for c in collectives(text, trainable.mesh) if c.computation in inside]
