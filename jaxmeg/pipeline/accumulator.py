@@ -150,11 +150,10 @@ def layers_at(acc, index, pick):
     """acc[index, pick]: the layers a slice picks, [n, ...] leaves; `pick` a slice or a tree
     of them per leaf (the layer tree's structure)."""
     if per_layer(acc):
-        acc = [_joined(layer) for layer in acc]
-    one = acc[0] if per_layer(acc) else acc
-    picks = jax.tree.map(lambda _: pick, one) if isinstance(pick, slice) else pick
-    if per_layer(acc):
-        return jax.tree.map(lambda p, *layers: jnp.stack(layers[p]), picks, *acc)
+        layers = [_joined(tree) for tree in acc]
+        picks = jax.tree.map(lambda _: pick, layers[0]) if isinstance(pick, slice) else pick
+        return jax.tree.map(lambda p, *ls: jnp.stack(ls[p]), picks, *layers)
+    picks = jax.tree.map(lambda _: pick, acc) if isinstance(pick, slice) else pick
     return jax.tree.map(lambda a, p: a[index, p], acc, picks)
 
 
