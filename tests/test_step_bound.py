@@ -135,6 +135,52 @@ ENTRY %main (a: f32[8,4], b: f32[1,4], i: s32[]) -> f32[8,4] {
     assert isinstance(cost, Cost) and cost.kernel_bytes_by_class["elementwise"] == cost.kernel_bytes
 
 
+SCATTER_DIMS = (
+    "update_window_dims={1,2}, inserted_window_dims={}, scatter_dims_to_operand_dims={0}, "
+    "index_vector_dim=1"
+)
+
+
+@pytest.mark.parametrize("into", ["accumulator", "zeros"])
+def test_a_scatter_into_the_buffer_it_writes_in_place_moves_its_rows(into):
+    """An embedding's gradient scattered into its accumulator (a loop's carry, the fusion's
+    operand) reads and writes the rows it adds to, not the table; scattered into zeros made in
+    the fusion it writes the whole table."""
+    target = "%param_0" if into == "accumulator" else "%zeros"
+    hlo = f"""HloModule m
+%add (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}}
+
+%fused (param_0: f32[1000,64], param_1: f32[8,1,64], param_2: s32[8,1]) -> f32[1000,64] {{
+  %param_0 = f32[1000,64]{{1,0}} parameter(0)
+  %param_1 = f32[8,1,64]{{2,1,0}} parameter(1)
+  %param_2 = s32[8,1]{{1,0}} parameter(2)
+  %c = f32[] constant(0)
+  %zeros = f32[1000,64]{{1,0}} broadcast(%c), dimensions={{}}
+  ROOT %s = f32[1000,64]{{1,0}} scatter({target}, %param_2, %param_1), {SCATTER_DIMS}, to_apply=%add
+}}
+
+ENTRY %main (a: f32[1000,64], b: f32[8,1,64], i: s32[8,1]) -> f32[1000,64] {{
+  %a = f32[1000,64]{{1,0}} parameter(0)
+  %b = f32[8,1,64]{{2,1,0}} parameter(1)
+  %i = s32[8,1]{{1,0}} parameter(2)
+  ROOT %f = f32[1000,64]{{1,0}} fusion(%a, %b, %i), kind=kInput, calls=%fused
+}}
+"""
+    import jax
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    cost = StepCost(hlo, mesh, roofline=(1e12, 1e9)).cost("main", 0)
+    rows, table, indices = 8 * 64 * 4, 1000 * 64 * 4, 8 * 4
+    if into == "accumulator":  # the updates read, the rows they add to read and written
+        assert cost.kernel_bytes == 3 * rows + indices
+    else:  # the operand it does not use is read whole (it is the fusion's input all the same)
+        assert cost.kernel_bytes == table + rows + indices + table
+
+
 def test_a_gpu_reduce_scatter_moves_its_result_times_the_group_less_one():
     """A GPU `reduce-scatter-start` returns ((operand), result): each device sends (g - 1)
     result-sized blocks. Counting the operand too made every reduce-scatter 3x its bytes at

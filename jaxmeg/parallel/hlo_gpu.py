@@ -50,6 +50,9 @@ DECOMPOSED_PERMUTE = "_xla_send_recv_source_target_pairs="
 (`xla_gpu_collective_permute_decomposer_threshold`): a receive posted early, its wait at
 recv-done, on a stream of their own."""
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
+"""Ops that write their operand 0's buffer in place, by the position of what they write: the
+update, a (one-operand) scatter's updates."""
 KERNEL_CLASSES = ("gemm", "attention", "elementwise", "copy", "loss", "optimizer")
 """What `kernel_class` sorts a kernel into, in the cost report's order."""
 _SCOPES = {
@@ -227,6 +230,7 @@ def fusion_bytes(operand_shapes: list[str], result_shape: str, fused: list) -> f
     (`hlo_cost.Instruction`s), its root last."""
     params: dict[int, str] = {}
     users: dict[str, list] = {}
+    by_name = {ins.name: ins for ins in fused}
     for ins in fused:
         if ins.op == "parameter" and ins.args.strip().isdigit():
             params[int(ins.args)] = ins.name
@@ -236,25 +240,38 @@ def fusion_bytes(operand_shapes: list[str], result_shape: str, fused: list) -> f
     for i, shape in enumerate(operand_shapes):
         uses = users.get(params.get(i, ""), [])
         sliced = [u for u, pos in uses if u.op in SLICING and pos == 0]
-        in_place = [u for u, pos in uses if u.op == "dynamic-update-slice" and pos == 0]
+        in_place = [u for u, pos in uses if u.op in IN_PLACE and pos == 0]
         if uses and len(sliced) + len(in_place) == len(uses):
-            # slices read as slices; the buffer a dynamic-update-slice writes in place is not read
+            # slices read as slices; the buffer a dynamic-update-slice or a scatter writes in
+            # place is not read (a scatter-add reads the rows it adds to: its updates' bytes)
             read += sum(nbytes(u.shape) for u in sliced)
+            read += sum(nbytes(_written(u, by_name)) for u in in_place if u.op == "scatter")
         else:
             read += nbytes(shape)
     root = fused[-1] if fused else None
-    by_name = {ins.name: ins for ins in fused}
     outputs = [by_name.get(o) for o in root.operands] if root and root.op == "tuple" else [root]
     written = 0.0
     for out in outputs:
-        if out is not None and out.op == "dynamic-update-slice" and len(out.operands) > 1:
-            update = by_name.get(out.operands[1])
-            written += nbytes(update.shape) if update is not None else 0
-        elif out is not None:
-            written += nbytes(out.shape)
+        if out is not None:
+            written += nbytes(_written(out, by_name))
     if root is None:
         written = nbytes(result_shape)
     return read + written
+
+
+def _written(ins, by_name: dict) -> str:
+    """The shape of what `ins` writes: an in-place op's update (a dynamic-update-slice's; a
+    one-operand scatter's updates where it scatters into a fused computation's parameter, a
+    buffer it then writes in place), else its result."""
+    at = IN_PLACE.get(ins.op)
+    if at is None or len(ins.operands) <= at:
+        return ins.shape
+    if ins.op == "scatter":
+        target = by_name.get(ins.operands[0])
+        if len(ins.operands) != 3 or target is None or target.op != "parameter":
+            return ins.shape
+    update = by_name.get(ins.operands[at])
+    return update.shape if update is not None else ""
 
 
 @dataclasses.dataclass(frozen=True)
