@@ -52,8 +52,8 @@ from jaxmeg.pipeline.executor.plan import Plan
 
 F_STATE = ("inputs", "stored", "pool", "matmul_inputs", "cots", "y", "g_shared", "loss")
 """What the F slot's loops pass through (what its bodies write, or read)."""
-B_STATE = ("g_stage", "g_shared", "loss", "d_x", "inputs", "cots", "stored", "matmul_inputs",
-           "wstore", "pool")  # fmt: skip
+B_STATE = ("g_stage", "g_shared", "g_embed", "loss", "d_x", "inputs", "cots", "stored",
+           "matmul_inputs", "wstore", "pool")  # fmt: skip
 """What the B slot's loops pass through: the rings it reads go through the loop too (a
 read-only operand of a loop would be copied)."""
 
@@ -155,15 +155,15 @@ def f_middle(plan, st, at, r, tokens, targets):
 def f_last(plan, st, at, r, tokens, targets):
     dtype = st.x_abstract.dtype
     y, stored = _run_chunk(plan, st, at, r.inputs[at.slot])
-    loss, (d_shared, d_y) = jax.value_and_grad(plan.fns.head_loss, argnums=(0, 1))(
-        st.shared, y, targets
-    )
+    loss, pullback = jax.vjp(lambda sh, y_: plan.fns.head_loss(sh, y_, targets), st.head_shared, y)
     scale = gradients.loss_scale(plan.m)
-    d_shared = jax.tree.map(lambda g: g * scale, d_shared)
+    # the scale seeds the pullback (as in `b_whole`): it lands on the logits' cotangent, and the
+    # head's weight-gradient GEMM adds into `g_shared` itself (a scale after it would not fuse)
+    d_shared, d_y = pullback(jnp.ones_like(loss) * scale)
     cot_slot = jnp.maximum(at.row["f_cot_slot"], 0)
     return r.replace(
         **_keep(plan, st, at, r, stored),
-        cots=rings.write(r.cots, cot_slot, (d_y * scale).astype(dtype)),
+        cots=rings.write(r.cots, cot_slot, d_y.astype(dtype)),
         g_shared=gradients.accumulate(r.g_shared, d_shared),
         loss=r.loss + (loss * scale).astype(jnp.float32),
     )
@@ -260,13 +260,14 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     def chunk_head_loss(p_, sh, x_):
         return fns.head_loss(sh, fns.chunk(p_, x_, at.real), targets)
 
-    loss, pullback = jax.vjp(chunk_head_loss, st.taken(at.cp), st.shared, a.inputs[at.slot])
+    x = a.inputs[at.slot]
+    loss, pullback = jax.vjp(chunk_head_loss, st.taken(at.cp), st.head_shared, x)
     scale = gradients.loss_scale(plan.m)
     d_params, d_shared, d_x = pullback(jnp.ones_like(loss) * scale)
-    d_shared = gradients.accumulate(d_shared, _embed_backward(plan, st, d_x, tokens))
     return a.replace(
         **_accumulate(plan, a, at.index, d_params, last),
         g_shared=gradients.accumulate(a.g_shared, d_shared),
+        g_embed=gradients.accumulate(a.g_embed, _embed_backward(plan, st, d_x, tokens)),
         loss=a.loss + (loss * scale).astype(jnp.float32),
     )
 

@@ -68,6 +68,11 @@ class Carry:
     over `data` on each leaf's ZeRO dim (`reduction.SCATTER`)."""
     g_shared: Any = None
     """The embedding's and head's gradients, fp32."""
+    g_embed: Any = None
+    """The whole model's slot (`Plan.whole_model`): the embedding lookup's gradients, fp32,
+    apart from `g_shared` until the loop ends: the head's weight-gradient GEMM then adds into
+    `g_shared` itself, which XLA does not fuse where a scatter into the same accumulator
+    follows it."""
     g_stage: Any = None
     """The stage gradients [v, Lc, ...] fp32 (whole under ZeRO-3)."""
     inputs: Any = None
@@ -146,6 +151,9 @@ class Stage:
         self.targets = targets.reshape(-1, plan.m, targets.shape[-1])
         self.index = jax.lax.axis_index("pipe")
         self.x_abstract = jax.eval_shape(plan.fns.embed, self.shared, self.tokens[:, 0])
+        # the shared leaves the head only reads in a narrower dtype (a tied embedding's table
+        # as the logits GEMM's bf16 operand), cast once per step instead of per microbatch
+        self.head_shared = casts.cast(self.shared, self._head_read_as())
         self.layers = self.split_layers = None
         if not plan.gathering:  # the weights the chunk reads in its compute dtype, cast once
             self.params = casts.cast(self.params, self._read_as())
@@ -156,6 +164,12 @@ class Stage:
                     taps = self.zero_taps(chunk, self.zeros_x())
                     self.split_layers = plan.taken(plan.split.split_weights(chunk, taps)[0])
         self._trace_residuals()
+
+    def _head_read_as(self):
+        """Per leaf of the shared params, the dtype the head and loss only read it in, if
+        narrower (`casts.read_as`)."""
+        x = _varying(self.zeros_x(), self.plan.manual)
+        return casts.read_as(self.plan.fns.head_loss, self.shared, x, self.targets[:, 0])
 
     def _read_as(self):
         """Per leaf of the stage's params, the dtype the chunk only reads it in, if narrower
@@ -363,6 +377,8 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
         first = plan.reduction.pending_layers
         carry["pending"] = accumulator.layers_at(carry["g_stage"], 0, slice(None, first))
     carry["g_shared"] = gradients.zeros_f32(st.shared)
+    if plan.whole_model:
+        carry["g_embed"] = gradients.zeros_f32(st.shared)
     if plan.stateful:
         carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
     return slots.varying_everywhere(Carry(**carry), plan.manual)

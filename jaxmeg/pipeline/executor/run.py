@@ -143,9 +143,12 @@ def _final_reduction(plan: Plan, out: carry.Carry):
             "shared_axes": zero.shared_axes,
             "specs": (None if in_loop else zero.local_stage_specs, zero.shared_specs),
         }
+    g_shared = out.g_shared
+    if out.g_embed is not None:
+        g_shared = jax.tree.map(lambda a, b: a + b, g_shared, out.g_embed)
     loss, g_stage, g_shared = gradients.reduce_step(
         out.g_reduced if sharded and in_loop else accumulator.stacked(out.g_stage),
-        out.g_shared,
+        g_shared,
         out.loss,
         stage_grads_reduced=in_loop,
         fused=plan.fused,
