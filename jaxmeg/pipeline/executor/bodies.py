@@ -264,10 +264,15 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     loss, pullback = jax.vjp(chunk_head_loss, st.taken(at.cp), st.head_shared, x)
     scale = gradients.loss_scale(plan.m)
     d_params, d_shared, d_x = pullback(jnp.ones_like(loss) * scale)
+    g_shared = gradients.accumulate(a.g_shared, d_shared)
+    d_embed = _embed_backward(plan, st, d_x, tokens)
+    if a.g_embed is None:  # one microbatch: nothing to keep apart (`Carry.g_embed`)
+        shared = {"g_shared": gradients.accumulate(g_shared, d_embed)}
+    else:
+        shared = {"g_shared": g_shared, "g_embed": gradients.accumulate(a.g_embed, d_embed)}
     return a.replace(
         **_accumulate(plan, a, at.index, d_params, last),
-        g_shared=gradients.accumulate(a.g_shared, d_shared),
-        g_embed=gradients.accumulate(a.g_embed, _embed_backward(plan, st, d_x, tokens)),
+        **shared,
         loss=a.loss + (loss * scale).astype(jnp.float32),
     )
 

@@ -69,10 +69,11 @@ class Carry:
     g_shared: Any = None
     """The embedding's and head's gradients, fp32."""
     g_embed: Any = None
-    """The whole model's slot (`Plan.whole_model`): the embedding lookup's gradients, fp32,
-    apart from `g_shared` until the loop ends: the head's weight-gradient GEMM then adds into
-    `g_shared` itself, which XLA does not fuse where a scatter into the same accumulator
-    follows it."""
+    """The whole model's slot (`Plan.whole_model`) over several microbatches: the embedding
+    lookup's gradients, fp32, apart from `g_shared` until the loop ends: the head's
+    weight-gradient GEMM then adds into `g_shared` itself, which XLA does not fuse where a
+    scatter into the same accumulator follows it. (With one microbatch there is nothing to
+    accumulate, and a second [V, D] accumulator would only cost its fill and sum.)"""
     g_stage: Any = None
     """The stage gradients [v, Lc, ...] fp32 (whole under ZeRO-3)."""
     inputs: Any = None
@@ -377,7 +378,7 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
         first = plan.reduction.pending_layers
         carry["pending"] = accumulator.layers_at(carry["g_stage"], 0, slice(None, first))
     carry["g_shared"] = gradients.zeros_f32(st.shared)
-    if plan.whole_model:
+    if plan.whole_model and plan.m > 1:
         carry["g_embed"] = gradients.zeros_f32(st.shared)
     if plan.stateful:
         carry["links"] = jax.tree.map(lambda a: a[0, 0], links)  # [v, ...] per device
