@@ -106,15 +106,16 @@ def assert_bounds_read_off_the_kernel_classes(report, copy_share=0.02) -> None:
 
 
 def assert_weight_gradients_accumulate_in_their_gemms(trainable, report) -> None:
-    """Every microbatch's q, k, v, fc1 and fc2 weight gradients are cuBLAS GEMMs that add into
-    their layer's fp32 accumulator (beta 1, `jaxmeg.pipeline.accumulator`; q, k and v's each
-    into its own part of `w_qkv`'s), not bf16 GEMMs followed by an elementwise pass over the
-    stacked accumulator (0 such GEMMs before; 2 per layer and microbatch before the parts);
+    """Every microbatch's q, k, v, output projection, fc1 and fc2 weight gradients are cuBLAS
+    GEMMs that add into their layer's fp32 accumulator (beta 1, `jaxmeg.pipeline.accumulator`;
+    q, k and v's each into its own part of `w_qkv`'s, the output projection's into its [N H, D]
+    matrix), not bf16 GEMMs followed by an elementwise pass over the stacked accumulator (0
+    such GEMMs before; 2 per layer and microbatch before the parts, 5 before `w_out`'s matrix);
     and so does the head's into the shared gradients (the loss scale on the logits' cotangent,
     not after the GEMM; the embedding lookup's rows, where the same slot scatters them, in an
     accumulator of their own: `Carry.g_embed`), one more per microbatch."""
     cfg = trainable.cfg
-    least = (5 * cfg.model.layers + 1) * cfg.train.microbatches
+    least = (6 * cfg.model.layers + 1) * cfg.train.microbatches
     calls = report["fp32_accumulating_gemm_calls"]  # weighted by how often each runs
     assert round(calls, 6) >= least, calls
 

@@ -238,11 +238,15 @@ def qkv_in_parts(cfg: ModelConfig) -> bool:
     return attention_implementation(cfg) == "cudnn"
 
 
-def weights_in_parts(cfg: ModelConfig) -> dict[str, int]:
-    """{leaf name: axis} of the weights whose leaf joins the weights of GEMMs run per part
-    (`parts.stacked_matmul`): `w_qkv` [D, 3, N, H] and `w_kv` [D, 2, K, H] where q, k and v
-    come out of their own GEMMs (`qkv_in_parts`)."""
-    return {"w_qkv": 1, "w_kv": 1} if qkv_in_parts(cfg) else {}
+def weight_gemms(cfg: ModelConfig) -> dict[str, tuple[int | None, int]]:
+    """{leaf name: (parts axis, split)} of the weights whose gradient comes out of GEMMs shaped
+    otherwise than the leaf: `w_qkv` [D, 3, N, H] and `w_kv` [D, 2, K, H] where q, k and v
+    come out of their own GEMMs (`qkv_in_parts`), each part's output [D, N H]; the attention's
+    `w_out` [N, H, D], its output [N H, D] (the MLP's `w_out` [F, D] is one already)."""
+    gemms: dict[str, tuple[int | None, int]] = {"w_out": (None, -1)}
+    if qkv_in_parts(cfg):
+        gemms.update({"w_qkv": (1, 1), "w_kv": (1, 1)})
+    return gemms
 
 
 class StackEntry(nn.Module):

@@ -12,14 +12,18 @@ bf16 dW and one elementwise pass per microbatch reads them and the whole stack a
 writing a layer's slot of the stack in place is no better (a dynamic-update-slice the GEMM does
 not fuse with). Every function here takes either form; `stacked` gives the [v, Lc, ...] one.
 
-Per layer, a weight whose leaf joins the weights of GEMMs run per part (`w_qkv` [D, 3, N, H]
-where q, k and v are three GEMMs: `StageFunctions.weight_parts`) keeps an accumulator per part
-(`Parts`), each shaped as its GEMM's output [D, N H], so that each part's GEMM adds into its
-own (the joined accumulator took one more elementwise pass: 2.2 ms of an 8-layer gpt_1.3b
-step on one H100).
+Per layer, XLA folds the add into the GEMM only where the accumulator has the shape of the
+GEMM's output matrix. A weight whose leaf joins the weights of GEMMs run per part (`w_qkv`
+[D, 3, N, H] where q, k and v are three GEMMs), or whose GEMM's output flattens some of its
+dims (the attention's `w_out` [N, H, D]: [N H, D]), keeps its accumulator as those matrices
+(`Parts`, the leaves `StageFunctions.weight_gemms` names): the joined [D, 3, N, H] took one
+more elementwise pass (2.2 ms of an 8-layer gpt_1.3b step on one H100), the [N, H, D] one an
+add of the GEMM's transposed output (0.8 ms).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,34 +34,40 @@ from jaxmeg.pipeline.gradients import accumulate, reduce_over_data, zeros_f32
 
 @jax.tree_util.register_pytree_node_class
 class Parts:
-    """One weight's accumulator as its parts along `axis`: each an array [dim 0, the rest
-    flattened], its GEMM's output's shape (with the part's own shape between, XLA does not
-    fold the add into the GEMM). `shape`: a part's own shape, the weight's without `axis`."""
+    """One weight's accumulator as its GEMMs' output matrices: its parts along `axis` (None:
+    one part, the whole weight), each [its dims before `split` flattened, the rest flattened].
+    `shape`: a part's own shape (the weight's without `axis`)."""
 
-    def __init__(self, arrays, axis: int, shape: tuple):
-        self.arrays, self.axis, self.shape = tuple(arrays), axis, tuple(shape)
+    def __init__(self, arrays, axis: int | None, split: int, shape: tuple):
+        self.arrays, self.axis, self.split = tuple(arrays), axis, split
+        self.shape = tuple(shape)
 
     def tree_flatten(self):
-        return self.arrays, (self.axis, self.shape)
+        return self.arrays, (self.axis, self.split, self.shape)
 
     @classmethod
     def tree_unflatten(cls, aux, arrays):
         return cls(arrays, *aux)
 
     @classmethod
-    def of(cls, x: jax.Array, axis: int) -> Parts:
-        parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
-        return cls([p.reshape(p.shape[0], -1) for p in parts], axis, parts[0].shape)
+    def of(cls, x: jax.Array, axis: int | None, split: int) -> Parts:
+        if axis is None:
+            parts = [x]
+        else:
+            parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
+        rows = math.prod(parts[0].shape[:split])
+        return cls([p.reshape(rows, -1) for p in parts], axis, split, parts[0].shape)
 
     def joined(self) -> jax.Array:
         """The weight's shape again."""
-        return jnp.stack([a.reshape(self.shape) for a in self.arrays], self.axis)
+        parts = [a.reshape(self.shape) for a in self.arrays]
+        return parts[0] if self.axis is None else jnp.stack(parts, self.axis)
 
     def plus(self, delta: jax.Array) -> Parts:
         """Each part + its slice of `delta` (the joined weight's shape), cast to fp32."""
-        slices = Parts.of(delta, self.axis).arrays
+        slices = Parts.of(delta, self.axis, self.split).arrays
         summed = [a + d.astype(a.dtype) for a, d in zip(self.arrays, slices, strict=True)]
-        return Parts(summed, self.axis, self.shape)
+        return Parts(summed, self.axis, self.split, self.shape)
 
 
 def _is_parts(x) -> bool:
@@ -74,7 +84,7 @@ def _like(tree, acc_layer):
 
     def one(x, a):
         if _is_parts(a):
-            return Parts.of(x.astype(a.arrays[0].dtype), a.axis)
+            return Parts.of(x.astype(a.arrays[0].dtype), a.axis, a.split)
         return x.astype(a.dtype)
 
     return jax.tree.map(one, tree, acc_layer)
@@ -87,22 +97,22 @@ def _plus(acc_layer, delta):
     )
 
 
-def zeros(like, per_layer: bool, weight_parts=None):
+def zeros(like, per_layer: bool, weight_gemms=None):
     """fp32 zeros shaped like `like` ([v, Lc, ...] leaves), per layer (v must be 1) or stacked;
-    per layer, a leaf named in `weight_parts` ({name: the parts' axis in a layer's leaf}) as
-    `Parts`."""
+    per layer, a leaf named in `weight_gemms` ({name: (parts axis or None, split)} in a
+    layer's leaf) as `Parts`."""
     acc = zeros_f32(like)
     if not per_layer:
         return acc
     assert jax.tree.leaves(acc)[0].shape[0] == 1, "per-layer accumulators take one chunk"
-    parts = weight_parts or {}
+    gemms = weight_gemms or {}
 
-    def split(path, a):
-        axis = parts.get(getattr(path[-1], "key", None)) if path else None
-        return a if axis is None else Parts.of(a, axis)
+    def shaped(path, a):
+        name = getattr(path[-1], "key", None) if path else None
+        return Parts.of(a, *gemms[name]) if name in gemms else a
 
     return [
-        jax.tree_util.tree_map_with_path(split, layer)
+        jax.tree_util.tree_map_with_path(shaped, layer)
         for layer in unstack_layers(jax.tree.map(lambda a: a[0], acc))
     ]
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
-from jaxmeg.models.gpt import LayerGroup, layer_unit, weights_in_parts
+from jaxmeg.models.gpt import LayerGroup, layer_unit, weight_gemms
 from jaxmeg.models.grouped_gemm import grouped_gemm
 from jaxmeg.models.moe_exchange import EXCHANGE_KEPT, UNIT_KEPT
 from jaxmeg.models.parts import dtype_of
@@ -336,7 +336,7 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
         chunk_recompute=recompute,
         split=split,
         per_layer=unrolls_layers(trainable),
-        weight_parts=weights_in_parts(trainable.model_cfg),
+        weight_gemms=weight_gemms(trainable.model_cfg),
     )
 
 

@@ -365,7 +365,7 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
             st.chunk_shard(0),
             zero.chunk_dims,
         )
-    carry["g_stage"] = accumulator.zeros(st.g_like, plan.layer_accumulators, plan.fns.weight_parts)
+    carry["g_stage"] = accumulator.zeros(st.g_like, plan.layer_accumulators, plan.fns.weight_gemms)
     if plan.reduction.where == SCATTER:  # the split accumulator the reductions write into
         carry["g_reduced"] = gradients.zeros_f32(
             jax.tree.map(

@@ -49,9 +49,11 @@ class StageFunctions:
         trees (a chunk that runs its layers one after another): each layer's gradient is then
         an array of its own, final when that layer's backward ends, which a reduction over
         `data` can start from while the layers before it run theirs
-    weight_parts: {leaf name: axis} of the weights whose leaf joins, along that axis of a
-        layer's leaf, the weights of GEMMs run per part; per-layer accumulators keep each
-        part's gradient on its own (`jaxmeg.pipeline.accumulator.Parts`)
+    weight_gemms: {leaf name: (axis, split)} of the weights whose gradient comes out of their
+        GEMMs in other shapes than the leaf's: the leaf joins, along `axis` of a layer's leaf
+        (None: no parts), the weights of GEMMs run per part, and each GEMM's output is the
+        part's dims before `split` by the rest; per-layer accumulators keep those matrices
+        (`jaxmeg.pipeline.accumulator.Parts`)
     """
 
     embed: Callable
@@ -60,7 +62,7 @@ class StageFunctions:
     chunk_recompute: Callable | None = None
     split: SplitFunctions | None = None
     per_layer: bool = False
-    weight_parts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    weight_gemms: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
