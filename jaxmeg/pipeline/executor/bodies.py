@@ -260,8 +260,7 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     def chunk_head_loss(p_, sh, x_):
         return fns.head_loss(sh, fns.chunk(p_, x_, at.real), targets)
 
-    x = a.inputs[at.slot]
-    loss, pullback = jax.vjp(chunk_head_loss, st.taken(at.cp), st.head_shared, x)
+    loss, pullback = jax.vjp(chunk_head_loss, st.taken(at.cp), st.head_shared, a.inputs[at.slot])
     scale = gradients.loss_scale(plan.m)
     d_params, d_shared, d_x = pullback(jnp.ones_like(loss) * scale)
     g_shared = gradients.accumulate(a.g_shared, d_shared)
