@@ -11,12 +11,18 @@ temp      = 12 P               fp32 gradient accumulators, and the update's temp
           + J c s b h          the cotangent ring
           + W                  what one tick holds besides the rings (`working_bytes`)
           + 12 s b V / t       the last virtual stage's fp32 logits, softmax and their gradient
+          + 4 P  (data > 1)    the data-parallel all-reduce's result beside the accumulators
+                               it reads: the collective's output is a buffer of its own, and
+                               the update reads it while the step's other temporaries live
 
 With p v = 1 the whole model's forward and backward run inside one tick, and their residuals
 are gone before the optimizer update, whose temporaries reuse that space: temp = max(12 P,
 8 P + the rest), the update's buffers or, during the backward, the accumulators and one
-microbatch's gradient beside the activations (within 8% of memory_analysis on the tie cases
-of tests/test_perf.py and with m = 2 or b = 4; the plain sum counted the update twice).
+microbatch's gradient beside the activations (the plain sum counted the update twice), plus
+the all-reduce's result with data > 1. Against memory_analysis on 8 CPU devices (the tie cases
+of tests/test_perf.py and their neighbours: data 1 or 2, m 1 to 8, b 1 to 4, each recompute
+choice), arguments + temp come within 10%. A sharded optimizer (`zero_stage`) is not priced
+here: its shards, scatters and gathers are `jaxmeg.perf.memory.memory_per_gpu`'s.
 
 The residuals R cross the tick loop, so every one of them is a buffer of its own: they are
 counted leaf by leaf from the pullback of jaxmeg's layer (`stored_layer_elements`). A backward
@@ -174,4 +180,6 @@ def jaxmeg_step_memory(
         temp = max(12 * params, 8 * params + activations)
     else:
         temp = 12 * params + activations
+    if layout.data > 1:
+        temp += 4 * params
     return StepMemory(params=params, arguments=arguments, temp=temp)
