@@ -1,7 +1,8 @@
 """What the executor's tick loop executes, read from the compiled HLO: no copy of a gradient
-accumulator, a backward branch without forward matmuls when residuals are stored, one ppermute
-pair per tick without the ring-wrap send when v = 1; and the pullback split that keeps weights
-out of the residual rings."""
+accumulator, no divide of one (the data mean's divide runs after the loop), a backward branch
+without forward matmuls when residuals are stored, one ppermute pair per tick without the
+ring-wrap send when v = 1; and the pullback split that keeps weights out of the residual
+rings."""
 
 from __future__ import annotations
 
@@ -100,6 +101,29 @@ def test_data_mean_runs_beside_the_slots(monkeypatch, unordered_ticks):
         assert hlo_module.defined(mean) not in hlo_module.upstream(body, slot)
     write = hlo_module.upstream(body, loops["reduce_write"])
     assert {hlo_module.defined(mean), hlo_module.defined(loops["b_whole"])} <= write
+
+
+def test_data_reduction_in_the_loop_divides_nothing():
+    """data = 2: the tick loop's reductions over `data` sum; the divide into the mean runs once
+    after the loop, where the update reads the gradients (`Plan.sums_in_loop`): no divide of an
+    accumulator's shape anywhere in the loop (XLA writes a divide by 2 as a multiply: the ops
+    are found by jax's name for them, `div`; the update's own divides are after the loop)."""
+    trainable, _, comps, body = compiled_module((2, 1, 2))
+    stage = accumulator_shapes(trainable)  # [v, Lc, ...]; a chunk's [Lc, ...] with v = 1
+    shapes = stage | {re.sub(r"^f32\[1,", "f32[", shape) for shape in stage}
+    inside = divides(comps, hlo_module.reachable(comps, body))
+    assert divides(comps, comps) & shapes  # the update's: the check below has something to match
+    assert not inside & shapes, inside & shapes
+
+
+def divides(comps, names) -> set[str]:
+    """Result shapes of the instructions jax's `div` became in computations `names`."""
+    return {
+        hlo_module.result_shape(line)
+        for c in names
+        for line in comps[c]
+        if re.search(r'op_name="[^"]*/div"', line)
+    }
 
 
 def slot_matmuls(comps, body) -> dict[str, int]:

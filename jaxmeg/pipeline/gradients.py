@@ -13,7 +13,8 @@ With `data` > 1 each chunk's layer gradients are reduced inside the tick loop, i
 after the chunk's last backward on its stage, beside that tick's slots (where the executor says
 so, its last B slot reduces each layer but the first itself, as the layer's backward ends:
 `accumulator.add_reducing_layers`); after the loop only the shared gradients and the loss are
-reduced. With a sharded optimizer every reduction is a
+reduced (and the stage gradients' sums divided into their mean where the loop summed them:
+`reduce_over_data(mean=False)`, `mean_of_sum`). With a sharded optimizer every reduction is a
 reduce-scatter (`reduce_scatter`) into split accumulators. With PowerSGD
 (`compression.data_grad_rank`) a chunk's reduction on the stages that compress is
 `powersgd.reduce` (`reduce_chunk_compressed`); with the fused embedding sync
@@ -136,10 +137,6 @@ def _psum(tree, axis: str | tuple[str, ...]):
     return tree if trivial(_inside_sizes(), expert=True) else jax.lax.psum(tree, axis)
 
 
-def _pmean(tree, axis: str | tuple[str, ...]):
-    return tree if trivial(_inside_sizes(), expert=True) else jax.lax.pmean(tree, axis)
-
-
 def _by_kind(tree, experts, dense_fn, expert_fn):
     """`dense_fn` of the dense leaves and `expert_fn` of the expert leaves of `tree` (each
     called once, on a tree with the other kind's leaves left out); `experts`: a tree like
@@ -155,27 +152,34 @@ def _by_kind(tree, experts, dense_fn, expert_fn):
     return jax.tree.unflatten(treedef, [next(split) if f else next(dense) for f in flags])
 
 
-def reduce_over_data(tree, experts=None):
+def reduce_over_data(tree, experts=None, mean: bool = True):
     """The data-parallel gradient reduction: the mean over the replicas (`replica_axes`), and
     for the dense leaves the sum over `summed_axes`. A rank's own experts (the leaves
     `experts` marks, as in `_by_kind`) already hold every expert rank's rows' gradient: the
-    exchange's backward brought them."""
+    exchange's backward brought them. `mean=False`: the sum over the replicas, which
+    `mean_of_sum` makes the mean (a collective's result is a buffer of its own, so a divide
+    right after it is one more pass over every gradient, where after the tick loop it fuses
+    into the optimizer's update)."""
     axes = replica_axes()
-    count = replicas()
 
     def dense(t):
-        if not summed_axes():
-            return _pmean(t, axes)
-        summed = _psum(t, (*axes, *summed_axes()))
-        return jax.tree.map(lambda a: a / count, summed) if count > 1 else summed
+        return _mean_of(_psum(t, (*axes, *summed_axes())), mean)
 
-    return _by_kind(tree, experts, dense, lambda t: _pmean(t, axes))
+    return _by_kind(tree, experts, dense, lambda t: _mean_of(_psum(t, axes), mean))
+
+
+def mean_of_sum(tree):
+    """`reduce_over_data(..., mean=False)`'s sum over the replicas as their mean."""
+    return _mean_of(tree, True)
+
+
+def _mean_of(summed, mean: bool):
+    count = replicas()
+    return jax.tree.map(lambda a: a / count, summed) if mean and count > 1 else summed
 
 
 def _sum_stages_mean_replicas(tree):
-    summed = _psum(tree, (*MANUAL_AXES, *replica_axes()[1:], *summed_axes()))
-    count = replicas()
-    return jax.tree.map(lambda a: a / count, summed) if count > 1 else summed
+    return mean_of_sum(_psum(tree, (*MANUAL_AXES, *replica_axes()[1:], *summed_axes())))
 
 
 def drop_leading_dims(dims, count: int):

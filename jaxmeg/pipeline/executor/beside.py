@@ -12,8 +12,6 @@ per slot), so no slot waits for its gather either.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -152,7 +150,7 @@ def start_reduction(plan: Plan, st: Stage, c: Carry, row: dict, step) -> Carry:
     reduce = REDUCE_CHUNK.scope
     chunk = row[reduce]
     due, at = chunk >= 0, jnp.maximum(chunk, 0)
-    mean = functools.partial(gradients.reduce_over_data, experts=plan.experts)
+    mean = plan.reduce_in_loop
     if plan.reduction.where == BESIDE_B:  # where a B slot runs, the mean runs in its loop
         due = due & (row[REDUCE_BESIDE_B.scope] == 0)
     if dc is None:

@@ -214,8 +214,9 @@ def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> di
     if not last:
         return {"g_stage": accumulator.add_at(a.g_stage, index, d_params)}
     if not plan.sharded:
-        mean = partial(gradients.reduce_over_data, experts=plan.experts)
-        sums, reduced = accumulator.add_reducing_layers(a.g_stage, index, d_params, mean)
+        sums, reduced = accumulator.add_reducing_layers(
+            a.g_stage, index, d_params, plan.reduce_in_loop
+        )
         return {"g_stage": accumulator.write_layers(a.g_stage, index, [sums[0], *reduced])}
     dims = plan.zero.chunk_dims  # of [Lc, ...]: one layer's is one less; 0 splits the layers
 

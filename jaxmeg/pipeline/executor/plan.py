@@ -112,6 +112,20 @@ class Plan:
         """A sharded optimizer (ZeRO-1 or 3): chunks reduce-scatter instead of averaging."""
         return bool(self.zero.stage)
 
+    @property
+    def sums_in_loop(self) -> bool:
+        """The loop's reductions of the stage gradients sum over the replicas, and the step
+        divides by their count once after the loop, where the update reads the gradients (in
+        the loop the divide would be a pass of its own over them): an in-loop mean, without a
+        sharded optimizer or PowerSGD (whose stages return the mean itself)."""
+        uncompressed = self.options.data_compression is None
+        return self.reduction.in_loop and not self.sharded and uncompressed
+
+    def reduce_in_loop(self, tree):
+        """A chunk's (or layer's) stage gradients reduced over the replicas in the loop: the
+        mean, or the sum where `sums_in_loop`."""
+        return gradients.reduce_over_data(tree, self.experts, mean=not self.sums_in_loop)
+
     def taken(self, cp):
         """A chunk's params [Lc, ...] as its functions take them: a list of per-layer slices
         where `StageFunctions.per_layer` says, else as they are."""

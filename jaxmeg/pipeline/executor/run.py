@@ -125,7 +125,7 @@ def _backward(plan: Plan, st: carry.Stage, c: carry.Carry, row: dict) -> carry.C
 
     def both(s):
         s = bodies.backward_slot(plan, st, s, row, cells)
-        return s.replace(pending=gradients.reduce_over_data(s.pending, plan.experts))
+        return s.replace(pending=plan.reduce_in_loop(s.pending))
 
     state = slots.run_if(due, both, state, REDUCE_BESIDE_B.scope)
     alone = lambda s: bodies.backward_slot(plan, st, s, row, ~cells)  # noqa: E731
@@ -155,6 +155,8 @@ def _final_reduction(plan: Plan, out: carry.Carry):
         experts=plan.experts,
         **scatter,
     )
+    if plan.sums_in_loop:
+        g_stage = gradients.mean_of_sum(g_stage)
     g_stage = jax.tree.map(lambda a: a[:, None], g_stage)  # back to [v, 1, Lc, ...]
     return loss, (g_stage, g_shared)
 
