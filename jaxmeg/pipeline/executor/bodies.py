@@ -207,9 +207,9 @@ def _embed_backward(plan: Plan, st: Stage, d_x, tokens):
 
 def _accumulate(plan: Plan, a: Carry, index, d_params, last: bool = False) -> dict:
     """The fields it writes: the chunk's gradients added in (`g_stage`); in its last B or W
-    (`Reduction.layers`) each layer's but the first also reduced over `data` as it becomes
-    final: the mean (or sum: `Plan.sums_in_loop`) written back, or with a sharded optimizer the reduce-scatter written into `g_reduced`, but for the
-    leaves it splits along the chunk's layers (`beside.scatter_final` takes those whole)."""
+    (`Reduction.layers`) each layer's but the first also reduced over `data` once final: the
+    mean (or sum, `Plan.sums_in_loop`) written back, or the sharded optimizer's reduce-scatter
+    into `g_reduced`, but for leaves split along the layers (`beside.scatter_final`'s)."""
     if not last:
         return {"g_stage": accumulator.add_at(a.g_stage, index, d_params)}
     if not plan.sharded:
