@@ -1,8 +1,8 @@
 """What the executor's tick loop executes, read from the compiled HLO: no copy of a gradient
 accumulator, no divide of one (the data mean's divide runs after the loop), a backward branch
 without forward matmuls when residuals are stored, one ppermute pair per tick without the
-ring-wrap send when v = 1; and the pullback split that keeps weights out of the residual
-rings."""
+ring-wrap send when v = 1, what overlapped sends bring not zeroed; and the pullback split that
+keeps weights out of the residual rings."""
 
 from __future__ import annotations
 
@@ -193,6 +193,25 @@ def test_ppermutes_go_one_stage_on_and_wrap_only_with_chunks(chunks):
         assert sent == {"send_x": {(0, 1)}, "send_cot": {(1, 0)}}
     else:  # p = 2: the wrap's pairs are the other direction's
         assert sent == {"send_x": {(0, 1), (1, 0)}, "send_cot": {(1, 0), (0, 1)}}
+
+
+def zeroed_arrivals(cfg: C.Config) -> set[str]:
+    """The pipe sends (their name scopes) whose arrivals a select zeroes in `cfg`'s compiled
+    step, and "ppermute" where it has one at all (the check has something to find)."""
+    text = compile_step(trainable_for(cfg))[0].as_text()
+    found = set(re.findall(r'op_name="[^"]*/(send_\w+)/select_n"', text))
+    return found | ({"ppermute"} if re.search(r"collective-permute(-start)?\(", text) else set())
+
+
+def test_overlapped_sends_leave_what_arrives_unzeroed():
+    """`overlap_sends`: each tick's one ppermute per direction reaches `receive` as it arrived
+    (zeroing where the tick's pattern sends nothing was an elementwise pass over every message
+    in every tick); a compressed link, whose receiver adds its two parts, still zeroes them."""
+    cfg = config((1, 2, 1))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_sends=True))
+    assert zeroed_arrivals(cfg) == {"ppermute"}
+    compressed = dataclasses.replace(cfg, compression=C.CompressionConfig(pipe_grad_rank=2))
+    assert {"ppermute", "send_whole", "send_factors"} <= zeroed_arrivals(compressed)
 
 
 def test_pipe1_has_no_pipe_collectives():

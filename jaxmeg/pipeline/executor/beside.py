@@ -41,12 +41,15 @@ from jaxmeg.pipeline.executor.reduction import BESIDE_B
 # -- the pipe links -----------------------------------------------------------------------------
 
 
-def send(plan: Plan, x, row: dict, kind: SlotKind, split: bool = True):
-    """`x` over the pairs that send it in this tick (`slots.send`); what arrives here."""
+def send(plan: Plan, x, row: dict, kind: SlotKind, split: bool = True, zero_idle=False):
+    """`x` over the pairs that send it in this tick (`slots.send`); what arrives here (where
+    nothing is sent, zeros only with `zero_idle`: `receive` reads only what the table says
+    arrives)."""
     index, scope = row[kind.scope], kind.scope
     patterns = plan.columns.patterns[scope]
     split = split and plan.split_sends
-    return slots.send(x, index, patterns, scope, split, plan.options.overlap_sends)
+    every_tick = plan.options.overlap_sends
+    return slots.send(x, index, patterns, scope, split, every_tick, zero_idle)
 
 
 def arrive(plan: Plan, buffer, row: dict, what: str, scope: str, arrived: dict):
@@ -74,9 +77,9 @@ def send_cotangent(plan: Plan, c: Carry, row: dict, d_x):
         factors, x, new = compression.encode_link(pc, c.links, chunk, g, here, sending)
     whole = x.astype(d_x.dtype).reshape(d_x.shape)
     # compressed links send whole: the two parts are added before they are kept
-    got_whole = send(plan, whole, row, SEND_WHOLE, split=False)
+    got_whole = send(plan, whole, row, SEND_WHOLE, split=False, zero_idle=True)
     # the rank-r factors are small: they go whole from every tensor rank
-    got_p, got_q = send(plan, factors, row, SEND_FACTORS, split=False)
+    got_p, got_q = send(plan, factors, row, SEND_FACTORS, split=False, zero_idle=True)
     rebuilt = compression.rebuild(got_p, got_q).astype(d_x.dtype).reshape(d_x.shape)
     return c.replace(links=new), got_whole + rebuilt
 

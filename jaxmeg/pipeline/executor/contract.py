@@ -106,7 +106,7 @@ class ExecutorOptions:
         stage_params of each leaf's dim split over `expert` (-1 none): a MoE layer's experts.
         None leaves `expert` automatic.
     overlap_sends: every pipe send is one `ppermute` per tick on all the pairs its direction
-        ever uses, outside any conditional (what arrives where nothing was sent is zeroed), and
+        ever uses, outside any conditional (what arrives where nothing was sent is not read), and
         a B slot's cotangent leaves at the start of the next tick (without pipe compression):
         XLA's GPU scheduler then runs F's send beside the B slot and B's beside the next F. A
         send over the pairs of the tick only, under a `lax.switch`, can overlap nothing; with

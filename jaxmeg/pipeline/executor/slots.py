@@ -10,9 +10,13 @@ over `data` and `pipe`, automatic over `tensor`).
   (`columns.send_patterns`): every stage takes the same branch, so no stage waits in a
   collective that another skips. Or (`every_tick`) one ppermute on every pair the direction
   ever uses, outside any conditional, where a GPU's scheduler can overlap it with the compute
-  beside it; what arrives where the tick's pattern sends nothing is zeroed, so both give the
-  same values. With scatter/gather each tensor rank sends its slice of the sequence (a nested
-  map, manual over `tensor`).
+  beside it; what arrives where the tick's pattern sends nothing is left as it came (a stale
+  message: `receive` writes only where the table's slot column says something arrives, which
+  is where the pattern lands), or zeroed where the caller adds arrivals (`zero_idle`: a
+  compressed link's two parts), so both give the same values wherever they are read. Zeroing
+  every arrival was an elementwise pass over each message in every tick (gpt_1.3b (1,4,1)
+  zb_h1 on H100s: 1.1 ms a step). With scatter/gather each tensor rank sends its slice of the
+  sequence (a nested map, manual over `tensor`).
 - `receive`: writes what arrived into its ring slot, all-gathering a split message over
   `tensor` there, on the receivers only (a tensor group shares its stage, so a `tensor`
   collective may sit under a stage-dependent loop).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -118,22 +123,25 @@ def run_if(active, fn: Callable, state, scope: str, reads=()):
         return state
 
 
-def send(x, index, patterns, scope: str, split: bool = False, every_tick: bool = False):
+def send(
+    x, index, patterns, scope: str, split: bool = False, every_tick: bool = False,
+    zero_idle: bool = False,
+):  # fmt: skip
     """ppermute `x` over the pairs of `patterns[index - 1]`, zeros where index is 0 or where
     nothing arrives (`every_tick`: one ppermute on all the patterns' pairs, see the module
-    docstring). With `split` (scatter/gather), x [b, s, h] goes as each tensor rank's slice of
-    its b s rows, and what arrives, [b s, h], is split over `tensor` (`receive` gathers it
-    along its major dim: the ring's layout as it is, where a split of the sequence dim made
-    XLA transpose the ring)."""
+    docstring; what arrives where nothing is sent is then zeros only with `zero_idle`). With
+    `split` (scatter/gather), x [b, s, h] goes as each tensor rank's slice of its b s rows, and
+    what arrives, [b s, h], is split over `tensor` (`receive` gathers it along its major dim:
+    the ring's layout as it is, where a split of the sequence dim made XLA transpose the ring)."""
     if not patterns:
         return jax.tree.map(jnp.zeros_like, x)
     if _CHAIN.token is not None:  # in a loop of one trip, ordered against the tick's others
-        once = lambda _, x_: send(x_, index, patterns, scope, split, every_tick)  # noqa: E731
+        once = lambda _, x_: send(x_, index, patterns, scope, split, every_tick, zero_idle)  # noqa: E731
         with _chain_off():
             sent = jax.eval_shape(once, None, x)  # split: [b s, h]
         zeros = varying_everywhere(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sent))
         return run_if(jnp.ones((), jnp.int32), once, zeros, ORDERED_SCOPE, (x,))
-    permute = _every_tick if every_tick else _when_needed
+    permute = partial(_every_tick, zero_idle=zero_idle) if every_tick else _when_needed
 
     with jax.named_scope(scope):
         if not split:
@@ -164,15 +172,17 @@ def _when_needed(x, index, patterns, switch_fn):
     return switch_fn(index, [zeros, *sends])
 
 
-def _every_tick(x, index, patterns, _switch_fn):
+def _every_tick(x, index, patterns, _switch_fn, zero_idle: bool = False):
     pairs = sorted({pair for pattern in patterns for pair in pattern})
     sources, targets = [s for s, _ in pairs], [d for _, d in pairs]
     assert len(set(sources)) == len(sources) and len(set(targets)) == len(targets), pairs
+    arrived = jax.lax.ppermute(x, "pipe", pairs)
+    if not zero_idle:
+        return arrived
     lands = np.zeros((len(patterns) + 1, jax.lax.axis_size("pipe")), bool)
     for k, pattern in enumerate(patterns, start=1):
         lands[k, [d for _, d in pattern]] = True
     here = jnp.asarray(lands)[index, jax.lax.axis_index("pipe")]
-    arrived = jax.lax.ppermute(x, "pipe", pairs)
     return jax.tree.map(lambda a: jnp.where(here, a, jnp.zeros_like(a)), arrived)
 
 
