@@ -138,6 +138,31 @@ def test_send_patterns_are_the_same_on_every_stage_and_cover_exactly_the_senders
             assert pairs == expected
 
 
+@pytest.mark.parametrize(
+    "name,chunks",
+    [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("interleaved_zb", 2), ("zbv", 2),
+     ("dualpipev", 2)],
+)  # fmt: skip
+def test_a_stage_receives_exactly_where_a_send_lands(name, chunks):
+    """What an every-tick send (`parallel.overlap_sends`) brings where the tick's pattern sends
+    nothing is left unzeroed (`slots._every_tick`), which is sound only if no receive slot
+    reads it: in every tick a stage's receive slot of each way is set exactly where that way's
+    pattern lands on it."""
+    table = build_tick_table(build(name, 4, 8, chunks))
+    cols = tick_columns.slot_columns(table, chunks)
+    ways = {"send_x": "recv_act_slot", "send_cot": "recv_cot_slot"}
+    if table.placement == "v":
+        ways |= {"send_x_back": "recv_act_back_slot", "send_cot_back": "recv_cot_back_slot"}
+    for send, slot in ways.items():
+        index, patterns = cols.columns[send], cols.patterns[send]
+        lands = np.zeros((table.num_ticks, 4), bool)
+        for t in range(table.num_ticks):
+            for _, dest in patterns[index[t, 0] - 1] if index[t, 0] else ():
+                lands[t, dest] = True
+        assert lands.any(), send
+        np.testing.assert_array_equal(getattr(table, slot) >= 0, lands, err_msg=send)
+
+
 def test_middle_stages_touch_no_shared_gradient_in_the_loop():
     """The embedding's gradient [V, h] is accumulated only where a first or last virtual stage
     produces it: on a middle stage the step's elementwise work on [V, h] arrays (the reduction

@@ -12,11 +12,12 @@ over `data` and `pipe`, automatic over `tensor`).
   ever uses, outside any conditional, where a GPU's scheduler can overlap it with the compute
   beside it; what arrives where the tick's pattern sends nothing is left as it came (a stale
   message: `receive` writes only where the table's slot column says something arrives, which
-  is where the pattern lands), or zeroed where the caller adds arrivals (`zero_idle`: a
-  compressed link's two parts), so both give the same values wherever they are read. Zeroing
-  every arrival was an elementwise pass over each message in every tick (gpt_1.3b (1,4,1)
-  zb_h1 on H100s: 1.1 ms a step). With scatter/gather each tensor rank sends its slice of the
-  sequence (a nested map, manual over `tensor`).
+  is where the pattern lands, as tests/test_cost_report.py checks for each schedule), or
+  zeroed where the caller adds arrivals (`zero_idle`: a compressed link's two parts), so both
+  give the same values wherever they are read. Zeroing every arrival was an elementwise pass
+  over each message in every tick (gpt_1.3b (1,4,1) zb_h1 on H100s: 1.1 ms a step). With
+  scatter/gather each tensor rank sends its slice of the sequence (a nested map, manual over
+  `tensor`).
 - `receive`: writes what arrived into its ring slot, all-gathering a split message over
   `tensor` there, on the receivers only (a tensor group shares its stage, so a `tensor`
   collective may sit under a stage-dependent loop).
