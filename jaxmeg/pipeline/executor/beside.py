@@ -41,7 +41,7 @@ from jaxmeg.pipeline.executor.reduction import BESIDE_B
 # -- the pipe links -----------------------------------------------------------------------------
 
 
-def send(plan: Plan, x, row: dict, kind: SlotKind, split: bool = True, zero_idle=False):
+def send(plan: Plan, x, row: dict, kind: SlotKind, split: bool = True, zero_idle: bool = False):
     """`x` over the pairs that send it in this tick (`slots.send`); what arrives here (where
     nothing is sent, zeros only with `zero_idle`: `receive` reads only what the table says
     arrives)."""
