@@ -73,11 +73,15 @@ def test_zb_h1_beats_1f1b_on_the_schedule_bound_on_four_h100():
     1.13x with the split backward's q, k, v GEMMs too). It held more (1.89x, then 1.36x: a
     program's rings are sized for the busiest stage of each, p - s microbatches' residuals
     and s + 1 microbatches' dY); now a microbatch's residuals and then its dY share the slot
-    it holds from F to W (`executor.pool`): 0.97x, as the ZB paper's ZB-H1 holds 1F1B's."""
+    it holds from F to W (`executor.pool`): 0.97x, as the ZB paper's ZB-H1 holds 1F1B's. The
+    last stage's F leaves the head's weight gradient to its next W from the first W on
+    (`Plan.head_in_w`): bound 0.976x -> 0.969x, at the cost of one microbatch's logits
+    cotangent kept between them (temp 0.97x -> 1.04x on this one-layer-per-stage model;
+    gpt_1.3b's (1,4,1) stays below 1F1B's, docs/benchmarks.md)."""
     one_f_one_b, zb_h1 = four_stages("1f1b"), four_stages("zb_h1")
-    assert zb_h1["schedule_bound_seconds"] < one_f_one_b["schedule_bound_seconds"]
+    assert zb_h1["schedule_bound_seconds"] < 0.975 * one_f_one_b["schedule_bound_seconds"]
     assert zb_h1["roofline_seconds"] <= 1.2 * one_f_one_b["roofline_seconds"]
-    assert zb_h1["temp_bytes"] <= one_f_one_b["temp_bytes"]
+    assert zb_h1["temp_bytes"] <= 1.05 * one_f_one_b["temp_bytes"]
 
 
 def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_on_8_h100():

@@ -20,6 +20,7 @@ from jaxmeg.models.remat import REMAT_POLICY
 from jaxmeg.pipeline import analysis, schedules, timing
 from jaxmeg.pipeline.executor import residuals
 from jaxmeg.pipeline.executor import run as executor_run
+from jaxmeg.pipeline.executor.columns import head_in_w_columns
 from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
 from jaxmeg.training import pipeline_step
 
@@ -89,6 +90,30 @@ def test_zb_h1_keeps_p_minus_s_microbatches_and_a_third_of_1f1b_bubble(p, m):
     # ZB-H1's bubble with F = I = W is (p - 1) units against 1F1B's 3 (p - 1)
     ideal = 3 * m
     assert analysis.lockstep_time(schedule) == pytest.approx(ideal + (p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 16)])
+def test_the_last_stage_leaves_its_heads_weight_gradient_to_its_next_w(p, m):
+    """`columns.head_in_w_columns`: on the last stage only, each F whose next F or W is a W
+    leaves the head's weight gradient to exactly that W, one at a time (what it keeps takes one
+    buffer); ZB-H1 does so from its first W on: m - p + 1 of the m forwards."""
+    table = build_tick_table(schedules.build("zb_h1", p, m))
+    defers, runs = head_in_w_columns(table)
+    assert not defers[:, : p - 1].any() and not runs[:, : p - 1].any()
+    f, w = table.f_mb[:, p - 1] >= 0, table.w_mb[:, p - 1] >= 0
+    assert (defers[:, p - 1] <= f).all() and (runs[:, p - 1] <= w).all()
+    events = [("F", t) for t in np.flatnonzero(f)] + [("W", t) for t in np.flatnonzero(w)]
+    pending = None
+    for kind, t in sorted(events, key=lambda e: e[1]):
+        if kind == "F":
+            assert pending is None, (pending, t)  # the buffer is free when an F fills it
+            pending = t if defers[t, p - 1] else None
+        elif pending is not None:
+            assert runs[t, p - 1]  # the W right after it runs what it left
+            pending = None
+        else:
+            assert not runs[t, p - 1]
+    assert pending is None and defers.sum() == runs.sum() == m - p + 1
 
 
 def test_zbv_halves_interleaved_bubble_with_no_more_stored_than_1f1b():
@@ -269,13 +294,20 @@ EQUIVALENCE = [
     # a GPU's sends (every tick, cotangents a tick late) both ways of a V, split over tensor
     pytest.param((2, 2, 2), "zbv", 2, 1, {"overlap_sends": True}, id="zbv-overlap-sends"),
     # and two layers per stage: each stage's last W reduces its second layer over data
-    pytest.param((2, 2, 1), "zb_h1", 1, 2, {"overlap_sends": True}, id="zb_h1-overlap-sends"),
+    # (and here, as in zb_h1-pooled, no automatic axis > 1: the last stage's W slot runs the
+    # head's weight gradient, `Plan.head_in_w`)
+    pytest.param((2, 2, 1), "zb_h1", 1, 2, {"overlap_sends": True, "head_in_w": True},
+                 id="zb_h1-overlap-sends"),
     # q, k, v from their own GEMMs as beside cuDNN's attention: a tuple tap per fused weight,
     # in I's rings and W's stacked GEMMs, its parts split over tensor
     pytest.param((1, 2, 2), "zb_h1", 1, 2, {"qkv_parts": True}, id="zb_h1-qkv-parts"),
     # a GPU's slots: a microbatch's residuals, then its dY, in the slot it holds from F to W
     # (`ExecutorOptions.pooled_slots`; q, k, v's tuple tap among the dY), with chunks, a V
-    pytest.param((1, 4, 1), "zb_h1", 1, 2, {"pooled": True, "qkv_parts": True}, id="zb_h1-pooled"),
+    pytest.param((1, 4, 1), "zb_h1", 1, 2, {"pooled": True, "qkv_parts": True, "head_in_w": True},
+                 id="zb_h1-pooled"),
+    # the head's weight gradient in W with an untied head, under ZeRO-1
+    pytest.param((2, 2, 1), "zb_h1", 1, 1, {"model": tp.LLAMA, "zero_stage": 1,
+                 "head_in_w": True}, id="zb_h1-untied-head-in-w-zero1"),
     pytest.param((2, 2, 1), "interleaved_zb", 2, 1, {"pooled": True, "model": dataclasses.replace(
                  tp.MODEL, remat="selective")}, id="interleaved_zb-pooled-selective"),
     pytest.param((1, 2, 1), "zbv", 2, 2, {"pooled": True}, id="zbv-pooled"),
@@ -288,13 +320,16 @@ def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra, monkeyp
     if extra.pop("qkv_parts", False):
         monkeypatch.setattr(gpt, "qkv_in_parts", lambda cfg: True)
     pooled, plans = extra.pop("pooled", False), []
-    if pooled:  # as a GPU compile builds it, and the plan says so
+    head_in_w = extra.pop("head_in_w", False)
+    if pooled:  # as a GPU compile builds it
         monkeypatch.setattr(pipeline_step, "pools_slots", lambda trainable: True)
+    if pooled or head_in_w:  # and the plan says so
         build = executor_run.build_plan
         recorded = lambda *a: plans.append(build(*a)) or plans[-1]  # noqa: E731
         monkeypatch.setattr(executor_run, "build_plan", recorded)
     tp.check_against_single_device(mesh, name, v, factor, **extra)
     assert not pooled or (plans and all(plan.pooled for plan in plans)), plans
+    assert not head_in_w or (plans and all(plan.head_in_w for plan in plans)), plans
 
 
 def test_zb_h1_temp_memory_at_or_below_1f1b_and_flat_in_microbatches():

@@ -392,9 +392,18 @@ class Embed(nn.Module):
             x_BxSxD = x_BxSxD + position_SxD.astype(compute)[None]
         return self.constrain(x_BxSxD, RESIDUAL_AXES)
 
-    def attend(self, x_BxSxD: Array) -> Array:
-        compute = dtype_of(self.cfg.compute_dtype)
-        return jnp.einsum("bsd,vd->bsv", x_BxSxD, self.token.astype(compute))
+
+def output_weight(cfg: ModelConfig, params) -> Array:
+    """The output projection's weight in the model's params: the token table [V, D] when tied
+    to the embedding, else the head's own [D, V]."""
+    return params["embed"]["token"] if cfg.tie_embeddings else params["head"]["unembed"]
+
+
+def output_projection(cfg: ModelConfig, z_BxSxD: Array, w: Array) -> Array:
+    """Logits [B, S, V] of the final norm's output z by `output_weight` w (in the compute
+    dtype)."""
+    spec = "bsd,vd->bsv" if cfg.tie_embeddings else "bsd,dv->bsv"
+    return jnp.einsum(spec, z_BxSxD, w.astype(dtype_of(cfg.compute_dtype)))
 
 
 class Head(nn.Module):
@@ -404,21 +413,25 @@ class Head(nn.Module):
     vocab: int
     constrain: Constrain = no_constraint
 
-    @nn.compact
-    def __call__(self, x_BxSxD: Array, embed: Embed | None = None) -> Array:
-        x = Norm(self.cfg, name="final_norm")(x_BxSxD)
-        if self.cfg.tie_embeddings:
-            logits_BxSxV = embed.attend(x)
-        else:
-            compute = dtype_of(self.cfg.compute_dtype)
-            w = param(
-                self,
-                "unembed",
-                (self.cfg.hidden, self.vocab),
-                ("embed", "vocab"),
+    def setup(self) -> None:
+        self.final_norm = Norm(self.cfg)
+        if not self.cfg.tie_embeddings:
+            self.unembed = param(
+                self, "unembed", (self.cfg.hidden, self.vocab), ("embed", "vocab"),
                 normal(self.cfg.init_std),
-            )
-            logits_BxSxV = jnp.einsum("bsd,dv->bsv", x, w.astype(compute))
+            )  # fmt: skip
+
+    def __call__(self, x_BxSxD: Array, embed: Embed | None = None) -> Array:
+        w = embed.token if self.cfg.tie_embeddings else self.unembed
+        return self.project(self.final_norm(x_BxSxD), w)
+
+    def normed(self, x_BxSxD: Array) -> Array:
+        """What the output projection reads: the final norm's output."""
+        return self.final_norm(x_BxSxD)
+
+    def project(self, z_BxSxD: Array, w: Array) -> Array:
+        """The logits of z by the weight w (`output_weight`)."""
+        logits_BxSxV = output_projection(self.cfg, z_BxSxD, w)
         return self.constrain(logits_BxSxV, ("act_batch", "act_tokens", "act_vocab"))
 
 
@@ -473,3 +486,11 @@ class GPT(nn.Module):
 
     def logits(self, x_BxSxD: Array) -> Array:
         return self.head(x_BxSxD, self.embed)
+
+    def head_input(self, x_BxSxD: Array) -> Array:
+        """What the output projection reads (`logits` = `head_project(head_input(x), w)`)."""
+        return self.head.normed(x_BxSxD)
+
+    def head_project(self, z_BxSxD: Array, w: Array) -> Array:
+        """The logits of `head_input`'s z by the weight w (`output_weight` of the params)."""
+        return self.head.project(z_BxSxD, w)

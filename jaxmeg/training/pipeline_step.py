@@ -27,14 +27,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmeg.config import Config
 from jaxmeg.models import GPT, Block, SequenceOrder, cross_entropy, split_backward
-from jaxmeg.models.gpt import LayerGroup, layer_unit, weight_gemms
+from jaxmeg.models.gpt import LayerGroup, layer_unit, output_weight, weight_gemms
 from jaxmeg.models.grouped_gemm import grouped_gemm
 from jaxmeg.models.moe_exchange import EXCHANGE_KEPT, UNIT_KEPT
 from jaxmeg.models.parts import dtype_of
 from jaxmeg.models.remat import REMAT_POLICY
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
-from jaxmeg.pipeline.executor import SplitFunctions, StageFunctions, ZeroSharding
+from jaxmeg.pipeline.executor import HeadSplit, SplitFunctions, StageFunctions, ZeroSharding
 from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
@@ -260,8 +260,12 @@ def _chunk_function(trainable: Trainable, constrain, remat: str) -> Callable:
     return lambda layer_params, x, real_layers: chunk(layer_params, x, real_layers)[0]
 
 
-def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFunctions:
-    """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`)."""
+def _split_functions(
+    trainable: Trainable, constrain, remat: str, model: GPT, loss: Callable
+) -> SplitFunctions:
+    """The chunk with its backward split in I and W (`jaxmeg.models.split_backward`), and the
+    head in the pieces (`HeadSplit`) that leave its weight gradient to W; `loss(logits,
+    targets)` the head's loss."""
     block = step_block(trainable, constrain)
     tapped = split_backward.tapped(block)
     fp8_gemms = trainable.cfg.model.fp8 != "none"
@@ -290,6 +294,14 @@ def _split_functions(trainable: Trainable, constrain, remat: str) -> SplitFuncti
             exchanged=experts.weight_gradient,
             grouped_gradient=grouped,
             fp8_gemms=fp8_gemms,
+        ),
+        head=HeadSplit(
+            inputs=lambda shared, x: model.apply({"params": shared}, x, method=GPT.head_input),
+            weight=partial(output_weight, trainable.model_cfg),
+            logits=lambda shared, z, w: model.apply(
+                {"params": shared}, z, w, method=GPT.head_project
+            ),
+            loss=loss,
         ),
     )
 
@@ -320,15 +332,17 @@ def stage_functions(trainable: Trainable) -> StageFunctions:
     def embed(shared, tokens_BxS):
         return model.apply({"params": shared}, tokens_BxS, method=GPT.embed_tokens)
 
-    def head_loss(shared, x_BxSxD, targets_BxS):
-        logits = model.apply({"params": shared}, x_BxSxD, method=GPT.logits)
+    def loss(logits, targets_BxS):
         return cross_entropy(logits, targets_BxS, vocab_size)
+
+    def head_loss(shared, x_BxSxD, targets_BxS):
+        return loss(model.apply({"params": shared}, x_BxSxD, method=GPT.logits), targets_BxS)
 
     remat = cfg.model.remat
     recompute = _chunk_function(trainable, constrain, "none") if remat == "full" else None
     split = None
     if schedules.splits_backward(cfg.parallel.schedule):
-        split = _split_functions(trainable, constrain, remat)
+        split = _split_functions(trainable, constrain, remat, model, loss)
     return StageFunctions(
         embed=embed,
         chunk=_chunk_function(trainable, constrain, remat),

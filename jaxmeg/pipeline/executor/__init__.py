@@ -8,13 +8,15 @@ model given as `StageFunctions`. Every layout takes this path; pipe = 1 is the d
 pipeline of one stage.
 
 The rooms, in the order a step meets them:
-  contract  what the executor is given: StageFunctions, SplitFunctions, ZeroSharding, options
+  contract  what the executor is given: StageFunctions, SplitFunctions (HeadSplit),
+            ZeroSharding, options
   columns   static per-(tick, stage) columns from the table, and SLOT_KINDS: the one table of
             every scope the tick runs something under (the cost report weights by it)
   plan      everything static about the build, decided once (the mode flags, specs, columns)
   reduction where a chunk's gradients are reduced over data inside the loop: one mode
   carry     per device: the stage's context (`Stage`) and the loop's rings and accumulators
-  bodies    the F, B / I and W slot bodies, one function per slot kind
+  bodies    the F, B / I and W slot bodies, one function per slot kind; head_split: the
+            last stage's head with its weight gradient left to the next W (zb_h1)
   beside    what runs beside the slots: sends and receives (compressed where asked), ZeRO-3's
             gather ahead, the in-loop reduction over data
   run       the tick (about ten lines in schedule order), the final reduction, the map
@@ -35,6 +37,7 @@ reduction); accumulation and the reductions over `data` and `pipe` live in `grad
 
 from jaxmeg.pipeline.executor.contract import (
     ExecutorOptions,
+    HeadSplit,
     SplitFunctions,
     StageFunctions,
     ZeroSharding,
@@ -43,6 +46,7 @@ from jaxmeg.pipeline.executor.run import Program, build
 
 __all__ = [
     "ExecutorOptions",
+    "HeadSplit",
     "Program",
     "SplitFunctions",
     "StageFunctions",

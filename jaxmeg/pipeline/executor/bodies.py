@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxmeg import ordering
 from jaxmeg.pipeline import accumulator, gradients, rings
-from jaxmeg.pipeline.executor import residuals, slots
+from jaxmeg.pipeline.executor import head_split, residuals, slots
 from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
     B_CHUNK,
@@ -40,6 +40,7 @@ from jaxmeg.pipeline.executor.columns import (
     F_EMBED,
     F_FIRST,
     F_LAST,
+    F_LAST_HEAD_IN_W,
     F_MIDDLE,
     FB_KINDS,
     I_CHUNK,
@@ -47,10 +48,12 @@ from jaxmeg.pipeline.executor.columns import (
     REDUCING_OF,
     W_CHUNK,
     W_CHUNK_REDUCING,
+    W_HEAD,
 )
 from jaxmeg.pipeline.executor.plan import Plan
 
-F_STATE = ("inputs", "stored", "pool", "matmul_inputs", "cots", "y", "g_shared", "loss")
+F_STATE = ("inputs", "stored", "pool", "matmul_inputs", "cots", "y", "g_shared", "loss",
+           "head_w")  # fmt: skip
 """What the F slot's loops pass through (what its bodies write, or read)."""
 B_STATE = ("g_stage", "g_shared", "g_embed", "loss", "d_x", "inputs", "cots", "stored",
            "matmul_inputs", "wstore", "pool")  # fmt: skip
@@ -152,17 +155,27 @@ def f_middle(plan, st, at, r, tokens, targets):
     return r.replace(**_keep(plan, st, at, r, stored), y=y.astype(st.x_abstract.dtype))
 
 
-def f_last(plan, st, at, r, tokens, targets):
+def f_last(plan, st, at, r, tokens, targets, head_in_w=False):
     dtype = st.x_abstract.dtype
     y, stored = _run_chunk(plan, st, at, r.inputs[at.slot])
-    loss, pullback = jax.vjp(lambda sh, y_: plan.fns.head_loss(sh, y_, targets), st.head_shared, y)
     scale = gradients.loss_scale(plan.m)
-    # the scale seeds the pullback (as in `b_whole`): it lands on the logits' cotangent, and the
-    # head's weight-gradient GEMM adds into `g_shared` itself (a scale after it would not fuse)
-    d_shared, d_y = pullback(jnp.ones_like(loss) * scale)
+    written = _keep(plan, st, at, r, stored)
+    if head_in_w:  # F_LAST_HEAD_IN_W: what the stage's next W needs, in its one buffer
+        loss, d_shared, d_y, kept = head_split.backward_but_weight(plan, st, y, targets, scale)
+        written["head_w"] = jax.tree.map(
+            lambda buf, leaf: rings.write(buf, 0, leaf), r.head_w, kept
+        )
+    else:
+        loss, pullback = jax.vjp(
+            lambda sh, y_: plan.fns.head_loss(sh, y_, targets), st.head_shared, y
+        )
+        # the scale seeds the pullback (as in `b_whole`): it lands on the logits' cotangent, and
+        # the head's weight-gradient GEMM adds into `g_shared` itself (a scale after it would
+        # not fuse)
+        d_shared, d_y = pullback(jnp.ones_like(loss) * scale)
     cot_slot = jnp.maximum(at.row["f_cot_slot"], 0)
     return r.replace(
-        **_keep(plan, st, at, r, stored),
+        **written,
         cots=rings.write(r.cots, cot_slot, d_y.astype(dtype)),
         g_shared=gradients.accumulate(r.g_shared, d_shared),
         loss=r.loss + (loss * scale).astype(jnp.float32),
@@ -181,6 +194,8 @@ def forward_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
         kinds = {F_EMBED: f_embed}
     else:
         kinds = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
+        if plan.head_in_w:
+            kinds[F_LAST_HEAD_IN_W] = partial(f_last, head_in_w=True)
     if plan.paired:  # some kinds may run only in the F&B slot
         kinds = _present(plan, kinds)
     return c.merge(_run_slot(kinds, plan, st, at, c.only(F_STATE), batch))
@@ -481,11 +496,18 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
 
     state = c.only(("g_stage", "wstore", "pool", "matmul_inputs", *_scattering(plan)))
     if not plan.reduction.layers:
-        return c.merge(slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope))
-    last = row[W_CHUNK_REDUCING.scope] > 0
-    state = slots.run_if((row["w_mb"] >= 0) & ~last, weights, state, W_CHUNK.scope)
-    reducing = partial(weights, reducing=True)
-    return c.merge(slots.run_if(last, reducing, state, W_CHUNK_REDUCING.scope))
+        state = slots.run_if(row["w_mb"] >= 0, weights, state, W_CHUNK.scope)
+    else:
+        last = row[W_CHUNK_REDUCING.scope] > 0
+        state = slots.run_if((row["w_mb"] >= 0) & ~last, weights, state, W_CHUNK.scope)
+        reducing = partial(weights, reducing=True)
+        state = slots.run_if(last, reducing, state, W_CHUNK_REDUCING.scope)
+    c = c.merge(state)
+    if not plan.head_in_w:
+        return c
+    head = partial(head_split.weight_gradient, plan, st)
+    state = c.only(("g_shared", "head_w"))
+    return c.merge(slots.run_if(row[W_HEAD.scope] > 0, head, state, W_HEAD.scope))
 
 
 def _weight_layers(sf, g_stage, at, kept) -> list:

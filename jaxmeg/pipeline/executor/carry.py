@@ -76,6 +76,11 @@ class Carry:
     accumulate, and a second [V, D] accumulator would only cost its fill and sum.)"""
     g_stage: Any = None
     """The stage gradients [v, Lc, ...] fp32 (whole under ZeRO-3)."""
+    head_w: Any = None
+    """`Plan.head_in_w`: what the last stage's W_HEAD reads for the output projection's weight
+    gradient, [1, ...]: {"inputs": the final norm's output [b, s, h], "dys": the logits'
+    cotangent [b, s, V]}, from an F_LAST_HEAD_IN_W to the stage's next W (one at a time,
+    `columns.head_in_w_columns`)."""
     inputs: Any = None
     """Stage inputs [K, *x], written on arrival (or by the first virtual stage's F)."""
     links: Any = None
@@ -171,6 +176,13 @@ class Stage:
         narrower (`casts.read_as`)."""
         x = _varying(self.zeros_x(), self.plan.manual)
         return casts.read_as(self.plan.fns.head_loss, self.shared, x, self.targets[:, 0])
+
+    def head_avals(self) -> dict:
+        """What the last stage's F keeps for its W's output projection (`Carry.head_w`)."""
+        head, x = self.plan.split.head, _varying(self.zeros_x(), self.plan.manual)
+        z = jax.eval_shape(head.inputs, self.head_shared, x)
+        w = head.weight(self.head_shared)
+        return {"inputs": z, "dys": jax.eval_shape(head.logits, self.head_shared, z, w)}
 
     def _read_as(self):
         """Per leaf of the stage's params, the dtype the chunk only reads it in, if narrower
@@ -358,6 +370,8 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
         carry["wstore"] = _ring(table.num_w_slots, {"dys": st.w_avals["dys"]})
     elif table.split:  # I reruns the chunk, and keeps X with dY
         carry["wstore"] = _ring(table.num_w_slots, st.w_avals)
+    if plan.head_in_w:  # from the last stage's F to its next W: one at a time
+        carry["head_w"] = _ring(1, st.head_avals())
     for slot in plan.gathering_slots:  # each slot's chunk, and the one gathered for its next
         carry[f"{slot}_params"] = st.whole_chunk
         carry[f"{slot}_next"] = jax.tree.map(

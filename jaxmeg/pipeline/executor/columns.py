@@ -40,6 +40,9 @@ F_FIRST = SlotKind("f_first", "F of the first virtual stage: embed + chunk", "f_
 F_MIDDLE = SlotKind("f_middle", "F of a middle virtual stage: the chunk", "f_kind", 2)
 F_LAST = SlotKind("f_last", "F of the last virtual stage: chunk + head + loss", "f_kind", 3)
 F_EMBED = SlotKind("f_embed", "F with p v = 1: the embedding only", "f_kind", 4)
+F_LAST_HEAD_IN_W = SlotKind(
+    "f_last_head_in_w", "F_LAST, the head's weight gradient left to the stage's next W", "f_kind", 5
+)
 B_CHUNK = SlotKind("b_middle", "B of a chunk", "b_kind", 1)
 B_FIRST = SlotKind("b_first", "B of the first virtual stage: chunk + embedding", "b_kind", 2)
 B_WHOLE = SlotKind("b_whole", "B with p v = 1: chunk + head + loss, embedding", "b_kind", 3)
@@ -52,6 +55,7 @@ REDUCING_OF = {B_CHUNK: B_CHUNK_REDUCING, B_FIRST: B_FIRST_REDUCING, B_WHOLE: B_
 """A chunk's last B where its layers' means run in the slot (`Reduction.layers`)."""
 W_CHUNK = SlotKind("w_chunk", "W: the weight gradients of a split backward")
 W_CHUNK_REDUCING = SlotKind("w_chunk_reducing", "a chunk's last W, its layers' means in it")
+W_HEAD = SlotKind("w_head", "a W after F_LAST_HEAD_IN_W: the head's weight gradient it left")
 SEND_X = SlotKind("send_x", "the activation to stage s + 1")
 SEND_COT = SlotKind("send_cot", "the cotangent to stage s - 1")
 SEND_X_BACK = SlotKind("send_x_back", "a V's activation the other way")
@@ -80,7 +84,7 @@ REDUCE_TAKE = SlotKind("reduce_take", "a final chunk's gradients to `pending`")
 REDUCE_WRITE = SlotKind("reduce_write", "the mean written back into the stage gradients")
 REDUCE_BESIDE_B = SlotKind("reduce_beside_b", "a chunk's data mean in one loop with the B slot")
 B_ALONE = SlotKind("b_alone", "the B slot where no mean runs beside it")
-F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED)
+F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED, F_LAST_HEAD_IN_W)
 B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST, *REDUCING_OF.values())
 PAIR_CODE = 16
 """An F&B slot's code: its F kind's code x PAIR_CODE + its B kind's."""
@@ -97,7 +101,7 @@ loop, where the tick table pairs them (`TickTable.paired`)."""
 SLOT_KINDS: dict[str, SlotKind] = {
     kind.scope: kind
     for kind in (
-        *F_KINDS, *B_KINDS, *FB_KINDS.values(), W_CHUNK, W_CHUNK_REDUCING, *SENDS,
+        *F_KINDS, *B_KINDS, *FB_KINDS.values(), W_CHUNK, W_CHUNK_REDUCING, W_HEAD, *SENDS,
         *RECEIVE.values(), *GATHER.values(), *FETCH.values(), COMPRESS_LINK, REDUCE_CHUNK,
         REDUCE_POWERSGD, REDUCE_TAKE, REDUCE_WRITE, REDUCE_BESIDE_B, B_ALONE,
     )
@@ -133,6 +137,24 @@ def _kinds(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     f_kind = np.where(table.f_mb >= 0, f_kind, IDLE)
     b_kind = np.where(table.b_mb >= 0, b_kind, IDLE)
     return f_kind.astype(np.int32), b_kind.astype(np.int32)
+
+
+def head_in_w_columns(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
+    """bool [num_ticks, p] each: the last stage's F slots that leave the head's weight gradient
+    to a W slot, and those W slots (`Plan.head_in_w`, one chunk per stage, one action per
+    tick). An F leaves it where that stage's next F or W after it is a W, which then runs it:
+    one F's at a time, so what it keeps takes one buffer, not a ring (a GEMM operand read from
+    a ring slot is copied first). ZB-H1 runs F I W per microbatch from the first W on; the
+    warm-up's other forwards keep their head's backward whole."""
+    defers = np.zeros(table.f_mb.shape, bool)
+    runs = np.zeros(table.w_mb.shape, bool)
+    s = table.num_stages - 1
+    forwards, weights = table.f_mb[:, s] >= 0, table.w_mb[:, s] >= 0
+    for t in np.flatnonzero(forwards):
+        later = np.flatnonzero((forwards | weights)[t + 1 :])
+        if later.size and weights[t + 1 + later[0]]:
+            defers[t, s] = runs[t + 1 + later[0], s] = True
+    return defers, runs
 
 
 def final_backward_chunks(table: TickTable) -> np.ndarray:
@@ -298,10 +320,12 @@ def slot_columns(
     gathering: bool = False,
     compress: np.ndarray | None = None,
     powersgd_stages: int | None = None,
+    head_in_w: bool = False,
 ) -> SlotColumns:
     """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, the in-loop data
     reductions of `reduction` (PowerSGD's on stages < `powersgd_stages`), compressed
-    cotangents where `compress` (bool [num_ticks, p]) says. Each direction sends only on the
+    cotangents where `compress` (bool [num_ticks, p]) says, the head's weight gradient in the
+    last stage's W slots where `head_in_w` (one chunk per stage). Each direction sends only on the
     pairs that carry something in that tick (one ppermute per distinct set of pairs, chosen by
     an index equal on every stage).
 
@@ -335,6 +359,12 @@ def slot_columns(
         columns[W_CHUNK_REDUCING.scope] = reducing_at
         branches[W_CHUNK_REDUCING.scope] = columns[W_CHUNK_REDUCING.scope]
         branches[W_CHUNK.scope] = branches[W_CHUNK.scope] & ~branches[W_CHUNK_REDUCING.scope]
+    if head_in_w:
+        defers, columns[W_HEAD.scope] = head_in_w_columns(table)
+        columns["f_kind"] = np.where(defers, F_LAST_HEAD_IN_W.code, columns["f_kind"])
+        branches[F_LAST_HEAD_IN_W.scope] = columns["f_kind"] == F_LAST_HEAD_IN_W.code
+        branches[F_LAST.scope] = columns["f_kind"] == F_LAST.code
+        branches[W_HEAD.scope] = columns[W_HEAD.scope]
     named = (*SENDS, *RECEIVE.values(), *GATHER.values())
     branches.update({k.scope: columns[k.scope] for k in named if k.scope in columns})
     if compress is not None:

@@ -12,6 +12,24 @@ from jaxmeg.pipeline import compression, powersgd
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """The head and loss in the pieces that let the last virtual stage of a split backward
+    leave the output projection's weight gradient to its W slot; `head_loss(shared, x, t)` is
+    `loss(logits(shared, inputs(shared, x), weight(shared)), t)`.
+
+    inputs(shared, x_BxSxD) -> z_BxSxD        what the output projection reads
+    weight(shared) -> w                        the projection's weight, a leaf of `shared`
+    logits(shared, z_BxSxD, w) -> logits_BxSxV the projection (reads no other leaf's value)
+    loss(logits_BxSxV, targets_BxS) -> scalar  microbatch mean
+    """
+
+    inputs: Callable
+    weight: Callable
+    logits: Callable
+    loss: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitFunctions:
     """A chunk whose backward splits into I and W (zero-bubble schedules;
     `jaxmeg.models.split_backward`).
@@ -23,6 +41,8 @@ class SplitFunctions:
     split_weights(tree, taps) -> (matmul weights, rest); merge_weights(weights, rest) -> tree
     weight_grads(matmul inputs, tap cotangents, lead=1) -> the weights' gradients (W), of a
         chunk's layers ([Lc, ...] leaves) or with lead 0 of one layer
+    head: the head's pieces (`HeadSplit`), or None: the last virtual stage's F then runs the
+        head's whole backward
     """
 
     chunk: Callable
@@ -31,6 +51,7 @@ class SplitFunctions:
     split_weights: Callable
     merge_weights: Callable
     weight_grads: Callable
+    head: HeadSplit | None = None
 
 
 @dataclasses.dataclass(frozen=True)

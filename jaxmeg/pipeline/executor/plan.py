@@ -54,6 +54,13 @@ class Plan:
         residuals and then its dY share the slot it holds from F to W as flat runs
         (`Carry.pool`, `executor.pool`; a flat run of a leaf split over an automatic axis
         would be gathered)
+    head_in_w: an F of the last stage whose next F or W there is a W leaves the output
+        projection's weight gradient to that W (`columns.head_in_w_columns`: F_LAST_HEAD_IN_W,
+        W_HEAD; from the first W on in ZB-H1): in a zero-bubble table of one chunk per stage
+        and one action per tick (zb_h1) with stored residuals, the stage functions'
+        `HeadSplit` given, and no automatic axis > 1 (W_HEAD runs on one stage only: nothing
+        GSPMD could add to it may be a collective). The last stage's F (chunk, head and loss)
+        is the slowest slot of its ticks; its W, beside the other stages' I, of the lightest.
     gathering / gathering_slots: ZeRO-3, and the slots ("f", "b") that gather their chunk
     reduction: where a chunk's gradients are reduced over data x context inside the loop
         (`reduction.Reduction`: none, after its last backward, beside a B slot, or scattered
@@ -106,6 +113,7 @@ class Plan:
     grad_specs: tuple
     check_vma: bool
     pooled: bool = False
+    head_in_w: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -267,11 +275,14 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         paired=table.ticks == PAIRS, last_reduces=bool(last_reduces),
         layers_per_chunk=layout.layers_per_chunk,
     )  # fmt: skip
+    store = fns.chunk_recompute is None and not whole_model
+    unsplit = all(n == 1 for axis, n in mesh.shape.items() if axis not in manual)
+    zero_bubble = table.split and table.ticks == ONE_ACTION and store
+    head_in_w = zero_bubble and unsplit and v == 1 and fns.split.head is not None
     columns = slot_columns(
         table, v, reduction, gathering=gathering, compress=None if pc is None else pc.compress,
-        powersgd_stages=None if dc is None else dc.stages,
+        powersgd_stages=None if dc is None else dc.stages, head_in_w=head_in_w,
     )  # fmt: skip
-    store = fns.chunk_recompute is None and not whole_model
     late_cotangents = options.overlap_sends and pc is None
     if late_cotangents:
         _check_last_tick_sends_no_cotangent(columns)
@@ -316,9 +327,6 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         param_specs=grad_specs if zero.stage == 3 else (_whole_specs(expert_dims), P()),
         grad_specs=grad_specs,
         check_vma=check_vma,
-        pooled=options.pooled_slots
-        and table.split
-        and table.ticks == ONE_ACTION
-        and store
-        and all(n == 1 for axis, n in mesh.shape.items() if axis not in manual),
+        pooled=options.pooled_slots and zero_bubble and unsplit,
+        head_in_w=head_in_w,
     )
