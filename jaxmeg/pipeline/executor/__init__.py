@@ -15,8 +15,9 @@ The rooms, in the order a step meets them:
   plan      everything static about the build, decided once (the mode flags, specs, columns)
   reduction where a chunk's gradients are reduced over data inside the loop: one mode
   carry     per device: the stage's context (`Stage`) and the loop's rings and accumulators
-  bodies    the F, B / I and W slot bodies, one function per slot kind; head_split: the
-            last stage's head with its weight gradient left to the next W (zb_h1)
+  bodies    the F, B / I and W slot bodies, one function per slot kind; weight_grads: a
+            split backward's dW = X^T dY into the accumulator; head_split: the last stage's
+            head with its weight gradient left to the next W (zb_h1)
   beside    what runs beside the slots: sends and receives (compressed where asked), ZeRO-3's
             gather ahead, the in-loop reduction over data
   run       the tick (about ten lines in schedule order), the final reduction, the map

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxmeg import ordering
 from jaxmeg.pipeline import accumulator, gradients, rings
-from jaxmeg.pipeline.executor import head_split, residuals, slots
+from jaxmeg.pipeline.executor import head_split, residuals, slots, weight_grads
 from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
     B_CHUNK,
@@ -327,30 +327,10 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
     g_rest = accumulator.add_at(g_rest, at.index, d_rest)
     if whole:
         kept = {"inputs": inputs, "dys": d_taps}
-        g_weights = accumulator.add_at(g_weights, at.index, _weight_grads(sf, g_weights, kept))
+        g_weights = accumulator.add_at(
+            g_weights, at.index, weight_grads.of_chunk(sf, g_weights, kept)
+        )
     return d_x, {**written, "g_stage": accumulator.merge(g_weights, g_rest, sf.merge_weights)}
-
-
-def _weight_grads(sf, acc, kept):
-    """dW = X^T dY of `kept` ({"inputs", "dys"}, [Lc, ...] leaves) for an accumulator of the
-    chunk's weights: one batched GEMM over the layers, or per-layer accumulators a GEMM per
-    layer (each runs as its accumulator's in-place update: `accumulator`)."""
-    if not accumulator.per_layer(acc):
-        return sf.weight_grads(kept["inputs"], kept["dys"])
-    return [_layer_weight_grads(sf, kept, i) for i in range(len(acc))]
-
-
-def _layer_weight_grads(sf, kept, i: int):
-    """Layer i's dW, from its own slices of X and dY."""
-    one = jax.tree.map(lambda a: a[i], kept)
-    return sf.weight_grads(one["inputs"], one["dys"], lead=0)
-
-
-def _add_weight_grads(sf, g_stage, index, kept):
-    """g_stage with dW = X^T dY of `kept` ({"inputs", "dys"}) added at chunk `index`."""
-    g_weights, g_rest = accumulator.split(g_stage, partial(sf.split_weights, taps=kept["dys"]))
-    g_weights = accumulator.add_at(g_weights, index, _weight_grads(sf, g_weights, kept))
-    return accumulator.merge(g_weights, g_rest, sf.merge_weights)
 
 
 def i_middle(plan, st, at, a, tokens, targets, whole=False):
@@ -490,9 +470,9 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
         if plan.store:  # X from the slot its forward wrote
             kept["inputs"] = jax.tree.map(lambda buf: buf[x_slot], a.matmul_inputs)
         if reducing:
-            layers = _weight_layers(sf, a.g_stage, at, kept)
+            layers = weight_grads.layers(sf, a.g_stage, at, kept)
             return a.replace(**_accumulate(plan, a, at, layers, last=True))
-        return a.replace(g_stage=_add_weight_grads(sf, a.g_stage, at, kept))
+        return a.replace(g_stage=weight_grads.add(sf, a.g_stage, at, kept))
 
     state = c.only(("g_stage", "wstore", "pool", "matmul_inputs", *_scattering(plan)))
     if not plan.reduction.layers:
@@ -508,15 +488,3 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     head = partial(head_split.weight_gradient, plan, st)
     state = c.only(("g_shared", "head_w"))
     return c.merge(slots.run_if(row[W_HEAD.scope] > 0, head, state, W_HEAD.scope))
-
-
-def _weight_layers(sf, g_stage, at, kept) -> list:
-    """A chunk's last W: each layer's dW (from its own slices of X and dY, so that it does not
-    wait for the other layers'), with zeros for the norms and biases, as per-layer trees."""
-    count = jax.tree.leaves(kept["dys"])[0].shape[0]
-    layers = []
-    for i in range(count):
-        d_weights = _layer_weight_grads(sf, kept, i)
-        _, rest = sf.split_weights(accumulator.layer(g_stage, at, i), kept["dys"])
-        layers.append(sf.merge_weights(d_weights, jax.tree.map(jnp.zeros_like, rest)))
-    return layers
