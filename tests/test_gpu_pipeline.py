@@ -55,13 +55,20 @@ def test_uneven_stages_run_cudnn_unrolled_and_skip_their_padding_on_two_h100():
     chunk (`pipeline_step.PADDING_SLOT`), so uneven stages keep cuDNN attention (before: XLA's
     attention in a scan of conditionals, gpt_1.3b (2,2,2) [13, 11] 2.2x the roofline of the
     even split); the report counts each stage's real layers only (cuDNN once per layer and
-    microbatch), and the stage with more layers is the busiest."""
+    microbatch), and the stage with more layers is the busiest. zb_h1 on the same layout runs
+    1F1B's GEMMs: its W slot skips the padding slot as F and I do."""
     cfg = gpu_config(pipe=2, layers=3, parallel={"stage_layers": (2, 1)})
     trainable, report = report_for(cfg)
     assert trainable.model_cfg.attention == "cudnn"
     assert_cudnn_once_per_layer_and_microbatch(trainable, report)
     assert not report["unweighted_conditionals"], report["unweighted_conditionals"]
     assert report["roofline_stage"] == 0
+    # zb_h1's W skips the padding slot too (it ran X^T dY of the zeros the slot keeps): its
+    # GEMMs are 1F1B's, each padding conditional weighed per stage
+    zb = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, schedule="zb_h1"))
+    _, zb_report = report_for(zb)
+    assert not zb_report["unweighted_conditionals"], zb_report["unweighted_conditionals"]
+    assert zb_report["gemm_flops"] == report["gemm_flops"], (zb_report["gemm_flops"], report)
 
 
 def test_zb_h1_beats_1f1b_on_the_schedule_bound_on_four_h100():

@@ -23,6 +23,12 @@ import numpy as np
 
 PADDING = -1
 PLACEMENTS = ("interleaved", "v")
+PADDING_SLOT = "padding_slot_"
+"""The name scope of a layer slot's conditional where some stage pads the slot
+(`StageLayout.padding_slots`), followed by the slot's index: branch 1 runs the slot's layer (its
+forward, backward or weight gradients) on the stages that hold more layers than the index,
+branch 0 passes x (or the accumulator) through. The cost report weighs it per stage
+(`StageLayout.padding_branches`)."""
 
 
 class LayoutError(ValueError):
@@ -116,6 +122,21 @@ class StageLayout:
         """Whether a chunk runs its layers one after another (`UNROLLED_LAYERS`; a padding slot
         of a shorter stage under a conditional that skips it)."""
         return self.layers_per_chunk <= UNROLLED_LAYERS
+
+    @property
+    def padding_slots(self) -> tuple[int, ...]:
+        """The layer slots some stage pads: from the shortest stage's count on (none if even)."""
+        if not self.uneven:
+            return ()
+        return tuple(range(min(self.stage_layers), max(self.stage_layers)))
+
+    def padding_branches(self) -> dict[str, tuple[int, ...]]:
+        """Per padding slot's scope (`PADDING_SLOT`), the branch each stage runs (the cost
+        report's chosen branches)."""
+        return {
+            f"{PADDING_SLOT}{i}": tuple(int(i < n) for n in self.stage_layers)
+            for i in self.padding_slots
+        }
 
     @property
     def reshaped(self) -> bool:

@@ -44,7 +44,7 @@ from jaxmeg.perf.model import flops_per_iteration, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step
-from jaxmeg.training.pipeline_step import make_loss_and_grads, padding_branches
+from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import Trainable
 
 AXES = ("pipe", "data", "tensor")
@@ -91,7 +91,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     # the dropless exchange's bound is the data's: counted at a balanced load's
     branch = exchange_branch(shape, layout)
     bounded = dataclasses.replace(layout, expert_exchange="bounded")
-    padding = padding_branches(trainable.layout)  # what each stage runs of its layer slots
+    padding = trainable.layout.padding_branches()  # what each stage runs of its layer slots
     counter = StepCost(
         compiled.as_text(), trainable.mesh, loss_and_grads.program.branch_columns,
         roofline=roofline,

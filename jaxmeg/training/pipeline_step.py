@@ -35,6 +35,7 @@ from jaxmeg.models.remat import REMAT_POLICY
 from jaxmeg.parallel import activation_rules, attention, context, experts, make_constrain, zero
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import HeadSplit, SplitFunctions, StageFunctions, ZeroSharding
+from jaxmeg.pipeline.layout import PADDING_SLOT
 from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
@@ -106,7 +107,7 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
     per-layer trees, `StageFunctions.per_layer`) or as a scan over its layer slots; with
     uneven stages a padding slot (index >= real_layers) is skipped by `lax.cond` (aux zeros):
     unrolled, only the slots some stage pads (from the shortest stage's count on), each under
-    the name scope `PADDING_SLOT`i, which the cost report weighs per stage. jax's partial
+    the name scope `layout.PADDING_SLOT`i, which the cost report weighs per stage. jax's partial
     evaluation of a conditional returns what its branches keep of its operands as new arrays,
     which `residuals` cannot tell from activations and stores per microbatch. With `extra` (a
     split backward's zero taps, as large as every matmul output) the conditional therefore
@@ -158,7 +159,7 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
         static_argnums=(4,),
     )  # fmt: skip
     padded, unrolled = trainable.layout.uneven, unrolls_layers(trainable)
-    shortest = min(trainable.layout.stage_layers)  # the slots every stage runs
+    padding_slots = trainable.layout.padding_slots
 
     def chunk(layer_params, x_BxSxD, real_layers, extra=None):
         def body(x, scanned):
@@ -176,7 +177,7 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
             # writes straight into its rings; a scan would first stack them in its outputs.
             auxes = []
             for i in range(count):
-                if padded and i >= shortest:
+                if i in padding_slots:
                     slot = around if extra is None else inside
                     x_BxSxD, aux = slot(layer_params, x_BxSxD, extra, real_layers, i)
                 else:
@@ -187,21 +188,6 @@ def _over_layers(trainable: Trainable, layer: Callable, remat: str) -> Callable:
         return jax.lax.scan(body, x_BxSxD, (layer_params, extra, slots))
 
     return chunk
-
-
-PADDING_SLOT = "padding_slot_"
-"""The name scope of an unrolled chunk's layer slot that shorter stages pad (`_over_layers`),
-followed by the slot's index: its conditional runs the layer (branch 1) on the stages that hold
-more layers than the index, else passes x through (branch 0)."""
-
-
-def padding_branches(layout) -> dict[str, tuple[int, ...]]:
-    """Per padding slot's scope, the branch each stage runs (`StepCost`'s chosen branches)."""
-    counts = layout.stage_layers
-    return {
-        f"{PADDING_SLOT}{i}": tuple(int(i < n) for n in counts)
-        for i in range(min(counts), max(counts))
-    } if layout.uneven else {}  # fmt: skip
 
 
 def _run_slot(stacked_layer, i, layer_params, x, extra):

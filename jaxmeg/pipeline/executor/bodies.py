@@ -79,6 +79,11 @@ class At:
     row: dict
 
 
+def _padding(plan: Plan, real) -> weight_grads.Padding | None:
+    """What a weight-gradient body skips of the chunk's layer slots (None if even)."""
+    return weight_grads.Padding(plan.padding_slots, real) if plan.padding_slots else None
+
+
 def _present(plan: Plan, kinds: dict) -> dict:
     """The kinds that run somewhere in the step (a loop that never runs is not built)."""
     columns = plan.columns.columns
@@ -327,9 +332,8 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
     g_rest = accumulator.add_at(g_rest, at.index, d_rest)
     if whole:
         kept = {"inputs": inputs, "dys": d_taps}
-        g_weights = accumulator.add_at(
-            g_weights, at.index, weight_grads.of_chunk(sf, g_weights, kept)
-        )
+        padding = _padding(plan, at.real)
+        g_weights = weight_grads.add_weights(sf, g_weights, at.index, kept, padding)
     return d_x, {**written, "g_stage": accumulator.merge(g_weights, g_rest, sf.merge_weights)}
 
 
@@ -460,6 +464,7 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
     last I)."""
     sf = plan.split
     at = st.chunk_at(row["w_chunk"])
+    padding = _padding(plan, st.real_layers(row["w_chunk"]))
 
     def weights(a, reducing=False):
         w_slot, x_slot = jnp.maximum(row["w_slot"], 0), jnp.maximum(row["w_x_slot"], 0)
@@ -470,9 +475,9 @@ def weight_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
         if plan.store:  # X from the slot its forward wrote
             kept["inputs"] = jax.tree.map(lambda buf: buf[x_slot], a.matmul_inputs)
         if reducing:
-            layers = weight_grads.layers(sf, a.g_stage, at, kept)
+            layers = weight_grads.layers(sf, a.g_stage, at, kept, padding)
             return a.replace(**_accumulate(plan, a, at, layers, last=True))
-        return a.replace(g_stage=weight_grads.add(sf, a.g_stage, at, kept))
+        return a.replace(g_stage=weight_grads.add(sf, a.g_stage, at, kept, padding))
 
     state = c.only(("g_stage", "wstore", "pool", "matmul_inputs", *_scattering(plan)))
     if not plan.reduction.layers:

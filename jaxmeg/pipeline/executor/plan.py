@@ -114,6 +114,7 @@ class Plan:
     check_vma: bool
     pooled: bool = False
     head_in_w: bool = False
+    padding_slots: tuple[int, ...] = ()  # the layer slots some stage pads (`StageLayout`)
 
     @property
     def sharded(self) -> bool:
@@ -329,4 +330,5 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         check_vma=check_vma,
         pooled=options.pooled_slots and zero_bubble and unsplit,
         head_in_w=head_in_w,
+        padding_slots=layout.padding_slots,
     )
