@@ -52,7 +52,7 @@ def test_every_pipe_send_overlaps_a_gemm_on_four_h100_interleaved():
 
 def test_uneven_stages_run_cudnn_unrolled_and_skip_their_padding_on_two_h100():
     """stage_layers (2, 1): a shorter stage's padding slot is a conditional in the unrolled
-    chunk (`pipeline_step.PADDING_SLOT`), so uneven stages keep cuDNN attention (before: XLA's
+    chunk (`layout.PADDING_SLOT`), so uneven stages keep cuDNN attention (before: XLA's
     attention in a scan of conditionals, gpt_1.3b (2,2,2) [13, 11] 2.2x the roofline of the
     even split); the report counts each stage's real layers only (cuDNN once per layer and
     microbatch), and the stage with more layers is the busiest. zb_h1 on the same layout runs

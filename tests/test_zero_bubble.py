@@ -332,6 +332,27 @@ def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra, monkeyp
     assert not head_in_w or (plans and all(plan.head_in_w for plan in plans)), plans
 
 
+def test_a_split_step_traces_its_layer_for_the_taps_shapes_once(monkeypatch):
+    """Every slot of a split step asks for the chunk's zero taps (F, I, B and the residual
+    probes: 9 traces of the layer for a (1, 2, 1) zb_h1 step before); their shapes depend on
+    the shapes of the params and input only, so the step traces the layer for them once."""
+    from jaxmeg.training.state import abstract_state
+    from jaxmeg.training.step import make_train_step
+
+    calls = []
+    traced = split_backward.tap_shapes
+    monkeypatch.setattr(split_backward, "tap_shapes", lambda *a: calls.append(1) or traced(*a))
+    cfg = tp.config(1, 2, 1, "zb_h1", 1, 4)
+    trainable = tp.trainable_for(cfg)
+    batch = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len), np.int32, sharding=trainable.batch_sharding()
+    )
+    state = abstract_state(trainable)
+    with jax.set_mesh(trainable.mesh):
+        make_train_step(trainable).trace(state, batch, batch)
+    assert len(calls) == 1, len(calls)
+
+
 def test_zb_h1_temp_memory_at_or_below_1f1b_and_flat_in_microbatches():
     """(1, 4, 1), `model.remat` none: ZB-H1 keeps p - s microbatches whole and s + 1 as the
     matmul inputs and output cotangents W needs, against 1F1B's (min_bubble) 2 (p - s) - 1."""

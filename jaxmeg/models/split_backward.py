@@ -40,14 +40,19 @@ def tapped(block: nn.Module) -> Callable:
     return layer
 
 
-def zero_taps(block: nn.Module, params, x) -> dict:
-    """Zero taps of one layer (a matmul output's shape each), for params and input x."""
+def tap_shapes(block: nn.Module, params, x) -> dict:
+    """The shapes of one layer's taps (a matmul output's each), for params and input x: a
+    trace of the layer."""
 
     def created(p, x_):
         return block.apply({"params": p}, x_, mutable=[TAPS])[1][TAPS]
 
-    shapes = jax.eval_shape(created, params, x)
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    return jax.eval_shape(created, params, x)
+
+
+def zero_taps(block: nn.Module, params, x) -> dict:
+    """Zero taps of one layer, for params and input x."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tap_shapes(block, params, x))
 
 
 def split_weights(params, taps) -> tuple[dict, dict]:

@@ -275,10 +275,18 @@ def _split_functions(
     def recompute_under(policy):
         return _over_layers(trainable, lambda lp, x, taps: tapped(lp, x, taps), policy)
 
+    # a step's slots ask for the same chunk's taps, whose shapes depend on the shapes of the
+    # params and input only (not on what they vary over): one trace of the layer per step
+    tap_shapes = {}
+
     def taps(layer_params, x):
-        one = split_backward.zero_taps(block, jax.tree.map(lambda a: a[0], layer_params), x)
+        one = jax.tree.map(lambda a: a[0], layer_params)
+        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves((one, x)))
+        key = (jax.tree.structure((one, x)), shapes, jax.sharding.get_abstract_mesh())
+        if key not in tap_shapes:
+            tap_shapes[key] = split_backward.tap_shapes(block, one, x)
         count = jax.tree.leaves(layer_params)[0].shape[0]
-        return jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), one)
+        return jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), tap_shapes[key])
 
     return SplitFunctions(
         chunk=recompute_under(remat),
