@@ -36,33 +36,23 @@ def _in_slot(padding: Padding | None, i: int, run, skip, *operands):
         return jax.lax.cond(i < padding.real, run, skip, *operands)
 
 
-def of_chunk(sf, acc, kept):
-    """dW = X^T dY of `kept` ({"inputs", "dys"}, [Lc, ...] leaves) for an accumulator of the
-    chunk's weights: one batched GEMM over the layers, or per-layer accumulators a GEMM per
-    layer (each runs as its accumulator's in-place update: `accumulator`)."""
-    if not accumulator.per_layer(acc):
-        return sf.weight_grads(kept["inputs"], kept["dys"])
-    return [of_layer(sf, kept, i) for i in range(len(acc))]
-
-
-def of_layer(sf, kept, i: int):
-    """Layer i's dW, from its own slices of X and dY."""
-    return _of_one(sf, _layer(kept, i))
-
-
 def _layer(kept, i: int):
+    """Layer i's own slices of X and dY."""
     return jax.tree.map(lambda a: a[i], kept)
 
 
 def _of_one(sf, one):
+    """One layer's dW = X^T dY."""
     return sf.weight_grads(one["inputs"], one["dys"], lead=0)
 
 
 def add_weights(sf, g_weights, index, kept, padding: Padding | None = None):
     """The weights' accumulator `g_weights` with dW = X^T dY of `kept` added at chunk
-    `index`; per layer, a padded slot's accumulator is left as it is where the stage pads it."""
+    `index`: stacked, one batched GEMM over the chunk's layers; per layer, a GEMM per layer
+    (each runs as its accumulator's in-place update: `accumulator`), a padded slot's
+    accumulator left as it is where the stage pads it."""
     if not accumulator.per_layer(g_weights):
-        return accumulator.add_at(g_weights, index, of_chunk(sf, g_weights, kept))
+        return accumulator.add_at(g_weights, index, sf.weight_grads(kept["inputs"], kept["dys"]))
 
     def plus(acc, one):
         return accumulator.add_at([acc], index, [_of_one(sf, one)])[0]
