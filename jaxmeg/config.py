@@ -47,6 +47,7 @@ from jaxmeg.config_validation import (
     resolve_batching,
     resolve_decay_steps,
     resolve_mesh_shape,
+    settle_sequence_parallel,
     validate,
     with_steps,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "resolve_batching",
     "resolve_decay_steps",
     "resolve_mesh_shape",
+    "settle_sequence_parallel",
     "to_dict",
     "validate",
     "with_steps",

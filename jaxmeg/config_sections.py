@@ -161,9 +161,13 @@ class ParallelConfig:
     1/expert of a microbatch's rows). Tokens reach their experts' devices and come back by
     all-to-all inside the layer (`jaxmeg.models.moe`). The axis sits beside tensor, inside a
     node."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = None
     """Shard the activations between blocks on the sequence dim over `tensor`, so each block's
-    all-reduce becomes a reduce-scatter plus an all-gather (Korthikanti et al., 2022)."""
+    all-reduce becomes a reduce-scatter plus an all-gather (Korthikanti et al., 2022). None = on
+    where the step compiles for GPUs, for a dense model with tensor > 1, context = 1 and
+    model.seq_len divisible by tensor (the layer norms, residual adds and dropout-free
+    elementwise work then run on 1/t of the rows: docs/benchmarks.md), off elsewhere; a train
+    step's config holds the resolved value (`settle_sequence_parallel`)."""
     scatter_gather: bool | None = None
     """Megatron-LM's scatter/gather optimization (SC21 section 4.1): each tensor rank sends its
     1/t slice of the activation and of the cotangent between pipeline stages, and the receiver

@@ -400,6 +400,25 @@ def validate(cfg: Config, num_devices: int) -> Config:
     )
 
 
+def settle_sequence_parallel(cfg: Config, platform: str) -> Config:
+    """`cfg` with `parallel.sequence_parallel` resolved for a step on devices of `platform`
+    (after `validate`, which resolves tensor = -1): None is on for GPUs where the field's
+    docstring says, off elsewhere."""
+    par, gpu = cfg.parallel, platform == "gpu"
+    sequence_parallel = par.sequence_parallel
+    if sequence_parallel is None:
+        sequence_parallel = (
+            gpu
+            and par.tensor > 1
+            and par.context == 1
+            and not cfg.moe.experts
+            and cfg.model.seq_len % par.tensor == 0
+        )
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(par, sequence_parallel=sequence_parallel)
+    )
+
+
 def pinned_layout_problem(
     heads: int, tensor=None, pipe=None, chunks=None, schedule=None, context=None, gpus=None
 ) -> str | None:

@@ -70,6 +70,25 @@ def test_scatter_gather_resolves_from_tensor_and_sequence_parallel():
     assert C.validate(cfg, 4).parallel.uses_scatter_gather  # tensor -1 resolved to 4
 
 
+def test_sequence_parallelism_left_unset_is_on_for_gpus_where_it_applies():
+    def settled(platform="gpu", cfg=None, **par):
+        cfg = cfg or C.Config(model=C.ModelConfig(vocab_size=1000))
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **par))
+        return C.settle_sequence_parallel(cfg, platform).parallel.sequence_parallel
+
+    assert C.ParallelConfig().sequence_parallel is None
+    assert settled(tensor=2) is True
+    assert settled("cpu", tensor=2) is False  # CPU programs as they were
+    assert settled(tensor=1) is False
+    assert settled(tensor=2, context=2) is False
+    assert settled(tensor=2, sequence_parallel=False) is False  # a choice stays
+    assert settled("cpu", tensor=2, sequence_parallel=True) is True
+    moe = C.apply_overrides(C.Config(), ["moe.experts=4", "model.vocab_size=1000"])
+    assert settled(cfg=moe, tensor=2) is False
+    odd = C.apply_overrides(C.Config(), ["model.seq_len=126", "model.vocab_size=1000"])
+    assert settled(cfg=odd, tensor=4) is False
+
+
 @pytest.mark.parametrize("text,value", [("true", True), ("false", False), ("null", None)])
 def test_scatter_gather_override_and_round_trip(text, value):
     cfg = C.apply_overrides(C.Config(), [f"parallel.scatter_gather={text}", "parallel.tensor=2"])
@@ -128,7 +147,7 @@ BAD = [
     (["parallel.data=-1", "parallel.tensor=-1"], "only one of parallel.data/pipe/tensor may be -1"),
     (["model.compute_dtype=fp8"], "model.compute_dtype must be one of"),
     (["train.steps=x"], "train.steps must be an integer"),
-    (["parallel.sequence_parallel=maybe"], "parallel.sequence_parallel must be true or false"),
+    (["parallel.sequence_parallel=maybe"], "parallel.sequence_parallel must be true, false or"),
     (["parallel.data=-1", "parallel.tensor=3"], "cannot infer parallel.data: 8 devices"),
     (["optimizer.min_lr=1.0"], r"optimizer.min_lr must be in \[0, lr="),
     (

@@ -147,7 +147,7 @@ def config_layout(cfg) -> Layout:
         expert_exchange="routed" if cfg.moe.exchange == "ragged" else "bounded",
         microbatch=cfg.train.microbatch_size // par.expert, microbatches=cfg.train.microbatches,
         recompute=cfg.model.remat, pipe_scatter_gather=par.uses_scatter_gather,
-        sequence_parallel=par.sequence_parallel,
+        sequence_parallel=bool(par.sequence_parallel),
         schedule=par.schedule if par.pipe > 1 else "1f1b", warmup=par.pipeline_warmup,
         stage_layers=tuple(par.stage_layers or ()), zero_stage=par.zero_stage,
         outer_axis=par.outer_axis,

@@ -20,7 +20,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmeg.config import Config, ModelConfig, MoeConfig, padded_vocab_size
+from jaxmeg.config import (
+    Config,
+    ModelConfig,
+    MoeConfig,
+    padded_vocab_size,
+    settle_sequence_parallel,
+)
 from jaxmeg.models import GPT, moe_exchange
 from jaxmeg.models.gpt import attention_implementation
 from jaxmeg.models.grouped_gemm import settled
@@ -47,6 +53,7 @@ class Trainable:
 
     @classmethod
     def create(cls, cfg: Config, mesh: Mesh) -> Trainable:
+        cfg = settle_sequence_parallel(cfg, mesh.devices.flat[0].platform)
         vocab = padded_vocab_size(cfg.model, mesh.shape["tensor"])
         return cls(cfg=cfg, mesh=mesh, tx=make_optimizer(cfg.optimizer), vocab=vocab)
 
