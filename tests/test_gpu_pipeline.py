@@ -12,6 +12,7 @@ import test_gpu_target
 from test_gpu_target import (
     assert_bounds_read_off_the_kernel_classes,
     assert_cudnn_once_per_layer_and_microbatch,
+    assert_qkv_input_gradients_add_in_their_gemms,
     assert_weight_gradients_accumulate_in_their_gemms,
     gpu_config,
     report_for,
@@ -43,6 +44,7 @@ def four_stages(schedule: str, chunks: int = 1) -> dict:
     assert report["schedule_bound_seconds"] > 1.1 * report["roofline_seconds"], report
     if chunks == 1:  # one chunk per stage: per-layer accumulators
         assert_weight_gradients_accumulate_in_their_gemms(trainable, report)
+        assert_qkv_input_gradients_add_in_their_gemms(trainable, report)
     return report
 
 

@@ -120,6 +120,18 @@ def assert_weight_gradients_accumulate_in_their_gemms(trainable, report) -> None
     assert round(calls, 6) >= least, calls
 
 
+def assert_qkv_input_gradients_add_in_their_gemms(trainable, report) -> None:
+    """q, k and v's input gradients sum in their GEMMs: each layer and microbatch runs two bf16
+    GEMMs that add into their output (cuBLAS beta 1; `parts.fan_out`), not one and an
+    elementwise add of x's size (jax's order of the sum left the second to a kernel of its
+    own). Other adds that fold (an input gradient into the residual stream's) only add to the
+    count."""
+    cfg = trainable.cfg
+    least = 2 * cfg.model.layers * cfg.train.microbatches
+    calls = report["adding_gemm_calls"].get("bf16", 0)  # weighted by how often each runs
+    assert round(calls, 6) >= least, report["adding_gemm_calls"]
+
+
 def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     trainable, report = one_gpu()
     assert report["target"].startswith("1 x NVIDIA H100")
@@ -138,6 +150,7 @@ def test_one_h100_gemm_flops_are_the_models_and_cudnn_runs_once_per_layer():
     assert report["kernel_classes"]["loss"] > 0 and report["kernel_classes"]["optimizer"] > 0
     assert report["fp8_gemms"]["calls"] == 0  # the default: 16-bit GEMMs
     assert_weight_gradients_accumulate_in_their_gemms(trainable, report)
+    assert_qkv_input_gradients_add_in_their_gemms(trainable, report)
 
 
 def test_a_moe_report_gives_the_step_at_each_bound_of_the_exchange_on_two_h100():

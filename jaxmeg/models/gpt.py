@@ -43,6 +43,7 @@ from jaxmeg.models.parts import (  # noqa: F401 (MATMUL_INPUTS, TAPS, RESIDUAL_A
     Constrain,
     Mlp,
     dtype_of,
+    fan_out,
     lookup,
     no_constraint,
     normal,
@@ -138,7 +139,8 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
     q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "qkv", "kv_heads", "head_dim")
     w_q = param(module, "w_q", (d, n, h), q_axes, normal(cfg.init_std)).astype(compute)
     w_kv = param(module, "w_kv", (d, 2, kv, h), kv_axes, normal(cfg.init_std)).astype(compute)
-    q_BxSxNxH = weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_BxSxD, w_q, "input")
+    x_q, x_kv = fan_out(x_BxSxD, 2)  # q's input gradient added in its GEMM to k and v's
+    q_BxSxNxH = weight_matmul(module, "w_q", "bsd,dnh->bsnh", x_q, w_q, "input")
     b_kv = None
     if cfg.block == "gpt" or cfg.qkv_bias:
         b_q = param(module, "b_q", (n, h), q_axes[1:], nn.initializers.zeros)
@@ -147,7 +149,7 @@ def _grouped_qkv(module: nn.Module, x_BxSxD: Array) -> tuple[Array, Array, Array
         b_kv = b_kv.astype(compute)
     kv_axes_act = ("act_batch", "act_tokens", "act_kv_heads", None)
     per_part = qkv_in_parts(cfg)
-    k, v = stacked_matmul(module, "w_kv", x_BxSxD, w_kv, b_kv, "input", per_part, kv_axes_act)
+    k, v = stacked_matmul(module, "w_kv", x_kv, w_kv, b_kv, "input", per_part, kv_axes_act)
     q_BxSxNxH = module.constrain(q_BxSxNxH, ("act_batch", "act_tokens", "act_heads", None))
     return q_BxSxNxH, k, v
 

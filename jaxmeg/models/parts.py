@@ -4,6 +4,7 @@ the activation hook (`Constrain`), and the weight matmul that the split backward
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -105,6 +106,32 @@ def splits_backward(module: nn.Module, name: str) -> bool:
     return module.is_mutable_collection(TAPS) or module.has_variable(TAPS, name)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fan_out(x: Array, n: int) -> tuple[Array, ...]:
+    """n uses of x, whose cotangents the backward sums as ct_0 + (ct_1 + (... + ct_n-1)): where
+    each use is a GEMM, every add's first operand is a GEMM's own output, the form in which XLA's
+    GPU GEMM rewriter folds the add into that GEMM (cuBLAS beta 1). jax sums a value's
+    cotangents as (ct_0 + ct_1) + ct_2: the first add folds, and the second's first operand is
+    then a GEMM that already adds, which the rewriter does not fold again, so it ran as an
+    elementwise kernel (q, k and v's input gradients: one read of two and a write of x's size
+    per layer and microbatch)."""
+    return (x,) * n
+
+
+def _fan_out_fwd(x: Array, n: int):
+    return fan_out(x, n), None
+
+
+def _fan_out_bwd(n: int, _, cotangents):
+    total = cotangents[-1]
+    for ct in cotangents[-2::-1]:
+        total = ct + total
+    return (total,)
+
+
+fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+
 def stacked_matmul(
     module: nn.Module,
     name: str,
@@ -137,8 +164,9 @@ def stacked_matmul(
     # split, not sliced: its transpose joins the parts' dW by a concatenate, whose slices XLA
     # sees through (a slice's transpose pads and adds), so that a per-part gradient
     # accumulator (`jaxmeg.pipeline.accumulator.Parts`) adds each GEMM's own output
-    for w_i in jax.lax.split(w, [1] * w.shape[1], axis=1):
-        ys.append(jnp.einsum("bsd,df->bsf", x_BxSxD, w_i.reshape(w.shape[0], -1)))
+    uses = fan_out(x_BxSxD, w.shape[1])  # their input gradients summed in the GEMMs
+    for x_i, w_i in zip(uses, jax.lax.split(w, [1] * w.shape[1], axis=1), strict=True):
+        ys.append(jnp.einsum("bsd,df->bsf", x_i, w_i.reshape(w.shape[0], -1)))
     if splits_backward(module, name):
         sow_input(module, name, x_BxSxD, residual)
         shaped = tuple(y.reshape(*y.shape[:2], *w.shape[2:]) for y in ys)  # as W's parts

@@ -137,8 +137,8 @@ class Cost:
     fp8_gemm_flops: float = 0.0
     """Of `matmul_flops`, those of cuBLASLt FP8 GEMMs (`hlo_gpu.FP8_GEMM`)."""
     fp8_gemm_calls: float = 0.0
-    fp32_accumulating_gemm_calls: float = 0.0
-    """cuBLAS GEMMs that add into an fp32 output (`hlo_gpu.gemm_accumulates_fp32`)."""
+    adding_gemm_calls: Counter = dataclasses.field(default_factory=Counter)
+    """cuBLAS GEMMs that add into their output, by its dtype (`hlo_gpu.gemm_adds_into`)."""
     roofline_seconds: float = 0.0
     """Per kernel the larger of its GEMM/attention FLOPs at the device's peak and its bytes at
     its memory bandwidth (with `StepCost(roofline=...)`); collectives not included."""
@@ -428,8 +428,8 @@ class StepCost:
             if target == hlo_gpu.FP8_GEMM:
                 total.fp8_gemm_flops += flops
                 total.fp8_gemm_calls += 1
-            if hlo_gpu.gemm_accumulates_fp32(ins.shape, ins.attributes):
-                total.fp32_accumulating_gemm_calls += 1
+            if dtype := hlo_gpu.gemm_adds_into(ins.shape, ins.attributes):
+                total.adding_gemm_calls[dtype] += 1
         elif flops := hlo_gpu.grouped_kernel_flops(target, operands, ins.shape, ins.attributes):
             total.matmul_flops += flops
         elif target.startswith(hlo_gpu.ATTENTION_PREFIX):

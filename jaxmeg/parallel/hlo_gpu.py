@@ -140,14 +140,16 @@ def gemm_flops(result_shape: str, lhs_shape: str, attributes: str) -> float:
     return 2.0 * float(np.prod(result[0][1])) * float(k)
 
 
-def gemm_accumulates_fp32(result_shape: str, attributes: str) -> bool:
-    """A cuBLAS GEMM that adds its product into an fp32 output (beta != 0): what XLA makes of
-    `acc + dot(...)` where it can alias the output to the addend, a weight gradient's GEMM
-    accumulating into its fp32 accumulator (`jaxmeg.pipeline.accumulator`). (bf16 ones are
-    input gradients summed with the residual stream's.)"""
+def gemm_adds_into(result_shape: str, attributes: str) -> str | None:
+    """The output dtype of a cuBLAS GEMM that adds its product into its output (beta != 0), or
+    None: what XLA makes of `c + dot(...)` where it can alias the output to the addend. "f32": a
+    weight gradient's GEMM accumulating into its fp32 accumulator (`jaxmeg.pipeline.accumulator`);
+    "bf16": an input gradient added to another's (`jaxmeg.models.parts.fan_out`) or to the
+    residual stream's."""
     config = _backend_config(attributes).get("gemm_backend_config", {})
     result = arrays(result_shape)
-    return bool(result) and result[0][0] == "f32" and float(config.get("beta", 0) or 0) != 0
+    adds = bool(result) and float(config.get("beta", 0) or 0) != 0
+    return result[0][0] if adds else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -283,7 +283,8 @@ def gpu_figures(trainable, compiled, target, counter: StepCost, model_flops) -> 
         },  # fmt: skip
         "gemm_flops": total.matmul_flops,
         "fp8_gemms": {"flops": total.fp8_gemm_flops, "calls": total.fp8_gemm_calls},
-        "fp32_accumulating_gemm_calls": total.fp32_accumulating_gemm_calls,
+        "fp32_accumulating_gemm_calls": total.adding_gemm_calls["f32"],
+        "adding_gemm_calls": dict(total.adding_gemm_calls),
         "attention_kernels": {
             "forward_per_replica": total.attention_forward_calls / per_replica,
             "backward_per_replica": total.attention_backward_calls / per_replica,
