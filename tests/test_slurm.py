@@ -83,7 +83,7 @@ def submit(tmp_path: Path, out: Path, *args: str) -> str:
 
 def wait(job: str, timeout: float = 800) -> tuple[str, int]:
     """The job's final state and exit code, polled every 0.2 s from the controller (`sbatch
-    --wait` polls every few seconds, about 9 s lost per job here)."""
+    --wait` returned up to ~30 s after a job's end here)."""
     deadline = time.monotonic() + timeout
     while True:
         shown = subprocess.run(
@@ -106,8 +106,8 @@ def wait_for_steps(metrics: Path, steps: int, timeout: float = 600) -> None:
 
 
 def slurm_logs(directory: Path) -> str:
-    """The end of the jobs' outputs in `directory` (an assertion's message)."""
-    return "\n".join(p.read_text() for p in sorted(directory.glob("slurm-*.out")))[-3000:]
+    """The jobs' outputs in `directory`."""
+    return "\n".join(p.read_text() for p in sorted(directory.glob("slurm-*.out")))
 
 
 def sbatch(tmp_path: Path, out: Path, *args: str) -> int:
@@ -120,7 +120,7 @@ def test_two_slurm_tasks_of_four_devices_train_as_one_process_of_eight(
 ):
     code = sbatch(tmp_path, tmp_path / "run", "--steps", "3", *MESH, *small_corpus)
     logs = slurm_logs(tmp_path)
-    assert code == 0, logs
+    assert code == 0, logs[-3000:]
     assert "8 x cpu in 2 process(es), mesh data=2 pipe=2 tensor=2" in logs, logs[-3000:]
     slurm = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert len(slurm) == 3
@@ -142,11 +142,11 @@ def test_a_job_stopped_by_sigterm_checkpoints_and_the_next_job_resumes(
     metrics = first / "metrics.jsonl"
     wait_for_steps(metrics, 1)
     subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=60)
-    assert wait(job, timeout=600) == ("COMPLETED", 0), slurm_logs(first)
+    assert wait(job, timeout=600) == ("COMPLETED", 0), slurm_logs(first)[-3000:]
     stopped = [r["step"] for r in read_metrics(metrics)]
     assert stopped[-1] < 6, f"the job ended ({stopped}) before SIGTERM reached it"
     assert (out / "checkpoints").is_dir()
-    assert sbatch(tmp_path, out, *steps) == 0, slurm_logs(tmp_path)
+    assert sbatch(tmp_path, out, *steps) == 0, slurm_logs(tmp_path)[-3000:]
     second = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in second] == list(range(stopped[-1] + 1, 7))
     losses = [r["loss"] for r in read_metrics(metrics)] + [r["loss"] for r in second]
@@ -175,14 +175,12 @@ def test_a_task_killed_ends_the_job_and_the_next_resumes_from_the_last_checkpoin
     ).stdout.split()  # fmt: skip
     assert len(tasks) == 2, tasks
     os.kill(int(tasks[-1]), 9)
-    killed = time.monotonic()
-    wait(job, timeout=120)  # srun ends the other task
-    assert time.monotonic() - killed < 120
+    wait(job, timeout=120)  # srun ends the other task within it
     log = slurm_logs(first)
     assert re.search(r"task \d: Killed", log), log[-2000:]
     done = [r["step"] for r in read_metrics(metrics)]
     assert done[-1] < 6, f"the job ended ({done}) before the kill"
-    assert sbatch(tmp_path, out, *steps) == 0, slurm_logs(tmp_path)
+    assert sbatch(tmp_path, out, *steps) == 0, slurm_logs(tmp_path)[-3000:]
     second = read_metrics(tmp_path / "metrics.jsonl")
     assert second and second[-1]["step"] == 6
     # the first run's records up to the checkpoint the second resumed from, then the second's

@@ -119,7 +119,7 @@ def fan_out(x: Array, n: int) -> tuple[Array, ...]:
 
 
 def _fan_out_fwd(x: Array, n: int):
-    return fan_out(x, n), None
+    return (x,) * n, None
 
 
 def _fan_out_bwd(n: int, _, cotangents):
