@@ -153,17 +153,23 @@ def test_split_backward_slots_share_the_backward_matmuls_and_w_sends_nothing():
 
 def test_backward_slot_runs_only_the_backward_matmuls():
     """Stored residuals (`model.remat=none`): the B slot of a chunk holds exactly twice the
-    F slot's chunk matmuls (input and weight gradient of each), no forward. With `full` it holds
-    three times as many, less one: the recomputed forward, once."""
+    F slot's chunk matmuls (input and weight gradient of each), no forward. The last stage runs
+    each microbatch's F and B in its B slot at once (`B_LAST`): the chunk's forward and backward
+    and the head's three (logits, their input and weight gradients); its F slot runs nothing.
+    With `full` the B slot holds three times the F slot's, less one: the recomputed forward,
+    once; and the last stage's F and B stay apart (one `jax.vjp` would keep every layer's
+    activations)."""
     _, _, comps, body = compiled_module((1, 4, 1), remat="none")
     dots = slot_matmuls(comps, body)
     assert dots["f_middle"] > 0 and dots["f_first"] == dots["f_middle"]
-    assert dots["f_last"] > dots["f_middle"]  # + head forward and backward
     assert dots["b_middle"] == dots["b_first"] == 2 * dots["f_middle"]
+    assert dots["b_last"] == dots["f_middle"] + dots["b_middle"] + 3, dots
+    assert "f_last" not in dots, dots
 
     _, _, comps, body = compiled_module((1, 4, 1), remat="full")
     full = slot_matmuls(comps, body)
     assert full["f_middle"] == dots["f_middle"]
+    assert full["f_last"] == dots["f_middle"] + 3 and "b_last" not in full, full
     # the recomputed forward, less the last layer's fc2, whose output nothing reads
     assert full["b_middle"] == 3 * dots["f_middle"] - 1
 

@@ -73,24 +73,25 @@ def test_uneven_stages_run_cudnn_unrolled_and_skip_their_padding_on_two_h100():
     assert zb_report["gemm_flops"] == report["gemm_flops"], (zb_report["gemm_flops"], report)
 
 
-def test_zb_h1_beats_1f1b_on_the_schedule_bound_on_four_h100():
-    """Zero-bubble pays: its W slots fill the bubble, and its step bound is below 1F1B's
-    (1.059x before the matmul inputs stayed in their forward's slot and the zero taps were no
-    longer stored). Its kernels still cost more than 1F1B's (1.23x, then 1.14x: W copies X and
-    dY out of their ring slots for cuBLAS, docs/schedules.md; 1.15x since 1F1B takes q, k, v
-    from three GEMMs, which zb_h1's tapped one did not, its W reading their joined cotangent;
-    1.13x with the split backward's q, k, v GEMMs too). It held more (1.89x, then 1.36x: a
-    program's rings are sized for the busiest stage of each, p - s microbatches' residuals
-    and s + 1 microbatches' dY); now a microbatch's residuals and then its dY share the slot
-    it holds from F to W (`executor.pool`): 0.97x, as the ZB paper's ZB-H1 holds 1F1B's. The
-    last stage's F leaves the head's weight gradient to its next W from the first W on
-    (`Plan.head_in_w`): bound 0.976x -> 0.969x, at the cost of one microbatch's logits
-    cotangent kept between them (temp 0.97x -> 1.04x on this one-layer-per-stage model;
-    gpt_1.3b's (1,4,1) stays below 1F1B's, docs/benchmarks.md)."""
+def test_zb_h1_fills_the_bubble_1f1b_leaves_on_four_h100():
+    """Zero-bubble fills the bubble: its W slots run where 1F1B's stages idle, so its step bound
+    is a smaller multiple of its kernels' roofline. Its kernels cost more than 1F1B's (1.23x,
+    then 1.13x: W copies X and dY out of their ring slots for cuBLAS, docs/schedules.md); it
+    holds no more (0.97x since a microbatch's residuals and then its dY share the slot it holds
+    from F to W, `executor.pool`). It beat 1F1B's step bound (0.969x) until 1F1B's last stage
+    ran each microbatch's F and B at once (`B_LAST`: nothing it keeps crosses a ring), which
+    ZB-H1's grid of one action per tick cannot (its last stage's I runs the tick after its F):
+    zb_h1's roofline went from 1.13x to 1.21x 1F1B's, and its bound is 1.01x 1F1B's (gpt_1.3b
+    (1,4,1): 1.04x; docs/benchmarks.md)."""
     one_f_one_b, zb_h1 = four_stages("1f1b"), four_stages("zb_h1")
-    assert zb_h1["schedule_bound_seconds"] < 0.975 * one_f_one_b["schedule_bound_seconds"]
-    assert zb_h1["roofline_seconds"] <= 1.2 * one_f_one_b["roofline_seconds"]
-    assert zb_h1["temp_bytes"] <= 1.05 * one_f_one_b["temp_bytes"]
+
+    def bubble(r):
+        return r["schedule_bound_seconds"] / r["roofline_seconds"]
+
+    assert bubble(zb_h1) < 0.85 * bubble(one_f_one_b), (bubble(zb_h1), bubble(one_f_one_b))
+    assert zb_h1["schedule_bound_seconds"] <= 1.03 * one_f_one_b["schedule_bound_seconds"]
+    assert zb_h1["roofline_seconds"] <= 1.25 * one_f_one_b["roofline_seconds"]
+    assert zb_h1["temp_bytes"] <= one_f_one_b["temp_bytes"]
 
 
 def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_on_8_h100():

@@ -207,21 +207,21 @@ def test_the_grouped_gemm_kernels_run_the_routed_rows_on_one_h100():
 
 
 def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eight_h100():
-    """expert 4 x pipe 2 1f1b, 4 microbatches, dropless, bounds of 1x and 4x the even load (all
-    T k = 2048 choices per block): on a GPU the rows go by ragged all-to-all (`moe.exchange:
-    auto`), no all-to-all is left. Each F slot's exchange branches hold 2 (dispatch, combine),
-    each B slot's the 2 transposes at the kept first bound and 3 at the largest (whose backward
-    reruns the dispatch): 4 per MoE layer and microbatch at a balanced route (the CPU step's
-    count: tests/test_expert_exchange.py). At the first bound every one's operand and output
-    are the device's T k routed rows: the buffers hold no padding. The expert ids travel
-    nowhere: the counts' all-gather (E integers) stands in. The pipe sends leave as send and
-    recv (the slots' collectives share a stream with a collective-permute), and every pipe byte
-    has a GEMM beside it (11/14 while an arrival was zeroed where nothing landed: that select,
-    in the second copy of the tick loop XLA pipelines two ticks at a time, waited for the
-    cotangent's recv right after the B slot, before the next F). The slots all-reduce nothing
-    over `expert` but the bound's scalar max: the dense gradients are summed over it once per
-    chunk and step, after the chunk's last backward (XLA's combined all-reduce, outside the
-    slots)."""
+    """expert 4 x pipe 2 1f1b, 4 microbatches, dropless, bounds of 1x and 4x the even load (all T k
+    = 2048 choices per block): on a GPU the rows go by ragged all-to-all (`moe.exchange: auto`), no
+    all-to-all is left. Each F slot's exchange branches hold 2 (dispatch, combine), each B slot's
+    the 2 transposes at the kept first bound and 3 at the largest (whose backward reruns the
+    dispatch), the last stage's B_LAST both kinds: 4 per MoE layer and microbatch at a balanced
+    route (the CPU step's count: tests/test_expert_exchange.py). At the first bound every one's
+    operand and output are the device's T k routed rows: the buffers hold no padding. The expert ids
+    travel nowhere: the counts' all-gather (E integers) stands in. The pipe sends leave as send and
+    recv (the slots' collectives share a stream with a collective-permute), and 11 of 14 pipe bytes
+    have a GEMM beside them: in the second copy of the tick loop, which XLA pipelines two ticks at a
+    time, the scheduler posts the next activation's recv before the F slot and completes the
+    cotangent's first (since the last stage runs each microbatch's F and B at once in its B slot,
+    `B_LAST`; every byte before). The slots all-reduce nothing over `expert` but the bound's scalar
+    max: the dense gradients are summed over it once per chunk and step, after the chunk's last
+    backward (XLA's combined all-reduce, outside the slots)."""
     import re
 
     from jaxmeg.parallel import hlo, hlo_module
@@ -243,7 +243,7 @@ def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eigh
     text = compiled.as_text()
     columns = loss_and_grads.program.branch_columns
     overlap = link_overlap(StepCost(text, trainable.mesh, columns).total())
-    assert overlap["pipe"] == pytest.approx(1.0), overlap
+    assert overlap["pipe"] >= 11 / 14 - 1e-6, overlap
     over_expert = [
         c for c in hlo.collectives(text, trainable.mesh)
         if c.kind == "all-reduce" and "expert" in c.axes
@@ -269,13 +269,17 @@ def test_a_pipeline_slot_exchanges_each_microbatch_by_ragged_all_to_alls_on_eigh
         for cond in (c for n in reached(line) for c in hlo_module.ops(comps[n], "conditional")):
             arms = [ragged_rows(hlo_module.reachable(comps, b)) for b in hlo_module.branches(cond)]
             if any(arms):
-                exchanged.setdefault(scope[:2], []).append(arms)
-    assert set(exchanged) == {"f_", "b_"}, exchanged
+                exchanged.setdefault(scope.removesuffix("_reducing"), []).append(arms)
+    # the last stage runs each microbatch's F and B at once (`B_LAST`): both kinds of branches
+    assert set(exchanged) == {"f_first", "b_first", "b_last"}, exchanged
     even, largest = (choices, choices), (choices, 4 * choices)
-    for arms in exchanged["f_"]:
-        assert arms == [[even, even], [largest, largest[::-1]]], arms
-    for arms in exchanged["b_"]:
-        assert arms == [[even, even], [largest, largest, largest[::-1]]], arms
+    forward = [[even, even], [largest, largest[::-1]]]
+    backward = [[even, even], [largest, largest, largest[::-1]]]
+    assert all(arms == forward for arms in exchanged["f_first"]), exchanged["f_first"]
+    assert all(arms == backward for arms in exchanged["b_first"]), exchanged["b_first"]
+    last = exchanged["b_last"]
+    assert forward in last and backward in last, last
+    assert all(arms in (forward, backward) for arms in last), last
     assert not any(hlo_module.ops(lines, "all-to-all-start") for lines in comps.values())
 
 

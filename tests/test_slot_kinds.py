@@ -43,10 +43,10 @@ LAYOUTS = {
                    "overlap_sends": True}, {}),
 }  # fmt: skip
 REDUCING_LAST_B = {
-    "overlap_sends_1f1b": {"b_middle_reducing", "b_first_reducing"},
+    "overlap_sends_1f1b": {"b_last_reducing", "b_first_reducing"},
     "overlap_sends_pipe1": {"b_whole_reducing"},
     "overlap_sends_zb_h1": {"w_chunk_reducing"},
-    "overlap_sends_zero1": {"b_middle_reducing", "b_first_reducing"},
+    "overlap_sends_zero1": {"b_last_reducing", "b_first_reducing"},
 }
 """Where a chunk's last B (last W with a split backward) reduces its layers (chunks of 2
 layers, 4 on one stage): that kind's loop is in the tick, and no other layout's."""

@@ -10,7 +10,7 @@ Per step, summed over all devices:
                      copies that change layout, transposes the backend placed around matmuls)
   stored_bytes       what the forwards keep for their backwards: each forward's stage input and
                      the residuals its chunk stores, at their logical size (with tensor > 1, once
-                     per tensor group)
+                     per tensor group); a forward its backward runs with (`B_LAST`) only its input
   collective_bytes   bytes sent on links: `pipe` the sends between stages, `data` and `tensor`
                      every collective within one data or tensor group; the rest (the shared
                      gradients' reduction over stages, groups over several axes) by kind and axes;
@@ -42,6 +42,7 @@ from jaxmeg.perf.experts import exchange_block, exchange_branch, kept_block, tok
 from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import flops_per_iteration, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
+from jaxmeg.pipeline.executor.columns import B_LAST, B_LAST_REDUCING
 from jaxmeg.training.compilation import compile_step, memory_report
 from jaxmeg.training.flops import model_flops_per_step
 from jaxmeg.training.pipeline_step import make_loss_and_grads
@@ -102,8 +103,11 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
 
     table = loss_and_grads.program.table
     forwards = int((table.f_mb >= 0).sum())
-    slot_bytes = loss_and_grads.program.trace_info["slot_bytes"]
-    stored = forwards * slot_bytes * par.data
+    columns, info = loss_and_grads.program.branch_columns, loss_and_grads.program.trace_info
+    # a forward whose backward runs with it (B_LAST) keeps only its stage input, as it arrived
+    at_once = int(sum(np.sum(columns.get(k.scope, 0)) for k in (B_LAST, B_LAST_REDUCING)))
+    kept = forwards * info["slot_bytes"] - at_once * (info["slot_bytes"] - info["input_bytes"])
+    stored = kept * par.data
 
     act_bytes = np.dtype(model.compute_dtype).itemsize
     b, s, h = cfg.train.microbatch_size, model.seq_len, model.hidden

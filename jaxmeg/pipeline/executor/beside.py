@@ -12,6 +12,8 @@ per slot), so no slot waits for its gather either.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -19,11 +21,10 @@ from jaxmeg.pipeline import accumulator, compression, gradients, rings
 from jaxmeg.pipeline.executor import slots
 from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
-    B_CHUNK,
     COMPRESS_LINK,
+    COTANGENT_SENDERS,
     FETCH,
     GATHER,
-    I_CHUNK,
     RECEIVE,
     REDUCE_BESIDE_B,
     REDUCE_CHUNK,
@@ -71,7 +72,9 @@ def send_cotangent(plan: Plan, c: Carry, row: dict, d_x):
         return c, send(plan, d_x, row, SEND_COT)
     chunk = jnp.maximum(row["b_chunk"], 0)
     here = row["pipe_compress"] > 0
-    sending = (row["b_kind"] == B_CHUNK.code) | (row["b_kind"] == I_CHUNK.code)
+    sending = functools.reduce(
+        jnp.logical_or, [row["b_kind"] == kind.code for kind in COTANGENT_SENDERS]
+    )
     g = d_x.reshape(-1, d_x.shape[-1]).astype(jnp.float32)
     with jax.named_scope(COMPRESS_LINK.scope):
         factors, x, new = compression.encode_link(pc, c.links, chunk, g, here, sending)

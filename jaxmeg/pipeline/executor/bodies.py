@@ -8,7 +8,9 @@ microbatch's tokens and targets. A slot runs the body of its kind as a loop of 0
      backward, whose output cotangent goes to the `cots` ring; with p v = 1 only the embedding.
   B  the chunk's backward from the kept residuals (`residuals`) or by rerunning it (`model.remat`
      full), accumulating its gradients in place; the first virtual stage also the embedding's;
-     with p v = 1 chunk + head + loss under one `jax.vjp`, then the embedding: plain training.
+     with p v = 1 chunk + head + loss under one `jax.vjp`, then the embedding: plain training;
+     where a tick's F and B are one microbatch's on the last virtual stage (1F1B's last stage),
+     the B slot runs both at once the same way (`B_LAST`), the F slot nothing.
   I  a split backward's input half: the input cotangent, the norm and bias gradients and what W
      needs (the matmuls' output cotangents dY), kept in the `wstore` ring (on GPUs in the
      `pool` slot its residuals were read from, `Plan.pooled`).  W  the weight gradients
@@ -36,6 +38,7 @@ from jaxmeg.pipeline.executor.carry import Carry, Stage
 from jaxmeg.pipeline.executor.columns import (
     B_CHUNK,
     B_FIRST,
+    B_LAST,
     B_WHOLE,
     F_EMBED,
     F_FIRST,
@@ -201,9 +204,8 @@ def forward_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
         kinds = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
         if plan.head_in_w:
             kinds[F_LAST_HEAD_IN_W] = partial(f_last, head_in_w=True)
-    if plan.paired:  # some kinds may run only in the F&B slot
-        kinds = _present(plan, kinds)
-    return c.merge(_run_slot(kinds, plan, st, at, c.only(F_STATE), batch))
+    # kinds the table never runs in this slot (the F&B slot's, B_LAST's) are left out
+    return c.merge(_run_slot(_present(plan, kinds), plan, st, at, c.only(F_STATE), batch))
 
 
 # -- B and I ------------------------------------------------------------------------------------
@@ -274,7 +276,10 @@ def b_first(plan, st, at, a, tokens, targets, last=False):
     )
 
 
-def b_whole(plan, st, at, a, tokens, targets, last=False):
+def _chunk_head_loss_backward(plan: Plan, st: Stage, at: At, a: Carry, targets):
+    """(scaled loss, d_params, d_shared, d_x) of the chunk, head and loss under one `jax.vjp`
+    from the stage input: nothing the backward reads goes through a ring. The scale seeds the
+    pullback (as in `f_last`)."""
     fns = plan.fns
 
     def chunk_head_loss(p_, sh, x_):
@@ -283,6 +288,22 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     loss, pullback = jax.vjp(chunk_head_loss, st.taken(at.cp), st.head_shared, a.inputs[at.slot])
     scale = gradients.loss_scale(plan.m)
     d_params, d_shared, d_x = pullback(jnp.ones_like(loss) * scale)
+    return (loss * scale).astype(jnp.float32), d_params, d_shared, d_x
+
+
+def b_last(plan, st, at, a, tokens, targets, last=False):
+    """B_LAST: the last virtual stage's F and B of one microbatch at once."""
+    loss, d_params, d_shared, d_x = _chunk_head_loss_backward(plan, st, at, a, targets)
+    return a.replace(
+        **_accumulate(plan, a, at.index, d_params, last),
+        g_shared=gradients.accumulate(a.g_shared, d_shared),
+        loss=a.loss + loss,
+        d_x=d_x.astype(a.d_x.dtype),
+    )
+
+
+def b_whole(plan, st, at, a, tokens, targets, last=False):
+    loss, d_params, d_shared, d_x = _chunk_head_loss_backward(plan, st, at, a, targets)
     g_shared = gradients.accumulate(a.g_shared, d_shared)
     d_embed = _embed_backward(plan, st, d_x, tokens)
     if a.g_embed is None:  # one microbatch: nothing to keep apart (`Carry.g_embed`)
@@ -292,7 +313,7 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     return a.replace(
         **_accumulate(plan, a, at.index, d_params, last),
         **shared,
-        loss=a.loss + (loss * scale).astype(jnp.float32),
+        loss=a.loss + loss,
     )
 
 
@@ -352,7 +373,7 @@ def backward_slot(plan: Plan, st: Stage, c: Carry, row: dict, cells=None) -> Car
     """The B slot: the backward of its kind reads its stage input, residuals and output
     cotangent, accumulates the gradients it produces and writes the input cotangent to send
     (`d_x`). `cells` (bool [ticks, p], static): where this copy of the slot runs; kinds that
-    run in none of them are left out of it."""
+    run in none of them are left out of it (as everywhere, kinds the table never runs)."""
     chunk, mb = row["b_chunk"], jnp.maximum(row["b_mb"], 0)
     cp, real = st.slot_params(c, "b", chunk), st.real_layers(chunk)
     slot = jnp.maximum(row["b_slot"], 0)
@@ -361,9 +382,10 @@ def backward_slot(plan: Plan, st: Stage, c: Carry, row: dict, cells=None) -> Car
     kinds = _backward_kinds(plan)
     if plan.reduction.layers and not plan.table.split:  # with a split backward W reduces
         kinds.update({REDUCING_OF[k]: partial(fn, last=True) for k, fn in kinds.items()})
+    runs = plan.columns.columns["b_kind"]
     if cells is not None:
-        runs = plan.columns.columns["b_kind"][cells]
-        kinds = {kind: fn for kind, fn in kinds.items() if (runs == kind.code).any()}
+        runs = runs[cells]
+    kinds = {kind: fn for kind, fn in kinds.items() if (runs == kind.code).any()}
     state = c.only((*B_STATE, *_scattering(plan)))
     return c.merge(_run_slot(kinds, plan, st, at, state, batch))
 
@@ -374,7 +396,7 @@ def _backward_kinds(plan: Plan) -> dict:
     if plan.whole_model:
         return {B_WHOLE: b_whole}
     if not plan.table.split:
-        return {B_CHUNK: b_middle, B_FIRST: b_first}
+        return {B_CHUNK: b_middle, B_FIRST: b_first, B_LAST: b_last}
     return {I_CHUNK: i_middle, I_FIRST: i_first, **_present(plan, _whole_backwards(plan))}
 
 

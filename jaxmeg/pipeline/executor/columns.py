@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 
 from jaxmeg.pipeline.executor.reduction import BESIDE_B, NO_REDUCTION, SCATTER, Reduction
-from jaxmeg.pipeline.tick_table import FIELDS, PAIRS, TickTable
+from jaxmeg.pipeline.tick_table import FIELDS, PAIRS, TWO_SLOTS, TickTable
 
 IDLE = 0
 
@@ -51,8 +51,18 @@ I_FIRST = SlotKind("i_first", "I of the first virtual stage, and the embedding",
 B_CHUNK_REDUCING = SlotKind("b_middle_reducing", "a chunk's last B, its means in it", "b_kind", 6)
 B_FIRST_REDUCING = SlotKind("b_first_reducing", "B_FIRST, the chunk's last, + means", "b_kind", 7)
 B_WHOLE_REDUCING = SlotKind("b_whole_reducing", "B_WHOLE, the last one, + means", "b_kind", 8)
-REDUCING_OF = {B_CHUNK: B_CHUNK_REDUCING, B_FIRST: B_FIRST_REDUCING, B_WHOLE: B_WHOLE_REDUCING}
+B_LAST = SlotKind(
+    "b_last", "F and B at once on the last virtual stage: chunk + head + loss, one jax.vjp",
+    "b_kind", 9,
+)  # fmt: skip
+B_LAST_REDUCING = SlotKind("b_last_reducing", "B_LAST, the chunk's last B, + means", "b_kind", 10)
+REDUCING_OF = {
+    B_CHUNK: B_CHUNK_REDUCING, B_FIRST: B_FIRST_REDUCING, B_WHOLE: B_WHOLE_REDUCING,
+    B_LAST: B_LAST_REDUCING,
+}  # fmt: skip
 """A chunk's last B where its layers' means run in the slot (`Reduction.layers`)."""
+COTANGENT_SENDERS = (B_CHUNK, I_CHUNK, B_LAST, B_CHUNK_REDUCING, B_LAST_REDUCING)
+"""The B slot kinds whose input cotangent goes to another virtual stage (all but the first's)."""
 W_CHUNK = SlotKind("w_chunk", "W: the weight gradients of a split backward")
 W_CHUNK_REDUCING = SlotKind("w_chunk_reducing", "a chunk's last W, its layers' means in it")
 W_HEAD = SlotKind("w_head", "a W after F_LAST_HEAD_IN_W: the head's weight gradient it left")
@@ -85,7 +95,7 @@ REDUCE_WRITE = SlotKind("reduce_write", "the mean written back into the stage gr
 REDUCE_BESIDE_B = SlotKind("reduce_beside_b", "a chunk's data mean in one loop with the B slot")
 B_ALONE = SlotKind("b_alone", "the B slot where no mean runs beside it")
 F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED, F_LAST_HEAD_IN_W)
-B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, I_CHUNK, I_FIRST, *REDUCING_OF.values())
+B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, B_LAST, I_CHUNK, I_FIRST, *REDUCING_OF.values())
 PAIR_CODE = 16
 """An F&B slot's code: its F kind's code x PAIR_CODE + its B kind's."""
 FB_KINDS: dict[tuple[SlotKind, SlotKind], SlotKind] = {
@@ -110,12 +120,19 @@ SLOT_KINDS: dict[str, SlotKind] = {
 
 
 def kind_columns(
-    table: TickTable, num_chunks: int, reducing_at: np.ndarray | None = None
+    table: TickTable,
+    num_chunks: int,
+    reducing_at: np.ndarray | None = None,
+    at_once: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static); where
     `reducing_at` (bool [num_ticks, p]: a chunk's last backward) a B is of the kind that
-    reduces its layers (`REDUCING_OF`)."""
+    reduces its layers (`REDUCING_OF`); with `at_once`, B_LAST where `at_once_cells` says."""
     f_kind, b_kind = _kinds(table, num_chunks)
+    if at_once:
+        cells = at_once_cells(table, num_chunks)
+        f_kind = np.where(cells, IDLE, f_kind).astype(np.int32)
+        b_kind = np.where(cells, B_LAST.code, b_kind)
     if reducing_at is not None:
         for kind, reducing in REDUCING_OF.items():
             b_kind = np.where(reducing_at & (b_kind == kind.code), reducing.code, b_kind)
@@ -137,6 +154,21 @@ def _kinds(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     f_kind = np.where(table.f_mb >= 0, f_kind, IDLE)
     b_kind = np.where(table.b_mb >= 0, b_kind, IDLE)
     return f_kind.astype(np.int32), b_kind.astype(np.int32)
+
+
+def at_once_cells(table: TickTable, num_chunks: int) -> np.ndarray:
+    """bool [num_ticks, p]: where a tick's F and B are one microbatch's on the last virtual
+    stage (an F then a B per tick: 1F1B's last stage in every tick it works), which the B slot
+    runs at once (`B_LAST`): the chunk, head and loss under one `jax.vjp`, so that what the
+    backward reads never goes through a ring (on a GPU each ring write and each GEMM or cuDNN
+    operand read from a ring slot is a copy). Only where the forward keeps its residuals
+    (`model.remat` none or selective): with full recompute one `jax.vjp` would hold every
+    layer's activations at once."""
+    if table.ticks != TWO_SLOTS or table.num_stages * num_chunks == 1:
+        return np.zeros(table.f_mb.shape, bool)
+    last = table.virtual_stages(table.f_chunk) == table.num_stages * num_chunks - 1
+    same = (table.f_mb == table.b_mb) & (table.f_chunk == table.b_chunk)
+    return (table.f_mb >= 0) & last & same
 
 
 def head_in_w_columns(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
@@ -321,11 +353,13 @@ def slot_columns(
     compress: np.ndarray | None = None,
     powersgd_stages: int | None = None,
     head_in_w: bool = False,
+    at_once: bool = False,
 ) -> SlotColumns:
     """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, the in-loop data
     reductions of `reduction` (PowerSGD's on stages < `powersgd_stages`), compressed
     cotangents where `compress` (bool [num_ticks, p]) says, the head's weight gradient in the
-    last stage's W slots where `head_in_w` (one chunk per stage). Each direction sends only on the
+    last stage's W slots where `head_in_w` (one chunk per stage), B_LAST where `at_once`
+    (`at_once_cells`). Each direction sends only on the
     pairs that carry something in that tick (one ppermute per distinct set of pairs, chosen by
     an index equal on every stage).
 
@@ -341,7 +375,7 @@ def slot_columns(
     columns = {name: getattr(table, name) for name in FIELDS}
     final = final_backward_chunks(table)
     reducing_at = final >= 0 if reduction.layers else None
-    columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reducing_at)
+    columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reducing_at, at_once)
     if table.ticks == PAIRS:  # a paired cell runs its F and B in the F&B slot only
         paired = table.paired
         pair = columns["f_kind"] * PAIR_CODE + columns["b_kind"]

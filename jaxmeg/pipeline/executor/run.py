@@ -45,7 +45,8 @@ class Program:
         with ZeRO-3 the params arrive split the same way).
     table: the tick table it runs.
     branch_columns: name scope -> [ticks, p], how the cost report weights the compiled slots.
-    trace_info: what one forward stores ("slot_bytes"), filled when `run` is traced.
+    trace_info: what one forward stores ("slot_bytes"; of it its stage input, "input_bytes"),
+        filled when `run` is traced.
     reduces_in_slots: a chunk's last B slot reduces its layers over `data` (`Reduction.layers`):
         the slots hold collectives of their own.
     """
@@ -170,6 +171,7 @@ def build(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh: Mesh
     def per_device(stage_params, shared, tokens, targets, links=None, step=None):
         st = carry.Stage(plan, stage_params, shared, tokens, targets)
         trace_info["slot_bytes"] = sum(a.size * a.dtype.itemsize for a in st.stored_avals)
+        trace_info["input_bytes"] = st.x_abstract.size * st.x_abstract.dtype.itemsize
         c = carry.initial(plan, st, links)
         out = jax.lax.fori_loop(
             0, plan.columns.num_ticks, lambda t, c_: tick(plan, st, t, c_, step), c
