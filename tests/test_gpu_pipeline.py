@@ -94,6 +94,20 @@ def test_zb_h1_fills_the_bubble_1f1b_leaves_on_four_h100():
     assert zb_h1["temp_bytes"] <= one_f_one_b["temp_bytes"]
 
 
+def test_dualpipev_with_data_and_tensor_compiles_on_eight_h100():
+    """(2,2,2) DualPipeV: with its pipe sends as send and recv, XLA 0.10.2's latency-hiding
+    scheduler could not place the tick loop ("kExceedsOverlapLimit") and the compile failed;
+    they stay collective-permutes there (`pipeline_step.sends_point_to_point`)."""
+    from jaxmeg.training.pipeline_step import make_loss_and_grads, sends_point_to_point
+
+    cfg = gpu_config(data=2, pipe=2, tensor=2, microbatches=4, layers=4,
+                     parallel={"schedule": "dualpipev", "chunks": 2})  # fmt: skip
+    trainable, report = report_for(cfg)
+    assert not sends_point_to_point(trainable, make_loss_and_grads(trainable).program)
+    sent = report["collective_bytes"]
+    assert sent["pipe"] > 0 and sent["data"] > 0 and sent["tensor"] > 0, sent
+
+
 def test_pipe_sends_and_data_means_beside_tensor_parallel_slots_overlap_a_gemm_on_8_h100():
     """(2,2,2) 1f1b: the slots hold tensor all-reduces, which share the collective stream with
     a collective-permute, so no pipe send could stay in flight across one (0% before). As a

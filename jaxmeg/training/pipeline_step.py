@@ -36,7 +36,7 @@ from jaxmeg.parallel import activation_rules, attention, context, experts, make_
 from jaxmeg.pipeline import executor, gradients, schedules
 from jaxmeg.pipeline.executor import HeadSplit, SplitFunctions, StageFunctions, ZeroSharding
 from jaxmeg.pipeline.layout import PADDING_SLOT
-from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
+from jaxmeg.pipeline.tick_table import ONE_ACTION, PAIRS, build_tick_table
 from jaxmeg.training.state import Trainable, links_of, zero_dims
 
 
@@ -60,8 +60,14 @@ def sends_point_to_point(trainable: Trainable, program=None) -> bool:
     collective-permute from overlapping them, on pairs without a cycle (one chunk per stage, or
     the V's chains) and no context ring. Elsewhere a collective-permute overlaps already, and a
     send would only add copies: its buffer must outlive the loop's next write of the carry (3.8
-    GB per step on (1,4,1) gpt_1.3b for H100)."""
+    GB per step on (1,4,1) gpt_1.3b for H100). Nor for F&B slots (DualPipeV) with both data and
+    tensor > 1: XLA 0.10.2's latency-hiding scheduler cannot place the tick loop then ("failed
+    to find a node to schedule ... kExceedsOverlapLimit", gpt_tiny and gpt_1.3b on (2,2,2));
+    as collective-permutes it compiles, its pipe bytes under no GEMM."""
     layout, shape = trainable.layout, trainable.mesh.shape
+    paired = program is not None and program.table.ticks == PAIRS
+    if paired and shape["data"] > 1 and shape["tensor"] > 1:
+        return False
     acyclic = layout.num_chunks == 1 or layout.placement == "v"
     reduces = program is not None and program.reduces_in_slots
     exchanges = _exchanges_in_slots(trainable, program)
