@@ -295,7 +295,8 @@ def test_a_pipeline_slot_exchanges_each_microbatch_four_times_and_reruns_no_forw
     a split backward). The F slot keeps the exchange's residuals (named outside the layer's
     map), so the backward reruns neither them nor the experts' forward GEMMs: B and I run as
     many row GEMMs as F (the rows' gradient, dY against each transposed weight: a rerun would
-    double them), and W exchanges nothing. The one all-to-all of expert ids is F's."""
+    double them), and W exchanges nothing. The one all-to-all of expert ids is F's. 1f1b's last
+    stage runs F and B at once (`B_LAST`): its B slot holds all four, F's ids and both's GEMMs."""
     cfg = config((1, 2, 1), dataclasses.replace(TOP2, exchange_bounds=()), LLAMA, schedule,
                  expert=4)  # fmt: skip
     trainable = trainable_for(cfg)
@@ -306,12 +307,18 @@ def test_a_pipeline_slot_exchanges_each_microbatch_four_times_and_reruns_no_forw
     back = "i_" if schedule == "zb_h1" else "b_"
     rows = _per_slot(text, r"= \(f32\[.*all-to-all\(")
     ids = _per_slot(text, r"= \(s32\[.*all-to-all\(")
-    assert {k[:2] for k in rows} == {"f_", back} and set(rows.values()) == {2}, rows
-    assert {k[:2] for k in ids} == {"f_"} and set(ids.values()) == {1}, ids
     gemms = _per_slot(text, r"= \S+ (dot|ragged-dot)\(")
+    # 1f1b's last stage runs each microbatch's F and B at once in its B slot (`B_LAST`)
+    at_once = {k for k in rows if k.startswith("b_last")}
+    assert bool(at_once) == (schedule == "1f1b"), rows
+    apart = {k: n for k, n in rows.items() if k not in at_once}
+    assert {k[:2] for k in apart} == {"f_", back} and set(apart.values()) == {2}, rows
+    assert {k[:2] for k in ids} - {"b_"} == {"f_"} and set(ids.values()) == {1}, ids
+    assert {k for k in ids if k.startswith("b_")} == at_once, ids
     forward = {n for k, n in gemms.items() if k.startswith("f_")}
-    backward = {n for k, n in gemms.items() if k.startswith(back)}
+    backward = {n for k, n in gemms.items() if k.startswith(back) and k not in at_once}
     assert len(forward) == 1 and backward == forward, gemms
+    assert all(rows[k] == 4 and gemms[k] == 2 * min(forward) for k in at_once), (rows, gemms)
 
 
 def test_a_pipeline_keeps_the_exchange_residuals_of_the_kept_bound_only():
@@ -387,14 +394,14 @@ def test_a_layers_backward_runs_no_bound_all_reduce_beside_its_exchange(monkeypa
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_a_pipeline_sums_its_dense_gradients_over_expert_once_per_step(schedule):
     """expert 4 x pipe 2 (tensor 1: the executor's map is manual over `expert`,
-    `pipeline_step.splits_experts`): each expert rank holds its share of every microbatch's
-    rows and keeps its dense gradients its own through the step; they are summed over `expert`
-    with the data mean once per chunk, in the reduction beside the tick after the chunk's last
-    backward (`reduce_chunk`, one tick per stage), all of a stage's dense leaves in one
-    all-reduce. No slot all-reduces anything over `expert` but the exchange bound's scalar max
-    (in F); with `expert` automatic XLA all-reduced a stage's dense gradients in every B slot
-    (m per step) and the head's in every last F. After the loop the embedding's and head's
-    gradients and the loss go in one all-reduce over pipe x expert."""
+    `pipeline_step.splits_experts`): each expert rank holds its share of every microbatch's rows and
+    keeps its dense gradients its own through the step; they are summed over `expert` with the data
+    mean once per chunk, in the reduction beside the tick after the chunk's last backward
+    (`reduce_chunk`, one tick per stage), all of a stage's dense leaves in one all-reduce. No slot
+    all-reduces anything over `expert` but the exchange bound's scalar max (in F, or B_LAST: the
+    last stage's F and B at once); with `expert` automatic XLA all-reduced a stage's dense gradients
+    in every B slot (m per step) and the head's in every last F. After the loop the embedding's and
+    head's gradients and the loss go in one all-reduce over pipe x expert."""
     import re
 
     from jaxmeg.parallel import hlo
@@ -411,7 +418,9 @@ def test_a_pipeline_sums_its_dense_gradients_over_expert_once_per_step(schedule)
         if c.kind == "all-reduce" and "expert" in c.axes
     ]  # fmt: skip
     in_slots = [c for c in reduces if re.search(r"/closed_call/[fbiw]_[a-z_]+/", c.op_name)]
-    assert in_slots and all(c.bytes == 4 and "/f_" in c.op_name for c in in_slots), in_slots
+    forwards = ("/f_", "/b_last")  # 1f1b's last stage runs F and B at once (`B_LAST`)
+    assert in_slots and all(c.bytes == 4 for c in in_slots), in_slots
+    assert all(any(f in c.op_name for f in forwards) for c in in_slots), in_slots
     stage = params["blocks"]["layers"]
     dense = sum(
         a.size // 2 * 4  # a stage's half of each [v = 1, p = 2, Lc, ...] leaf, fp32

@@ -309,7 +309,11 @@ def test_predicted_memory_and_bytes_match_the_compiled_step(case):
     ]  # fmt: skip
     if t > 1:
         assert layer_all_reduces
-        assert {c.bytes for c in layer_all_reduces} == {traffic["tensor_message"]}
+        # where the last stage runs F and B at once (`B_LAST`, 1F1B-type schedules), XLA joins
+        # one layer's all-reduce with the loss's (fp32 per token) in the one computation
+        joined = traffic["tensor_message"] + b * shape.seq_len * 4
+        assert traffic["tensor_message"] in {c.bytes for c in layer_all_reduces}
+        assert {c.bytes for c in layer_all_reduces} <= {traffic["tensor_message"], joined}
     permutes = [c for c in found if c.kind == "collective-permute"]
     if p > 1:
         assert permutes and all(c.axes == {"pipe"} for c in permutes)
