@@ -44,8 +44,10 @@ def config(mesh, schedule="1f1b", chunks=1, remat="none", microbatches_per_stage
 
 
 @functools.cache
-def compiled_module(mesh, schedule="1f1b", chunks=1, remat="none", layers=None):
-    trainable = trainable_for(config(mesh, schedule, chunks, remat, layers=layers))
+def compiled_module(mesh, schedule="1f1b", chunks=1, remat="none", layers=None, **parallel):
+    cfg = config(mesh, schedule, chunks, remat, layers=layers)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+    trainable = trainable_for(cfg)
     text = compile_step(trainable)[0].as_text()
     return trainable, text, hlo_module.computations(text), hlo_module.tick_loop_body(text)
 
@@ -153,9 +155,10 @@ def test_split_backward_slots_share_the_backward_matmuls_and_w_sends_nothing():
 
 def test_backward_slot_runs_only_the_backward_matmuls():
     """Stored residuals (`model.remat=none`): the B slot of a chunk holds exactly twice the
-    F slot's chunk matmuls (input and weight gradient of each), no forward. The last stage runs
-    each microbatch's F and B in its B slot at once (`B_LAST`): the chunk's forward and backward
-    and the head's three (logits, their input and weight gradients); its F slot runs nothing.
+    F slot's chunk matmuls (input and weight gradient of each), no forward; the last stage's F
+    slot the head's three besides (logits, their input and weight gradients). With
+    `overlap_sends` (GPUs) the last stage runs each microbatch's F and B in its B slot at once
+    (`B_LAST`): the chunk's forward and backward and the head's three; its F slot nothing.
     With `full` the B slot holds three times the F slot's, less one: the recomputed forward,
     once; and the last stage's F and B stay apart (one `jax.vjp` would keep every layer's
     activations)."""
@@ -163,10 +166,13 @@ def test_backward_slot_runs_only_the_backward_matmuls():
     dots = slot_matmuls(comps, body)
     assert dots["f_middle"] > 0 and dots["f_first"] == dots["f_middle"]
     assert dots["b_middle"] == dots["b_first"] == 2 * dots["f_middle"]
-    assert dots["b_last"] == dots["f_middle"] + dots["b_middle"] + 3, dots
-    assert "f_last" not in dots, dots
+    assert dots["f_last"] == dots["f_middle"] + 3 and "b_last" not in dots, dots
+    _, _, comps, body = compiled_module((1, 4, 1), remat="none", overlap_sends=True)
+    at_once = slot_matmuls(comps, body)
+    assert at_once["b_last"] == dots["f_middle"] + dots["b_middle"] + 3, at_once
+    assert "f_last" not in at_once, at_once
 
-    _, _, comps, body = compiled_module((1, 4, 1), remat="full")
+    _, _, comps, body = compiled_module((1, 4, 1), remat="full", overlap_sends=True)
     full = slot_matmuls(comps, body)
     assert full["f_middle"] == dots["f_middle"]
     assert full["f_last"] == dots["f_middle"] + 3 and "b_last" not in full, full

@@ -287,18 +287,21 @@ def _per_slot(text: str, pattern: str) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_a_pipeline_slot_exchanges_each_microbatch_four_times_and_reruns_no_forward(schedule):
+@pytest.mark.parametrize("schedule,overlap", [("1f1b", False), ("1f1b", True), ("zb_h1", False)])
+def test_a_pipeline_slot_exchanges_each_microbatch_four_times_and_reruns_no_forward(
+    schedule, overlap
+):
     """expert 4 x pipe 2, dropless, one bound (`moe.exchange_bounds: []`), one MoE layer per
     stage: per MoE layer and microbatch 4 all-to-alls of rows, as with the whole model in one
     computation: the F slot's dispatch and combine, and their transposes in the B slot (I with
     a split backward). The F slot keeps the exchange's residuals (named outside the layer's
     map), so the backward reruns neither them nor the experts' forward GEMMs: B and I run as
     many row GEMMs as F (the rows' gradient, dY against each transposed weight: a rerun would
-    double them), and W exchanges nothing. The one all-to-all of expert ids is F's. 1f1b's last
-    stage runs F and B at once (`B_LAST`): its B slot holds all four, F's ids and both's GEMMs."""
+    double them), and W exchanges nothing. The one all-to-all of expert ids is F's. With
+    `overlap_sends` (GPUs) 1f1b's last stage runs F and B at once (`B_LAST`): its B slot holds
+    all four, F's ids and both's GEMMs."""
     cfg = config((1, 2, 1), dataclasses.replace(TOP2, exchange_bounds=()), LLAMA, schedule,
-                 expert=4)  # fmt: skip
+                 expert=4, overlap_sends=overlap)  # fmt: skip
     trainable = trainable_for(cfg)
     with jax.set_mesh(trainable.mesh):
         params = init_state(trainable, seed=0)["params"]
@@ -308,9 +311,9 @@ def test_a_pipeline_slot_exchanges_each_microbatch_four_times_and_reruns_no_forw
     rows = _per_slot(text, r"= \(f32\[.*all-to-all\(")
     ids = _per_slot(text, r"= \(s32\[.*all-to-all\(")
     gemms = _per_slot(text, r"= \S+ (dot|ragged-dot)\(")
-    # 1f1b's last stage runs each microbatch's F and B at once in its B slot (`B_LAST`)
+    # with `overlap_sends` 1f1b's last stage runs each microbatch's F and B in its B slot
     at_once = {k for k in rows if k.startswith("b_last")}
-    assert bool(at_once) == (schedule == "1f1b"), rows
+    assert bool(at_once) == overlap, rows
     apart = {k: n for k, n in rows.items() if k not in at_once}
     assert {k[:2] for k in apart} == {"f_", back} and set(apart.values()) == {2}, rows
     assert {k[:2] for k in ids} - {"b_"} == {"f_"} and set(ids.values()) == {1}, ids

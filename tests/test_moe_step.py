@@ -137,9 +137,11 @@ CASES = {
         (1, 2, 2), TOP2, dataclasses.replace(LLAMA, remat="full"), "1f1b", 1, {"expert": 2}
     ),
     # four expert ranks in each of two stages: each holds its share of every microbatch; the
-    # rows by ragged all-to-all (`moe.exchange`; off a GPU its reference)
+    # rows by ragged all-to-all (`moe.exchange`; off a GPU its reference); sends beside the
+    # slots as on GPUs, so the last stage runs each microbatch's F and B at once (`B_LAST`)
     "e4p2-top2-ragged": (
-        (1, 2, 1), dataclasses.replace(TOP2, exchange="ragged"), LLAMA, "1f1b", 1, {"expert": 4}
+        (1, 2, 1), dataclasses.replace(TOP2, exchange="ragged"), LLAMA, "1f1b", 1,
+        {"expert": 4, "overlap_sends": True},
     ),
     "e4t2-sequence_parallel": (
         (1, 1, 2), SIGMOID_TOP1, LLAMA, "1f1b", 1, {"expert": 4, "sequence_parallel": True}

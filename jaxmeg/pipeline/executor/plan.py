@@ -282,7 +282,8 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     head_in_w = zero_bubble and unsplit and v == 1 and fns.split.head is not None
     columns = slot_columns(
         table, v, reduction, gathering=gathering, compress=None if pc is None else pc.compress,
-        powersgd_stages=None if dc is None else dc.stages, head_in_w=head_in_w, at_once=store,
+        powersgd_stages=None if dc is None else dc.stages, head_in_w=head_in_w,
+        at_once=store and options.overlap_sends,
     )  # fmt: skip
     late_cotangents = options.overlap_sends and pc is None
     if late_cotangents:
