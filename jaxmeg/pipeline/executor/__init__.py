@@ -18,6 +18,7 @@ The rooms, in the order a step meets them:
   bodies    the F, B / I and W slot bodies, one function per slot kind; weight_grads: a
             split backward's dW = X^T dY into the accumulator; head_split: the last stage's
             head with its weight gradient left to the next W (zb_h1)
+  paired    the F&B slot (DualPipeV): one microbatch's F and another's B in one loop
   beside    what runs beside the slots: sends and receives (compressed where asked), ZeRO-3's
             gather ahead, the in-loop reduction over data
   run       the tick (about ten lines in schedule order), the final reduction, the map

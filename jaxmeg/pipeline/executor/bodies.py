@@ -17,9 +17,7 @@ microbatch's tokens and targets. A slot runs the body of its kind as a loop of 0
      dW = X^T dY, X from the ring slot its F wrote (`matmul_inputs`), dY from `wstore` (or
      that `pool` slot).
      In a table that also splits backwards (DualPipeV), a whole B is I with its W at once.
-  F&B  one microbatch's F and another's whole B in one loop (`paired_slot`): B's operands are
-     read before F writes the rings, so nothing orders B after F, and a GPU's scheduler can
-     run each one's collectives under the other's GEMMs.
+  F&B  one microbatch's F and another's whole B in one loop: `jaxmeg.pipeline.executor.paired`.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxmeg import ordering
 from jaxmeg.pipeline import accumulator, gradients, rings
 from jaxmeg.pipeline.executor import head_split, residuals, slots, weight_grads
 from jaxmeg.pipeline.executor.carry import Carry, Stage
@@ -45,7 +42,6 @@ from jaxmeg.pipeline.executor.columns import (
     F_LAST,
     F_LAST_HEAD_IN_W,
     F_MIDDLE,
-    FB_KINDS,
     I_CHUNK,
     I_FIRST,
     REDUCING_OF,
@@ -87,7 +83,7 @@ def _padding(plan: Plan, real) -> weight_grads.Padding | None:
     return weight_grads.Padding(plan.padding_slots, real) if plan.padding_slots else None
 
 
-def _present(plan: Plan, kinds: dict) -> dict:
+def present(plan: Plan, kinds: dict) -> dict:
     """The kinds that run somewhere in the step (a loop that never runs is not built)."""
     columns = plan.columns.columns
     return {k: fn for k, fn in kinds.items() if (columns[k.column] == k.code).any()}
@@ -205,7 +201,7 @@ def forward_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
         if plan.head_in_w:
             kinds[F_LAST_HEAD_IN_W] = partial(f_last, head_in_w=True)
     # kinds the table never runs in this slot (the F&B slot's, B_LAST's) are left out
-    return c.merge(_run_slot(_present(plan, kinds), plan, st, at, c.only(F_STATE), batch))
+    return c.merge(_run_slot(present(plan, kinds), plan, st, at, c.only(F_STATE), batch))
 
 
 # -- B and I ------------------------------------------------------------------------------------
@@ -397,81 +393,14 @@ def _backward_kinds(plan: Plan) -> dict:
         return {B_WHOLE: b_whole}
     if not plan.table.split:
         return {B_CHUNK: b_middle, B_FIRST: b_first, B_LAST: b_last}
-    return {I_CHUNK: i_middle, I_FIRST: i_first, **_present(plan, _whole_backwards(plan))}
+    return {I_CHUNK: i_middle, I_FIRST: i_first, **present(plan, whole_backwards(plan))}
 
 
-def _whole_backwards(plan: Plan) -> dict:
+def whole_backwards(plan: Plan) -> dict:
     """The bodies of a whole B of a chunk and of the first virtual stage."""
     if not plan.table.split:
         return {B_CHUNK: b_middle, B_FIRST: b_first}
     return {B_CHUNK: partial(i_middle, whole=True), B_FIRST: partial(i_first, whole=True)}
-
-
-# -- F&B ----------------------------------------------------------------------------------------
-
-B_READS = ("inputs", "cots", "stored", "matmul_inputs")
-"""The rings a backward reads and the F slot writes."""
-
-
-def _after(done: Carry, read: dict) -> dict:
-    """`read` plus integer zeros read from what the forward wrote (its output or loss), so
-    that what reads it runs after the forward's collectives (XLA:CPU drops an optimization
-    barrier: `jaxmeg.ordering`). One element of each: nothing is split over an automatic axis
-    in a map manual over `expert`."""
-    token = sum(
-        ordering.zeros_from(a.reshape(-1)[0]) for a in jax.tree.leaves(done.only(("y", "loss")))
-    )
-    return jax.tree.map(lambda x: x + token.astype(x.dtype), read)
-
-
-def paired_slot(plan: Plan, st: Stage, c: Carry, row: dict) -> Carry:
-    """The F&B slot (DualPipeV): where the table pairs a stage's F and B in one tick, the
-    forward of its kind and the whole backward of its kind in one loop. The backward's operands
-    (its stage input, residuals and output cotangent) are taken from the rings first, and pass
-    an optimization barrier with the rings before the forward writes into them: the forward's
-    in-place writes wait only for those reads, and the backward's compute for nothing of the
-    forward, so the two are independent in the program. On CPU devices (`Plan.ordered`) with
-    the map manual over `expert` the backward reads them after the forward (`_after`): both
-    run their exchange's collectives in the one loop, and a device could enter B's while
-    another of its expert group waits in F's."""
-    f_chunk, b_chunk = row["f_chunk"], row["b_chunk"]
-    f_at = At(st.slot_params(c, "f", f_chunk), st.real_layers(f_chunk),
-              jnp.maximum(row["f_slot"], 0), None, row)  # fmt: skip
-    b_slot, cot_slot = jnp.maximum(row["b_slot"], 0), jnp.maximum(row["b_cot_slot"], 0)
-    x_slot = jnp.maximum(row["b_x_slot"], 0)
-    b_row = {**row, **{k: jnp.zeros_like(row[k]) for k in ("b_cot_slot", "b_x_slot")}}
-    b_at = At(st.slot_params(c, "b", b_chunk), st.real_layers(b_chunk), 0,
-              st.chunk_at(b_chunk), b_row)  # fmt: skip
-    forwards = {F_FIRST: f_first, F_MIDDLE: f_middle, F_LAST: f_last}
-    backwards = _whole_backwards(plan)
-    batches = (*st.batch(jnp.maximum(row["f_mb"], 0)), *st.batch(jnp.maximum(row["b_mb"], 0)))
-
-    def one_slot(a):
-        taken = {k: getattr(a, k) for k in B_READS if getattr(a, k) is not None}
-        slot_of = {"cots": cot_slot, "matmul_inputs": x_slot}
-        return {
-            k: jax.tree.map(
-                lambda buf, k=k: jax.lax.dynamic_slice_in_dim(buf, slot_of.get(k, b_slot), 1),
-                ring,
-            )
-            for k, ring in taken.items()
-        }
-
-    def pair(f_fn, b_fn, a, f_tokens, f_targets, b_tokens, b_targets):
-        a, read = jax.lax.optimization_barrier((a, one_slot(a)))
-        after_f = f_fn(plan, st, f_at, a, f_tokens, f_targets)
-        if plan.ordered and gradients.EXPERT in plan.manual:
-            read = _after(after_f, read)
-        after_b = b_fn(plan, st, b_at, after_f.replace(**read), b_tokens, b_targets)
-        return after_b.replace(**{k: getattr(after_f, k) for k in read})
-
-    state = c.only((*F_STATE, *B_STATE))
-    present = _present(plan, {kind: kinds for kinds, kind in FB_KINDS.items()})
-    for kind, (f_kind, b_kind) in present.items():
-        body = partial(pair, forwards[f_kind], backwards[b_kind])
-        active = row[kind.column] == kind.code
-        state = slots.run_if(active, body, state, kind.scope, batches)
-    return c.merge(state)
 
 
 # -- W ------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ class Plan:
         for a sharded optimizer; and whether its last backward reduces it layer by layer)
     split_sends: scatter/gather over `tensor` on the pipe links
     v_shape: a V placement (zbv, dualpipev), sending both ways
-    paired: the table runs F&B pairs (`TickTable.paired`) in one slot (`bodies.paired_slot`)
+    paired: the table runs F&B pairs (`TickTable.paired`) in one slot (`paired.paired_slot`)
     late_cotangents: a B slot's cotangent leaves at the start of the next tick and arrives
         before that tick's B slot (`overlap_sends` without pipe compression)
     fused: the shared gradients reduced by `gradients.fused_sync`
@@ -257,7 +257,6 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     _check(fns, table, layout, mesh, options)
     p, v = layout.num_stages, layout.num_chunks
     whole_model = p * v == 1
-    context = mesh.shape.get("context", 1)
     expert_dims = _expert_dims(options, mesh)
     zero, grad_specs = _zero(options, expert_dims)
     gathering = zero.stage == 3
@@ -306,7 +305,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
         v=v,
         m=options.microbatches,
         d=mesh.shape["data"],
-        context=context,
+        context=mesh.shape.get("context", 1),
         whole_model=whole_model,
         store=store,
         gathering=gathering,

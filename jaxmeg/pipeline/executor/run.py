@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import accumulator, gradients
-from jaxmeg.pipeline.executor import beside, bodies, carry, slots
+from jaxmeg.pipeline.executor import beside, bodies, carry, paired, slots
 from jaxmeg.pipeline.executor.columns import (
     B_ALONE,
     REDUCE_BESIDE_B,
@@ -83,7 +83,7 @@ def _tick(plan: Plan, st: carry.Stage, t, c: carry.Carry, step=None) -> carry.Ca
     if plan.paired:
         if plan.late_cotangents:
             c = c.replace(cots=beside.arrive(plan, c.cots, late, "cot", "cot", arrived_cot))
-        c = bodies.paired_slot(plan, st, c, row)
+        c = paired.paired_slot(plan, st, c, row)
     arrived_x = _sent(plan, c.y, row, SEND_X, SEND_X_BACK)
     if plan.late_cotangents and not plan.paired:
         c = c.replace(cots=beside.arrive(plan, c.cots, late, "cot", "cot", arrived_cot))
