@@ -75,22 +75,22 @@ def test_uneven_stages_run_cudnn_unrolled_and_skip_their_padding_on_two_h100():
 
 def test_zb_h1_fills_the_bubble_1f1b_leaves_on_four_h100():
     """Zero-bubble fills the bubble: its W slots run where 1F1B's stages idle, so its step bound
-    is a smaller multiple of its kernels' roofline. Its kernels cost more than 1F1B's (1.23x,
-    then 1.13x: W copies X and dY out of their ring slots for cuBLAS, docs/schedules.md); it
-    holds no more (0.97x since a microbatch's residuals and then its dY share the slot it holds
-    from F to W, `executor.pool`). It beat 1F1B's step bound (0.969x) until 1F1B's last stage
-    ran each microbatch's F and B at once (`B_LAST`: nothing it keeps crosses a ring), which
-    ZB-H1's grid of one action per tick cannot (its last stage's I runs the tick after its F):
-    zb_h1's roofline went from 1.13x to 1.21x 1F1B's, and its bound is 1.01x 1F1B's (gpt_1.3b
-    (1,4,1): 1.04x; docs/benchmarks.md)."""
+    is a smaller multiple of its kernels' roofline, and here below 1F1B's. Its kernels cost
+    more than 1F1B's (1.23x, then 1.13x: W copies X and dY out of their ring slots for cuBLAS,
+    docs/schedules.md); it holds no more (0.97x since a microbatch's residuals and then its dY
+    share the slot it holds from F to W, `executor.pool`). When 1F1B's last stage ran each
+    microbatch's F and B at once (`B_LAST`: nothing it keeps crosses a ring), zb_h1's roofline
+    went to 1.21x 1F1B's and its bound to 1.01x; since its own last stage keeps what its F
+    keeps for its I in one buffer (`I_LAST`, `Carry.last_kept`) they are 1.15x and 0.975x
+    (temporaries 0.90x; gpt_1.3b (1,4,1): 1.12x and 1.005x, docs/benchmarks.md)."""
     one_f_one_b, zb_h1 = four_stages("1f1b"), four_stages("zb_h1")
 
     def bubble(r):
         return r["schedule_bound_seconds"] / r["roofline_seconds"]
 
     assert bubble(zb_h1) < 0.85 * bubble(one_f_one_b), (bubble(zb_h1), bubble(one_f_one_b))
-    assert zb_h1["schedule_bound_seconds"] <= 1.03 * one_f_one_b["schedule_bound_seconds"]
-    assert zb_h1["roofline_seconds"] <= 1.25 * one_f_one_b["roofline_seconds"]
+    assert zb_h1["schedule_bound_seconds"] < one_f_one_b["schedule_bound_seconds"]
+    assert zb_h1["roofline_seconds"] <= 1.2 * one_f_one_b["roofline_seconds"]
     assert zb_h1["temp_bytes"] <= one_f_one_b["temp_bytes"]
 
 

@@ -20,7 +20,8 @@ from jaxmeg.models.remat import REMAT_POLICY
 from jaxmeg.pipeline import analysis, schedules, timing
 from jaxmeg.pipeline.executor import residuals
 from jaxmeg.pipeline.executor import run as executor_run
-from jaxmeg.pipeline.executor.columns import head_in_w_columns
+from jaxmeg.pipeline.executor.columns import I_LAST, kind_columns
+from jaxmeg.pipeline.executor.last_stage import head_in_w_columns, kept_one_at_a_time
 from jaxmeg.pipeline.tick_table import ONE_ACTION, build_tick_table
 from jaxmeg.training import pipeline_step
 
@@ -94,26 +95,47 @@ def test_zb_h1_keeps_p_minus_s_microbatches_and_a_third_of_1f1b_bubble(p, m):
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 16)])
 def test_the_last_stage_leaves_its_heads_weight_gradient_to_its_next_w(p, m):
-    """`columns.head_in_w_columns`: on the last stage only, each F whose next F or W is a W
-    leaves the head's weight gradient to exactly that W, one at a time (what it keeps takes one
-    buffer); ZB-H1 does so from its first W on: m - p + 1 of the m forwards."""
+    """`last_stage.head_in_w_columns`: on the last stage only, every F leaves the head's weight
+    gradient to exactly one later tick before its next F, one at a time (what it keeps takes
+    one buffer): the first W after it where one comes before its next F (ZB-H1 from its first W
+    on: m - p + 1 of the m forwards), else the tick of its own I (the warm-up's)."""
     table = build_tick_table(schedules.build("zb_h1", p, m))
     defers, runs = head_in_w_columns(table)
     assert not defers[:, : p - 1].any() and not runs[:, : p - 1].any()
-    f, w = table.f_mb[:, p - 1] >= 0, table.w_mb[:, p - 1] >= 0
-    assert (defers[:, p - 1] <= f).all() and (runs[:, p - 1] <= w).all()
-    events = [("F", t) for t in np.flatnonzero(f)] + [("W", t) for t in np.flatnonzero(w)]
-    pending = None
-    for kind, t in sorted(events, key=lambda e: e[1]):
-        if kind == "F":
-            assert pending is None, (pending, t)  # the buffer is free when an F fills it
-            pending = t if defers[t, p - 1] else None
-        elif pending is not None:
-            assert runs[t, p - 1]  # the W right after it runs what it left
-            pending = None
+    s = p - 1
+    f, w, b = table.f_mb[:, s] >= 0, table.w_mb[:, s] >= 0, table.b_mb[:, s] >= 0
+    assert (defers[:, s] == f).all() and (runs[:, s] <= (w | b)).all()
+    forwards = np.flatnonzero(f)
+    for i, t in enumerate(forwards):
+        end = forwards[i + 1] if i + 1 < len(forwards) else table.num_ticks
+        ran = np.flatnonzero(runs[t + 1 : end, s]) + t + 1
+        assert len(ran) == 1, (t, ran)  # the buffer is free when the next F fills it
+        weights = np.flatnonzero(w[t + 1 : end]) + t + 1
+        if weights.size:
+            assert ran[0] == weights[0]  # the W right after it runs what it left
         else:
-            assert not runs[t, p - 1]
-    assert pending is None and defers.sum() == runs.sum() == m - p + 1
+            assert b[ran[0]] and table.b_mb[ran[0], s] == table.f_mb[t, s]  # its own I
+    assert runs[:, s].sum() == m and (runs[:, s] & w).sum() == m - p + 1
+
+
+@pytest.mark.parametrize(
+    "name,p,m,v", [("zb_h1", 4, 8, 1), ("zb_h1", 2, 4, 1), ("interleaved_zb", 4, 8, 2),
+                   ("zbv", 2, 4, 2), ("zbv", 4, 8, 2)],
+)  # fmt: skip
+def test_the_last_virtual_stage_keeps_one_microbatch_between_its_f_and_its_i(name, p, m, v):
+    """`last_stage.kept_one_at_a_time`: in every zero-bubble table an F of the last virtual
+    stage is followed by its own I before that stage's next such F, so the executor keeps
+    those residuals in one buffer and runs those I's as I_LAST (every one of them, and no
+    other I); not in 1F1B's table (whole backwards) nor DualPipeV's (F&B pairs)."""
+    table = build_tick_table(schedules.build(name, p, m, v))
+    assert kept_one_at_a_time(table, v)
+    _, b_kind = kind_columns(table, v, last_kept=True)
+    last = (table.b_mb >= 0) & (table.virtual_stages(table.b_chunk) == p * v - 1)
+    assert ((b_kind == I_LAST.code) == last).all()
+    assert (b_kind == I_LAST.code).sum() == m
+    assert not (kind_columns(table, v)[1] == I_LAST.code).any()  # only where asked
+    for other, w in (("1f1b", 1), ("dualpipev", 2)):
+        assert not kept_one_at_a_time(build_tick_table(schedules.build(other, p, m, w)), w)
 
 
 def test_zbv_halves_interleaved_bubble_with_no_more_stored_than_1f1b():
@@ -323,13 +345,15 @@ def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra, monkeyp
     head_in_w = extra.pop("head_in_w", False)
     if pooled:  # as a GPU compile builds it
         monkeypatch.setattr(pipeline_step, "pools_slots", lambda trainable: True)
-    if pooled or head_in_w:  # and the plan says so
-        build = executor_run.build_plan
-        recorded = lambda *a: plans.append(build(*a)) or plans[-1]  # noqa: E731
-        monkeypatch.setattr(executor_run, "build_plan", recorded)
+    build = executor_run.build_plan  # and the plan says so
+    recorded = lambda *a: plans.append(build(*a)) or plans[-1]  # noqa: E731
+    monkeypatch.setattr(executor_run, "build_plan", recorded)
     tp.check_against_single_device(mesh, name, v, factor, **extra)
-    assert not pooled or (plans and all(plan.pooled for plan in plans)), plans
-    assert not head_in_w or (plans and all(plan.head_in_w for plan in plans)), plans
+    assert plans
+    assert not pooled or all(plan.pooled for plan in plans), plans
+    assert not head_in_w or all(plan.head_in_w for plan in plans), plans
+    # with stored residuals the last virtual stage's F keeps them for its I in one buffer
+    assert all(plan.last_kept == plan.store for plan in plans), plans
 
 
 def test_a_split_step_traces_its_layer_for_the_taps_shapes_once(monkeypatch):

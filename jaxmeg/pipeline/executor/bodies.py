@@ -44,6 +44,7 @@ from jaxmeg.pipeline.executor.columns import (
     F_MIDDLE,
     I_CHUNK,
     I_FIRST,
+    I_LAST,
     REDUCING_OF,
     W_CHUNK,
     W_CHUNK_REDUCING,
@@ -52,12 +53,16 @@ from jaxmeg.pipeline.executor.columns import (
 from jaxmeg.pipeline.executor.plan import Plan
 
 F_STATE = ("inputs", "stored", "pool", "matmul_inputs", "cots", "y", "g_shared", "loss",
-           "head_w")  # fmt: skip
+           "head_w", "last_kept")  # fmt: skip
 """What the F slot's loops pass through (what its bodies write, or read)."""
 B_STATE = ("g_stage", "g_shared", "g_embed", "loss", "d_x", "inputs", "cots", "stored",
-           "matmul_inputs", "wstore", "pool")  # fmt: skip
+           "matmul_inputs", "wstore", "pool", "last_kept")  # fmt: skip
 """What the B slot's loops pass through: the rings it reads go through the loop too (a
 read-only operand of a loop would be copied)."""
+
+
+KEEPS_LAST = (F_LAST, F_LAST_HEAD_IN_W, I_LAST)
+"""The slot kinds that write or read `Carry.last_kept`."""
 
 
 def _scattering(plan: Plan) -> tuple[str, ...]:
@@ -90,10 +95,14 @@ def present(plan: Plan, kinds: dict) -> dict:
 
 
 def _run_slot(kinds: dict, plan: Plan, st: Stage, at: At, state: Carry, batch) -> Carry:
-    """Each kind's body as a loop of 0 or 1 trips, run where the row holds its code."""
+    """Each kind's body as a loop of 0 or 1 trips, run where the row holds its code. Only the
+    last virtual stage's F and I loops carry its one buffer (`Carry.last_kept`): passed
+    through the others' loops, XLA copies each of its leaves once per step."""
     for kind, fn in kinds.items():
         active = at.row[kind.column] == kind.code
-        state = slots.run_if(active, partial(fn, plan, st, at), state, kind.scope, batch)
+        part = state if kind in KEEPS_LAST else state.replace(last_kept=None)
+        part = slots.run_if(active, partial(fn, plan, st, at), part, kind.scope, batch)
+        state = state.merge(part)
     return state
 
 
@@ -118,22 +127,21 @@ def _run_chunk(plan: Plan, st: Stage, at: At, x):
     return y, stored
 
 
-def _keep(plan: Plan, st: Stage, at: At, r: Carry, stored) -> dict:
+def _keep(plan: Plan, st: Stage, at: At, r: Carry, stored, last: bool = False) -> dict:
     """The ring writes of what the forward keeps (the stored residuals, and for a split
-    backward the matmul inputs)."""
+    backward the matmul inputs); `last`: the last virtual stage's F, whose residuals go to
+    its one buffer where `Plan.last_kept`."""
 
-    def write(bufs, leaves):
-        return jax.tree.map(lambda buf, leaf: rings.write(buf, at.slot, leaf), bufs, leaves)
+    def write(bufs, leaves, slot=at.slot):
+        return jax.tree.map(lambda buf, leaf: rings.write(buf, slot, leaf), bufs, leaves)
 
     if plan.table.split and plan.store:
         stored, inputs = stored
         x_slot = jnp.maximum(at.row["f_x_slot"], 0)
-        written = {
-            "matmul_inputs": jax.tree.map(
-                lambda buf, leaf: rings.write(buf, x_slot, leaf), r.matmul_inputs, inputs
-            )
-        }
-        if plan.pooled:
+        written = {"matmul_inputs": write(r.matmul_inputs, inputs, x_slot)}
+        if last and plan.last_kept:
+            written["last_kept"] = write(r.last_kept, list(stored), 0)
+        elif plan.pooled:
             written["pool"] = st.pool_layout.write(r.pool, "stored", x_slot, list(stored))
         else:
             written["stored"] = write(r.stored, stored)
@@ -163,7 +171,7 @@ def f_last(plan, st, at, r, tokens, targets, head_in_w=False):
     dtype = st.x_abstract.dtype
     y, stored = _run_chunk(plan, st, at, r.inputs[at.slot])
     scale = gradients.loss_scale(plan.m)
-    written = _keep(plan, st, at, r, stored)
+    written = _keep(plan, st, at, r, stored, last=True)
     if head_in_w:  # F_LAST_HEAD_IN_W: what the stage's next W needs, in its one buffer
         loss, d_shared, d_y, kept = head_split.backward_but_weight(plan, st, y, targets, scale)
         written["head_w"] = jax.tree.map(
@@ -313,18 +321,22 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     )
 
 
-def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False):
+def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole=False, last=False):
     """I: (d_x, the gradients of the chunk's other params, what W needs) from the stored
     residuals, or by rerunning the chunk (`model.remat` full). `whole` (a B in a table of split
-    backwards): the weight gradients are added at once instead of kept for W."""
+    backwards): the weight gradients are added at once instead of kept for W. `last` (I_LAST):
+    the residuals from the last virtual stage's one buffer (`Carry.last_kept`)."""
     sf = plan.split
     x = a.inputs[at.slot]
     cot = a.cots[jnp.maximum(at.row["b_cot_slot"], 0)]
     taps = st.zero_taps(at.cp, x)
     weights, rest = st.split_weights(at.cp, taps)
+    written = {}
     if plan.store:
         x_slot = jnp.maximum(at.row["b_x_slot"], 0)
-        if plan.pooled:
+        if last:
+            kept = [buf[0] for buf in a.last_kept]
+        elif plan.pooled:
             kept = st.pool_layout.read(a.pool, "stored", x_slot)
         else:
             kept = [buf[at.slot] for buf in a.stored]
@@ -336,7 +348,6 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
             rest, x, taps, has_aux=True,
         )  # fmt: skip
         d_rest, d_x, d_taps = pullback(cot)
-    written = {}
     if plan.pooled and not whole:  # dY over the residuals it was made of, all of them read
         written["pool"] = st.pool_layout.write(a.pool, "dys", x_slot, d_taps)
     elif not whole:  # what W reads besides the matmul inputs its F kept (`Carry.wstore`)
@@ -354,8 +365,8 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole: bool = False
     return d_x, {**written, "g_stage": accumulator.merge(g_weights, g_rest, sf.merge_weights)}
 
 
-def i_middle(plan, st, at, a, tokens, targets, whole=False):
-    d_x, written = _input_backward(plan, st, at, a, whole)
+def i_middle(plan, st, at, a, tokens, targets, whole=False, last=False):
+    d_x, written = _input_backward(plan, st, at, a, whole, last)
     return a.replace(**written, d_x=d_x.astype(a.d_x.dtype))
 
 
@@ -393,7 +404,8 @@ def _backward_kinds(plan: Plan) -> dict:
         return {B_WHOLE: b_whole}
     if not plan.table.split:
         return {B_CHUNK: b_middle, B_FIRST: b_first, B_LAST: b_last}
-    return {I_CHUNK: i_middle, I_FIRST: i_first, **present(plan, whole_backwards(plan))}
+    split = {I_CHUNK: i_middle, I_FIRST: i_first, I_LAST: partial(i_middle, last=True)}
+    return {**split, **present(plan, whole_backwards(plan))}
 
 
 def whole_backwards(plan: Plan) -> dict:

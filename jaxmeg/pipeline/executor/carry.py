@@ -80,9 +80,14 @@ class Carry:
     """`Plan.head_in_w`: what the last stage's W_HEAD reads for the output projection's weight
     gradient, [1, ...]: {"inputs": the final norm's output [b, s, h], "dys": the logits'
     cotangent [b, s, V]}, from an F_LAST_HEAD_IN_W to the stage's next W (one at a time,
-    `columns.head_in_w_columns`)."""
+    `last_stage.head_in_w_columns`)."""
     inputs: Any = None
     """Stage inputs [K, *x], written on arrival (or by the first virtual stage's F)."""
+    last_kept: Any = None
+    """`Plan.last_kept`: the residuals the last virtual stage's F keeps for its I, [1, ...] each
+    (the stored leaves, as `stored`), from each F there to its I, one at a time
+    (`last_stage.kept_one_at_a_time`): the F's kernels write them and the I's read them as
+    they are, where a ring slot costs a copy each way."""
     links: Any = None
     """The compression state of this device (`Program.run`'s `links`, without [p, d])."""
     loss: Any = None
@@ -370,6 +375,8 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
         carry["wstore"] = _ring(table.num_w_slots, {"dys": st.w_avals["dys"]})
     elif table.split:  # I reruns the chunk, and keeps X with dY
         carry["wstore"] = _ring(table.num_w_slots, st.w_avals)
+    if plan.last_kept:  # from the last virtual stage's F to its I: one at a time
+        carry["last_kept"] = _ring(1, list(st.kept.stored))
     if plan.head_in_w:  # from the last stage's F to its next W: one at a time
         carry["head_w"] = _ring(1, st.head_avals())
     for slot in plan.gathering_slots:  # each slot's chunk, and the one gathered for its next

@@ -15,8 +15,9 @@ import dataclasses
 
 import numpy as np
 
+from jaxmeg.pipeline.executor.last_stage import at_once_cells, head_in_w_columns, kept_one_at_a_time
 from jaxmeg.pipeline.executor.reduction import BESIDE_B, NO_REDUCTION, SCATTER, Reduction
-from jaxmeg.pipeline.tick_table import FIELDS, PAIRS, TWO_SLOTS, TickTable
+from jaxmeg.pipeline.tick_table import FIELDS, PAIRS, TickTable
 
 IDLE = 0
 
@@ -56,16 +57,19 @@ B_LAST = SlotKind(
     "b_kind", 9,
 )  # fmt: skip
 B_LAST_REDUCING = SlotKind("b_last_reducing", "B_LAST, the chunk's last B, + means", "b_kind", 10)
+I_LAST = SlotKind(
+    "i_last", "I of the last virtual stage, its residuals from one buffer", "b_kind", 11
+)  # fmt: skip
 REDUCING_OF = {
     B_CHUNK: B_CHUNK_REDUCING, B_FIRST: B_FIRST_REDUCING, B_WHOLE: B_WHOLE_REDUCING,
     B_LAST: B_LAST_REDUCING,
 }  # fmt: skip
 """A chunk's last B where its layers' means run in the slot (`Reduction.layers`)."""
-COTANGENT_SENDERS = (B_CHUNK, I_CHUNK, B_LAST, B_CHUNK_REDUCING, B_LAST_REDUCING)
+COTANGENT_SENDERS = (B_CHUNK, I_CHUNK, I_LAST, B_LAST, B_CHUNK_REDUCING, B_LAST_REDUCING)
 """The B slot kinds whose input cotangent goes to another virtual stage (all but the first's)."""
 W_CHUNK = SlotKind("w_chunk", "W: the weight gradients of a split backward")
 W_CHUNK_REDUCING = SlotKind("w_chunk_reducing", "a chunk's last W, its layers' means in it")
-W_HEAD = SlotKind("w_head", "a W after F_LAST_HEAD_IN_W: the head's weight gradient it left")
+W_HEAD = SlotKind("w_head", "the W slot after F_LAST_HEAD_IN_W: the head's weight gradient")
 SEND_X = SlotKind("send_x", "the activation to stage s + 1")
 SEND_COT = SlotKind("send_cot", "the cotangent to stage s - 1")
 SEND_X_BACK = SlotKind("send_x_back", "a V's activation the other way")
@@ -95,7 +99,7 @@ REDUCE_WRITE = SlotKind("reduce_write", "the mean written back into the stage gr
 REDUCE_BESIDE_B = SlotKind("reduce_beside_b", "a chunk's data mean in one loop with the B slot")
 B_ALONE = SlotKind("b_alone", "the B slot where no mean runs beside it")
 F_KINDS = (F_FIRST, F_MIDDLE, F_LAST, F_EMBED, F_LAST_HEAD_IN_W)
-B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, B_LAST, I_CHUNK, I_FIRST, *REDUCING_OF.values())
+B_KINDS = (B_CHUNK, B_FIRST, B_WHOLE, B_LAST, I_CHUNK, I_FIRST, I_LAST, *REDUCING_OF.values())
 PAIR_CODE = 16
 """An F&B slot's code: its F kind's code x PAIR_CODE + its B kind's."""
 FB_KINDS: dict[tuple[SlotKind, SlotKind], SlotKind] = {
@@ -124,11 +128,16 @@ def kind_columns(
     num_chunks: int,
     reducing_at: np.ndarray | None = None,
     at_once: bool = False,
+    last_kept: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """int32 [num_ticks, p] F and B branch kinds of every (tick, stage) (static); where
     `reducing_at` (bool [num_ticks, p]: a chunk's last backward) a B is of the kind that
-    reduces its layers (`REDUCING_OF`); with `at_once`, B_LAST where `at_once_cells` says."""
+    reduces its layers (`REDUCING_OF`); with `at_once`, B_LAST where `at_once_cells` says;
+    with `last_kept`, the last virtual stage's I is I_LAST where `kept_one_at_a_time` holds."""
     f_kind, b_kind = _kinds(table, num_chunks)
+    if last_kept and kept_one_at_a_time(table, num_chunks):
+        last = table.virtual_stages(table.b_chunk) == table.num_stages * num_chunks - 1
+        b_kind = np.where(last & (b_kind == I_CHUNK.code), I_LAST.code, b_kind)
     if at_once:
         cells = at_once_cells(table, num_chunks)
         f_kind = np.where(cells, IDLE, f_kind).astype(np.int32)
@@ -154,43 +163,6 @@ def _kinds(table: TickTable, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     f_kind = np.where(table.f_mb >= 0, f_kind, IDLE)
     b_kind = np.where(table.b_mb >= 0, b_kind, IDLE)
     return f_kind.astype(np.int32), b_kind.astype(np.int32)
-
-
-def at_once_cells(table: TickTable, num_chunks: int) -> np.ndarray:
-    """bool [num_ticks, p]: where a tick's F and B are one microbatch's on the last virtual
-    stage (an F then a B per tick: 1F1B's last stage in every tick it works), which the B slot
-    runs at once (`B_LAST`): the chunk, head and loss under one `jax.vjp`, so that what the
-    backward reads never goes through a ring (on a GPU each ring write and each GEMM or cuDNN
-    operand read from a ring slot is a copy). Only where the forward keeps its residuals
-    (`model.remat` none or selective): with full recompute one `jax.vjp` would hold every
-    layer's activations at once. The executor asks for them with `overlap_sends` only (on for
-    GPUs): where the activation's send is a synchronous step between the F and the B slot (CPU
-    devices, or sends inside conditionals), the last stage's forward would wait for the first
-    stage's instead of running beside it (gpt_tiny, pipe 2 on 2 CPU devices: 0.46-0.52 ->
-    0.51-0.59 s per step)."""
-    if table.ticks != TWO_SLOTS or table.num_stages * num_chunks == 1:
-        return np.zeros(table.f_mb.shape, bool)
-    last = table.virtual_stages(table.f_chunk) == table.num_stages * num_chunks - 1
-    same = (table.f_mb == table.b_mb) & (table.f_chunk == table.b_chunk)
-    return (table.f_mb >= 0) & last & same
-
-
-def head_in_w_columns(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
-    """bool [num_ticks, p] each: the last stage's F slots that leave the head's weight gradient
-    to a W slot, and those W slots (`Plan.head_in_w`, one chunk per stage, one action per
-    tick). An F leaves it where that stage's next F or W after it is a W, which then runs it:
-    one F's at a time, so what it keeps takes one buffer, not a ring (a GEMM operand read from
-    a ring slot is copied first). ZB-H1 runs F I W per microbatch from the first W on; the
-    warm-up's other forwards keep their head's backward whole."""
-    defers = np.zeros(table.f_mb.shape, bool)
-    runs = np.zeros(table.w_mb.shape, bool)
-    s = table.num_stages - 1
-    forwards, weights = table.f_mb[:, s] >= 0, table.w_mb[:, s] >= 0
-    for t in np.flatnonzero(forwards):
-        later = np.flatnonzero((forwards | weights)[t + 1 :])
-        if later.size and weights[t + 1 + later[0]]:
-            defers[t, s] = runs[t + 1 + later[0], s] = True
-    return defers, runs
 
 
 def final_backward_chunks(table: TickTable) -> np.ndarray:
@@ -358,12 +330,14 @@ def slot_columns(
     powersgd_stages: int | None = None,
     head_in_w: bool = False,
     at_once: bool = False,
+    last_kept: bool = False,
 ) -> SlotColumns:
     """The executor's columns for `table`: ZeRO-3 gathers where `gathering`, the in-loop data
     reductions of `reduction` (PowerSGD's on stages < `powersgd_stages`), compressed
     cotangents where `compress` (bool [num_ticks, p]) says, the head's weight gradient in the
     last stage's W slots where `head_in_w` (one chunk per stage), B_LAST where `at_once`
-    (`at_once_cells`). Each direction sends only on the
+    (`at_once_cells`), I_LAST where `last_kept` (the forward keeps its residuals) and
+    `kept_one_at_a_time`. Each direction sends only on the
     pairs that carry something in that tick (one ppermute per distinct set of pairs, chosen by
     an index equal on every stage).
 
@@ -379,7 +353,7 @@ def slot_columns(
     columns = {name: getattr(table, name) for name in FIELDS}
     final = final_backward_chunks(table)
     reducing_at = final >= 0 if reduction.layers else None
-    columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reducing_at, at_once)
+    columns["f_kind"], columns["b_kind"] = kind_columns(table, v, reducing_at, at_once, last_kept)
     if table.ticks == PAIRS:  # a paired cell runs its F and B in the F&B slot only
         paired = table.paired
         pair = columns["f_kind"] * PAIR_CODE + columns["b_kind"]

@@ -1,7 +1,7 @@
 """The last stage's head in two (`Plan.head_in_w`): its F runs the head's forward and backward
 but for the output projection's weight gradient, and keeps what that gradient needs, the
 projection's input and the logits' cotangent, for the stage's next W, which runs it
-(`columns.head_in_w_columns`). The pieces come from the stage functions (`HeadSplit`)."""
+(`last_stage.head_in_w_columns`). The pieces come from the stage functions (`HeadSplit`)."""
 
 from __future__ import annotations
 

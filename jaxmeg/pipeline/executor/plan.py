@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmeg.pipeline import gradients
-from jaxmeg.pipeline.executor.columns import LATE_COLUMNS, SlotColumns, slot_columns
+from jaxmeg.pipeline.executor.columns import I_LAST, LATE_COLUMNS, SlotColumns, slot_columns
 from jaxmeg.pipeline.executor.contract import ExecutorOptions, StageFunctions
 from jaxmeg.pipeline.executor.reduction import Reduction, choose
 from jaxmeg.pipeline.layout import StageLayout
@@ -54,13 +54,14 @@ class Plan:
         residuals and then its dY share the slot it holds from F to W as flat runs
         (`Carry.pool`, `executor.pool`; a flat run of a leaf split over an automatic axis
         would be gathered)
-    head_in_w: an F of the last stage whose next F or W there is a W leaves the output
-        projection's weight gradient to that W (`columns.head_in_w_columns`: F_LAST_HEAD_IN_W,
-        W_HEAD; from the first W on in ZB-H1): in a zero-bubble table of one chunk per stage
-        and one action per tick (zb_h1) with stored residuals, the stage functions'
-        `HeadSplit` given, and no automatic axis > 1 (W_HEAD runs on one stage only: nothing
-        GSPMD could add to it may be a collective). The last stage's F (chunk, head and loss)
-        is the slowest slot of its ticks; its W, beside the other stages' I, of the lightest.
+    head_in_w: each F of the last stage leaves the output projection's weight gradient to
+        the W slot of a later tick before its next F: its first W if one comes, else its I's
+        tick (`last_stage.head_in_w_columns`: F_LAST_HEAD_IN_W, W_HEAD): in a zero-bubble
+        table of one chunk per stage and one action per tick (zb_h1) with stored residuals,
+        the stage functions' `HeadSplit` given, and no automatic axis > 1 (W_HEAD runs on one
+        stage only: nothing GSPMD could add to it may be a collective). The last stage's F
+        (chunk, head and loss) is the slowest slot of its ticks; its W, beside the other
+        stages' I, of the lightest.
     gathering / gathering_slots: ZeRO-3, and the slots ("f", "b") that gather their chunk
     reduction: where a chunk's gradients are reduced over data x context inside the loop
         (`reduction.Reduction`: none, after its last backward, beside a B slot, or scattered
@@ -115,6 +116,12 @@ class Plan:
     pooled: bool = False
     head_in_w: bool = False
     padding_slots: tuple[int, ...] = ()  # the layer slots some stage pads (`StageLayout`)
+
+    @property
+    def last_kept(self) -> bool:
+        """The last virtual stage's F keeps its residuals in one buffer for its I (`I_LAST`,
+        `last_stage.kept_one_at_a_time`; `Carry.last_kept`)."""
+        return bool((self.columns.columns["b_kind"] == I_LAST.code).any())
 
     @property
     def sharded(self) -> bool:
@@ -282,7 +289,7 @@ def build_plan(fns: StageFunctions, table: TickTable, layout: StageLayout, mesh:
     columns = slot_columns(
         table, v, reduction, gathering=gathering, compress=None if pc is None else pc.compress,
         powersgd_stages=None if dc is None else dc.stages, head_in_w=head_in_w,
-        at_once=store and options.overlap_sends,
+        at_once=store and options.overlap_sends, last_kept=zero_bubble,
     )  # fmt: skip
     late_cotangents = options.overlap_sends and pc is None
     if late_cotangents:
