@@ -410,5 +410,39 @@ def test_planner_fits_korthikantis_1t_run_with_zb_h1_only():
     assert plan(shape, 512, 512, hw, **pins) == []
     (best,) = plan(shape, 512, 512, hw, schedule="zb_h1", **pins)
     assert best.layout.schedule == "zb_h1" and best.memory_per_gpu_gb <= 80
-    assert best.bubble == pytest.approx(63 / (3 * 512))
+    # above ZB-H1's (p - 1) / (3 m) at F = I = W: I writes dY into its slot and W copies X and
+    # dY out of theirs, so W's ticks outlast I's (`perf.split_backward`)
+    assert 63 / (3 * 512) < best.bubble < 1.3 * 63 / (3 * 512)
     assert best.percent_of_peak > 56.3
+
+
+def test_the_planner_prices_the_split_backwards_slots_and_its_unequal_ticks():
+    """`perf.model.step_time` for zb_h1: the backward is 1F1B's plus the traffic of the slots
+    X and dY wait in between I and W (`split_backward.ring_seconds`: gpt_1.3b's 6 layers a
+    stage, microbatch 4, on an H100: 1.08 ms of I's in-place writes and 1.92 ms of W's copies
+    per microbatch, the H100 program's figures), and the bubble is its lockstep table's at
+    those unequal I and W (`analysis.split_lockstep_bubble`), above F = I = W's (p - 1) / (3 m)
+    and below 1F1B's."""
+    from jaxmeg.config_io import load
+    from jaxmeg.perf import split_backward
+    from jaxmeg.perf.hardware import load_hardware
+    from jaxmeg.perf.layout import Layout
+    from jaxmeg.perf.model import shape_of, step_time
+
+    root = Path(__file__).resolve().parents[1]
+    model = dataclasses.replace(load(root / "configs" / "gpt_1.3b.yaml").model, vocab_size=51200)
+    shape, hw = shape_of(model), load_hardware("h100_dgx")
+    layout = Layout(tensor=1, pipe=4, data=1, microbatch=4, microbatches=8, recompute="none",
+                    schedule="zb_h1")  # fmt: skip
+    i_ring, w_ring = split_backward.ring_seconds(shape, layout, hw)
+    assert (6 * i_ring, 6 * w_ring) == pytest.approx((1.08e-3, 1.92e-3), rel=0.01)
+    zb, one_f_one_b = (
+        step_time(shape, layout, hw),
+        step_time(shape, dataclasses.replace(layout, schedule="1f1b"), hw),
+    )
+    assert zb.backward == pytest.approx(one_f_one_b.backward + 6 * (i_ring + w_ring))
+    assert zb.forward == one_f_one_b.forward
+    assert 3 / (3 * 8) < zb.bubble < one_f_one_b.bubble
+    assert analysis.split_lockstep_bubble("zb_h1", 4, 8, 1, (1.0, 1.0)) == pytest.approx(
+        analysis.lockstep_bubble("zb_h1", 4, 8, 1)
+    )

@@ -14,6 +14,7 @@ from jaxmeg.perf.hardware import Hardware
 from jaxmeg.perf.layout import Layout
 from jaxmeg.perf.model import busiest_stage_layers, parameter_groups, params_per_gpu
 from jaxmeg.perf.shape import Shape
+from jaxmeg.perf.split_backward import matmul_input_bytes_per_layer, split_store_bytes_per_layer
 from jaxmeg.pipeline import schedules
 from jaxmeg.pipeline.analysis import held_microbatches
 from jaxmeg.pipeline.tick_table import STEADY_STATE_MICROBATCHES_PER_STAGE, build_tick_table
@@ -78,28 +79,6 @@ def stored_microbatches(layout: Layout) -> int:
     if layout.pipe == 1:
         return 1
     return _ring_slots(layout.schedule, layout.pipe, layout.chunks, layout.warmup)
-
-
-def split_store_bytes_per_layer(shape: Shape, layout: Layout) -> float:
-    """What a split backward keeps per layer between I and W (`jaxmeg.models.split_backward`):
-    each weight matmul's input X and output cotangent dY, 16-bit. The column-parallel matmuls'
-    inputs and the row-parallel ones' output cotangents are whole over the tensor group, split
-    on the sequence with sequence parallelism: s b (4 h + (4 h + 2 f) / t), with it s b (8 h +
-    2 f) / t, f the MLP width (16 s b h / t)."""
-    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
-    f = shape.mlp_ratio * h
-    residual = h / t if layout.sequence_parallel else h  # a residual-stream-shaped tensor
-    return 2 * s * b * (4 * residual + (4 * h + 2 * f) / t)
-
-
-def matmul_input_bytes_per_layer(shape: Shape, layout: Layout) -> float:
-    """The matmul inputs X a split backward's forward keeps for W (with stored residuals, in
-    the ring slot the forward wrote, until W), 16-bit: s b (2 h + (h + f) / t), the first term
-    / t with sequence parallelism."""
-    s, b, h, t = local_seq_len(shape, layout), layout.microbatch, shape.hidden, layout.tensor
-    f = shape.mlp_ratio * h
-    residual = h / t if layout.sequence_parallel else h
-    return 2 * s * b * (2 * residual + (h + f) / t)
 
 
 @functools.cache

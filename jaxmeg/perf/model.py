@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxmeg.perf import experts
+from jaxmeg.perf import experts, split_backward
 from jaxmeg.perf.collectives import (
     data_parallel_collectives,
     ring_all_reduce_seconds,
@@ -411,6 +411,21 @@ def leading_dense_seconds(shape: Shape, layout: Layout, hw: Hardware) -> tuple[f
     return shape.dense_layers * dense.forward, shape.dense_layers * (dense.forward + dense.backward)
 
 
+def _split_backward(shape: Shape, layout: Layout, hw: Hardware, forward: float, backward: float,
+                    layers: int, bubble: float) -> tuple[float, float]:  # fmt: skip
+    """A split backward's (backward, bubble): I and W each half the backward's GEMMs plus the
+    traffic of the slots they keep X and dY in (`split_backward.ring_seconds`, per layer); in
+    a one-action table the bubble then comes from its ticks at those costs (a tick lasts its
+    costliest action: `analysis.split_lockstep_bubble`), not at F = I = W. DualPipeV's F&B
+    pairs keep theirs."""
+    i_ring, w_ring = (layers * x for x in split_backward.ring_seconds(shape, layout, hw))
+    if schedules.spec(layout.schedule).pairs is None:
+        split = ((backward / 2 + i_ring) / forward, (backward / 2 + w_ring) / forward)
+        p, m, v = layout.pipe, layout.microbatches, layout.chunks
+        bubble = analysis.split_lockstep_bubble(layout.schedule, p, m, v, split)
+    return backward + i_ring + w_ring, bubble
+
+
 def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     """Megatron's pipeline: (m + (p - 1) / v) microbatch slots of the busiest stage's forward +
     backward; the backward reruns what the remat choice did not keep (`LayerSeconds.recompute`:
@@ -435,6 +450,8 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     forward = layers * layer.forward + end_f
     backward = layers * (layer.backward + layer.recompute(layout.recompute)) + end_b
     bubble = pipeline_bubble(layout.schedule, p, m, v)
+    if p > 1 and schedules.splits_backward(layout.schedule):
+        backward, bubble = _split_backward(shape, layout, hw, forward, backward, layers, bubble)
     pipeline = m * (1 + bubble) * (forward + backward)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back

@@ -302,12 +302,13 @@ def plan(
         pins["context"] = 1
     plans = []
     for layout in _with_kept_bounds(shape, candidate_layouts(shape, gpus, batch, hw, **pins)):
+        if memory_per_gpu(shape, layout, hw).total > hw.memory_gb * 1e9:
+            continue  # timed for nothing (a split backward's builds its tick table)
         comp = None
         if compression != "off":
             comp = choose(shape, layout, hw, compression, compression_rank, pipe_grad_phase)
         plans.append(evaluate(shape, layout, hw, tokens, comp))
-    fitting = [p for p in plans if p.memory_per_gpu_gb <= hw.memory_gb]
-    return sorted(fitting, key=lambda p: (p.step_time_s, _model_parallel(p.layout)))
+    return sorted(plans, key=lambda p: (p.step_time_s, _model_parallel(p.layout)))
 
 
 RERUN_KEPT_BOUND = 1.0

@@ -14,6 +14,7 @@ time m (1 + backward_cost) over the lockstep time. Megatron's asynchronous bound
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -309,6 +310,30 @@ def lockstep_bubble(name: str, p: int, m: int, v: int) -> float:
     trainer's `min_bubble` warm-up for 1f1b)."""
     schedule = build(name, p, m, num_chunks=v, warmup="min_bubble")
     return 1.0 / lockstep_efficiency(schedule) - 1.0
+
+
+@functools.lru_cache(maxsize=1024)
+def _kinds_per_tick(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """A table's ticks counted by the kinds of action some stage runs in them."""
+    table = build_tick_table(build(name, p, m, num_chunks=v, warmup="min_bubble"))
+    backward = table.b_mb >= 0
+    runs = {"F": table.f_mb >= 0, "I": backward & (table.b_split > 0),
+            "B": backward & (table.b_split == 0), "W": table.w_mb >= 0}  # fmt: skip
+    counts = collections.Counter(
+        tuple(kind for kind, ran in runs.items() if ran[t].any()) for t in range(table.num_ticks)
+    )
+    return tuple(counts.items())
+
+
+def split_lockstep_bubble(name: str, p: int, m: int, v: int, split: tuple[float, float]) -> float:
+    """Idle over compute time of a one-action table (the zero-bubble schedules) whose I and W
+    cost `split` forwards of a stage each: a tick lasts its costliest action (`lockstep_time`),
+    read off the table's ticks counted by the kinds they run, built once per (name, p, m, v)
+    (the planner asks for many layouts' costs). At I = W = 1, `lockstep_bubble`."""
+    ticks = _kinds_per_tick(name, p, m, v)
+    lockstep = sum(n * max(action_cost(k, v, split=split) for k in kinds) for kinds, n in ticks
+                   if kinds)  # fmt: skip
+    return lockstep / (m * (1.0 + sum(split))) - 1.0
 
 
 def lockstep_efficiency(
