@@ -81,8 +81,9 @@ def test_zb_h1_fills_the_bubble_1f1b_leaves_on_four_h100():
     share the slot it holds from F to W, `executor.pool`). When 1F1B's last stage ran each
     microbatch's F and B at once (`B_LAST`: nothing it keeps crosses a ring), zb_h1's roofline
     went to 1.21x 1F1B's and its bound to 1.01x; since its own last stage keeps what its F
-    keeps for its I in one buffer (`I_LAST`, `Carry.last_kept`) they are 1.15x and 0.975x
-    (temporaries 0.90x; gpt_1.3b (1,4,1): 1.12x and 1.005x, docs/benchmarks.md)."""
+    keeps for its I in one buffer (`I_LAST`, `Carry.last_kept`), and its I, not its F, writes
+    the matmul inputs into their ring (`Plan.x_after_i`), they are 1.16x and 0.978x
+    (temporaries 0.95x; gpt_1.3b (1,4,1): 1.13x and 0.999x, docs/benchmarks.md)."""
     one_f_one_b, zb_h1 = four_stages("1f1b"), four_stages("zb_h1")
 
     def bubble(r):

@@ -352,8 +352,11 @@ def test_zero_bubble_matches_single_device(mesh, name, v, factor, extra, monkeyp
     assert plans
     assert not pooled or all(plan.pooled for plan in plans), plans
     assert not head_in_w or all(plan.head_in_w for plan in plans), plans
-    # with stored residuals the last virtual stage's F keeps them for its I in one buffer
+    # with stored residuals the last virtual stage's F keeps them for its I in one buffer, and
+    # with the head split the matmul inputs too, which its I writes into their ring
     assert all(plan.last_kept == plan.store for plan in plans), plans
+    assert all(plan.x_after_i == (plan.last_kept and plan.head_in_w) for plan in plans), plans
+    assert not head_in_w or any(plan.x_after_i for plan in plans), plans
 
 
 def test_a_split_step_traces_its_layer_for_the_taps_shapes_once(monkeypatch):

@@ -137,10 +137,15 @@ def _keep(plan: Plan, st: Stage, at: At, r: Carry, stored, last: bool = False) -
 
     if plan.table.split and plan.store:
         stored, inputs = stored
+        if last and plan.x_after_i:  # X too, a buffer per layer: its I writes them to the ring
+            count = len(r.last_kept["inputs"])
+            layers = [jax.tree.map(lambda a, i=i: a[i], inputs) for i in range(count)]
+            kept = {"stored": list(stored), "inputs": layers}
+            return {"last_kept": write(r.last_kept, kept, 0)}
         x_slot = jnp.maximum(at.row["f_x_slot"], 0)
         written = {"matmul_inputs": write(r.matmul_inputs, inputs, x_slot)}
         if last and plan.last_kept:
-            written["last_kept"] = write(r.last_kept, list(stored), 0)
+            written["last_kept"] = {"stored": write(r.last_kept["stored"], list(stored), 0)}
         elif plan.pooled:
             written["pool"] = st.pool_layout.write(r.pool, "stored", x_slot, list(stored))
         else:
@@ -321,6 +326,24 @@ def b_whole(plan, st, at, a, tokens, targets, last=False):
     )
 
 
+def _kept_for_i(plan: Plan, st: Stage, at: At, a: Carry, x_slot, last: bool):
+    """(the stored residuals an I reads, the rings it writes besides): from the pool slot or
+    the residual rings, or for I_LAST from the last virtual stage's buffer, with X from there
+    into the ring slot W reads it from where `Plan.x_after_i`."""
+    if not last:
+        if plan.pooled:
+            return st.pool_layout.read(a.pool, "stored", x_slot), {}
+        return [buf[at.slot] for buf in a.stored], {}
+    kept = [buf[0] for buf in a.last_kept["stored"]]
+    if not plan.x_after_i:
+        return kept, {}
+    inputs = jax.tree.map(
+        lambda ring, *layers: rings.write_layers(ring, x_slot, [b[0] for b in layers]),
+        a.matmul_inputs, *a.last_kept["inputs"],
+    )  # fmt: skip
+    return kept, {"matmul_inputs": inputs}
+
+
 def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole=False, last=False):
     """I: (d_x, the gradients of the chunk's other params, what W needs) from the stored
     residuals, or by rerunning the chunk (`model.remat` full). `whole` (a B in a table of split
@@ -331,15 +354,9 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole=False, last=F
     cot = a.cots[jnp.maximum(at.row["b_cot_slot"], 0)]
     taps = st.zero_taps(at.cp, x)
     weights, rest = st.split_weights(at.cp, taps)
-    written = {}
     if plan.store:
         x_slot = jnp.maximum(at.row["b_x_slot"], 0)
-        if last:
-            kept = [buf[0] for buf in a.last_kept]
-        elif plan.pooled:
-            kept = st.pool_layout.read(a.pool, "stored", x_slot)
-        else:
-            kept = [buf[at.slot] for buf in a.stored]
+        kept, written = _kept_for_i(plan, st, at, a, x_slot, last)
         d_rest, d_x, d_taps = residuals.backward_split(st.kept, weights, rest, x, kept, cot, taps)
         inputs = jax.tree.map(lambda buf: buf[x_slot], a.matmul_inputs) if whole else None
     else:
@@ -348,6 +365,7 @@ def _input_backward(plan: Plan, st: Stage, at: At, a: Carry, whole=False, last=F
             rest, x, taps, has_aux=True,
         )  # fmt: skip
         d_rest, d_x, d_taps = pullback(cot)
+        written = {}
     if plan.pooled and not whole:  # dY over the residuals it was made of, all of them read
         written["pool"] = st.pool_layout.write(a.pool, "dys", x_slot, d_taps)
     elif not whole:  # what W reads besides the matmul inputs its F kept (`Carry.wstore`)

@@ -84,10 +84,12 @@ class Carry:
     inputs: Any = None
     """Stage inputs [K, *x], written on arrival (or by the first virtual stage's F)."""
     last_kept: Any = None
-    """`Plan.last_kept`: the residuals the last virtual stage's F keeps for its I, [1, ...] each
-    (the stored leaves, as `stored`), from each F there to its I, one at a time
-    (`last_stage.kept_one_at_a_time`): the F's kernels write them and the I's read them as
-    they are, where a ring slot costs a copy each way."""
+    """`Plan.last_kept`: what the last virtual stage's F keeps for its I, [1, ...] each, from
+    each F there to its I, one at a time (`last_stage.kept_one_at_a_time`): {"stored": the
+    residuals (as `stored`)}, and with `Plan.x_after_i` {"inputs": per layer, the matmul
+    inputs X, which the I writes into `matmul_inputs` for W}. The F's kernels write them and
+    the I's read them as they are, where a ring slot costs a copy each way. X in a buffer per
+    layer: stacked, XLA would first concatenate the layers'."""
     links: Any = None
     """The compression state of this device (`Program.run`'s `links`, without [p, d])."""
     loss: Any = None
@@ -376,7 +378,13 @@ def initial(plan: Plan, st: Stage, links) -> Carry:
     elif table.split:  # I reruns the chunk, and keeps X with dY
         carry["wstore"] = _ring(table.num_w_slots, st.w_avals)
     if plan.last_kept:  # from the last virtual stage's F to its I: one at a time
-        carry["last_kept"] = _ring(1, list(st.kept.stored))
+        kept = {"stored": list(st.kept.stored)}
+        if plan.x_after_i:  # X too, one buffer per layer
+            one = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), st.w_avals["inputs"]
+            )  # fmt: skip
+            kept["inputs"] = [one] * jax.tree.leaves(st.w_avals["inputs"])[0].shape[0]
+        carry["last_kept"] = _ring(1, kept)
     if plan.head_in_w:  # from the last stage's F to its next W: one at a time
         carry["head_w"] = _ring(1, st.head_avals())
     for slot in plan.gathering_slots:  # each slot's chunk, and the one gathered for its next
