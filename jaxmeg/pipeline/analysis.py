@@ -314,7 +314,9 @@ def lockstep_bubble(name: str, p: int, m: int, v: int) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _kinds_per_tick(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[str, ...], int], ...]:
-    """A table's ticks counted by the kinds of action some stage runs in them."""
+    """A table's ticks counted by the kinds of action some stage runs in them: in a one-action
+    table a tick then lasts its costliest kind (`lockstep_time`'s rule), whatever the costs,
+    so the planner prices each layout's I and W on these counts, not on the table."""
     table = build_tick_table(build(name, p, m, num_chunks=v, warmup="min_bubble"))
     backward = table.b_mb >= 0
     runs = {"F": table.f_mb >= 0, "I": backward & (table.b_split > 0),
