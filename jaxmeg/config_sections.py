@@ -135,6 +135,14 @@ class ModelConfig:
         """`kv_heads` with -1 resolved to `heads`."""
         return self.heads if self.kv_heads == -1 else self.kv_heads
 
+    def attention_on(self, platform: str) -> str:
+        """`attention` as a run on `platform` ("gpu", "cpu", ...) runs it: `auto` is cuDNN on a
+        GPU with 16-bit compute, XLA otherwise."""
+        if self.attention != "auto":
+            return self.attention
+        sixteen_bit = self.compute_dtype in ("bfloat16", "float16")
+        return "cudnn" if platform == "gpu" and sixteen_bit else "xla"
+
     @property
     def mlp_hidden(self) -> int:
         """MLP width f: `ffn_hidden`, or mlp_ratio x hidden when it is -1."""

@@ -11,8 +11,11 @@ long sequences (c GPUs per sequence, a ring of key/value blocks), --context N pi
 1 forbids it; when the fastest plan splits the sequence, the fastest without context parallelism
 follows the table. A config with a moe section also searches expert parallelism (--expert pins
 it), priced as jaxmeg exchanges tokens (--expert-exchange bounded: at a balanced load), at the
-exchange's largest bound (padded) or with the routed rows only (routed). docs/planner.md
-explains the models.
+exchange's largest bound (padded) or with the routed rows only (routed). A config is priced as
+jaxmeg runs it on GPUs (--program jaxmeg: cuDNN's fused attention where model.attention runs
+it, the backward's tensor collectives beside its weight-gradient GEMMs), a shape given by flags
+as the Megatron-LM 2021 measurements ran (--program megatron2021). docs/planner.md explains the
+models.
 
   python scripts/plan.py --config configs/megatron_1t.yaml --gpus 3072 --batch 3072 \
       --hardware a100_dgx --tokens 450e9
@@ -41,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 OBJECTIVES = ("step_time", "shortest_time")
+PROGRAMS = ("jaxmeg", "megatron2021")
+"""Whose step `--program` prices (`Shape.flash_attention`, `Shape.backward_overlap`)."""
 
 
 def positive_float(text: str) -> float:
@@ -151,6 +156,14 @@ def parse_args(argv):
     )  # fmt: skip
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument(
+        "--program", choices=PROGRAMS,
+        help="whose step to price: jaxmeg, as it runs the config on GPUs (attention as cuDNN's "
+        "fused kernel where model.attention runs it, a whole backward's tensor collectives "
+        "beside its weight-gradient GEMMs); megatron2021, as the Megatron-LM 2021 measurements "
+        "ran (unfused softmax, no overlap). Default: jaxmeg with --config, megatron2021 with "
+        "the shape given by flags",
+    )  # fmt: skip
+    parser.add_argument(
         "--outer-axis", choices=OUTER_AXES, default="pipe", help="slowest mesh axis (crosses nodes)"
     )
     parser.add_argument(
@@ -196,7 +209,7 @@ def parse_args(argv):
 
 def model_shape(args):
     """The config's shape (`jaxmeg.perf.model.shape_of`) with the flags given on top, or the
-    flags alone."""
+    flags alone; `--program` over either (`PROGRAMS`)."""
     from jaxmeg.perf.model import Shape, shape_of
 
     flags = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
@@ -209,11 +222,19 @@ def model_shape(args):
         model = cfg.model
         if model.vocab_size < 1:  # set from the dataset at training time; GPT-2's, padded
             model = dataclasses.replace(model, vocab_size=51200)
-        return dataclasses.replace(shape_of(model, cfg.moe), **given)
-    missing = [k for k in ("hidden", "layers", "heads", "seq", "vocab") if getattr(args, k) is None]
-    if missing:
-        raise ValueError(f"give --config or all of --{', --'.join(missing)}")
-    return Shape(**given)
+        shape = dataclasses.replace(shape_of(model, cfg.moe), **given)
+    else:
+        missing = [
+            k for k in ("hidden", "layers", "heads", "seq", "vocab") if getattr(args, k) is None
+        ]
+        if missing:
+            raise ValueError(f"give --config or all of --{', --'.join(missing)}")
+        shape = Shape(**given)
+    if args.program == "megatron2021":
+        shape = dataclasses.replace(shape, flash_attention=False, backward_overlap=False)
+    elif args.program == "jaxmeg" and not args.config:  # the default model config's attention
+        shape = dataclasses.replace(shape, flash_attention=True, backward_overlap=True)
+    return shape
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,12 @@ def test_a_model_config_becomes_a_shape_in_one_place():
     from jaxmeg.training.flops import model_flops_per_step
 
     model = ModelConfig(vocab_size=51200, hidden=12288, layers=96, heads=96, seq_len=2048)
-    assert shape_of(model) == GPT3
+    # a config's shape is priced as jaxmeg runs it on GPUs: cuDNN's fused attention (bf16
+    # compute, `auto`), the backward's tensor collectives beside its weight-gradient GEMMs
+    jaxmeg_gpu = dataclasses.replace(GPT3, flash_attention=True, backward_overlap=True)
+    assert shape_of(model) == jaxmeg_gpu
+    assert not shape_of(dataclasses.replace(model, attention="xla")).flash_attention
+    assert not shape_of(dataclasses.replace(model, compute_dtype="float32")).flash_attention
     assert model_flops_per_step(model, 1536) == flops_per_iteration(GPT3, 1536, recompute=False)
     with pytest.raises(ValueError, match="model.vocab_size must be set"):
         shape_of(ModelConfig())

@@ -228,10 +228,7 @@ def _attend_cached(
 def attention_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
     """`model.attention` as run on `platform` (default: jax's default backend): `auto` is cuDNN
     on a GPU with 16-bit compute, XLA otherwise."""
-    if cfg.attention != "auto":
-        return cfg.attention
-    on_gpu = (platform or jax.default_backend()) == "gpu"
-    return "cudnn" if on_gpu and cfg.compute_dtype in ("bfloat16", "float16") else "xla"
+    return cfg.attention_on(platform or jax.default_backend())
 
 
 def qkv_in_parts(cfg: ModelConfig) -> bool:

@@ -313,10 +313,11 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     # dropouts and two residual adds on the hidden stream (~12 s b h; split over t only with
     # sequence parallelism), bias + GeLU on the 4h MLP activations and the QKV bias (~16 s b h
     # / t), and scale-mask-softmax + dropout over the attention scores (~6 b a s^2 / t, per
-    # block step).
+    # block step), which fused attention keeps on chip (the context ring's blocks are XLA's).
+    fused = shape.flash_attention and c == 1
     hbm_bytes_per_s = hw.hbm_tb_per_s * 1e12
     replicated = 12 * tokens * h / (t if layout.sequence_parallel else 1)
-    block_softmax = 6 * b * heads * s * s * 2 / hbm_bytes_per_s
+    block_softmax = 0.0 if fused else 6 * b * heads * s * s * 2 / hbm_bytes_per_s
     softmax = c * block_softmax
     elementwise = (replicated + (1 - share) * 4 * tokens * f / t) * 2 / hbm_bytes_per_s + softmax
     all_reduce = ring_all_reduce_seconds(2 * tokens * h, t, tensor_link(layout, hw))
@@ -325,7 +326,21 @@ def layer_seconds(shape: Shape, layout: Layout, hw: Hardware) -> LayerSeconds:
     )
     forward = gemms + attention + elementwise + 2 * all_reduce + ring_f + moe_f + scaling_f
     backward = 2 * (gemms + attention + elementwise) + 2 * all_reduce + ring_b + moe_b + scaling_b
-    return LayerSeconds(forward, backward, attention + softmax, ring_f, ring_b)
+    if fused:  # its backward reruns the scores' GEMM; selective keeps its output (`remat`)
+        backward += attention / 2
+    # A whole backward's two all-reduces can run beside the column-parallel linears' weight-
+    # gradient GEMMs, which nothing waits for (`Shape.backward_overlap`); a split backward's I
+    # has none beside them (its W runs later).
+    if shape.backward_overlap and not _splits_backward(layout):
+        beside = sum(_gemm_seconds(*mnk, hw, fp8) * n for mnk, n in linears[::2])
+        backward -= min(2 * all_reduce, beside)
+    core = 0.0 if fused else attention + softmax
+    return LayerSeconds(forward, backward, core, ring_f, ring_b)
+
+
+def _splits_backward(layout: Layout) -> bool:
+    """Whether the pipeline runs a split backward (I and W: zero-bubble schedules, p > 1)."""
+    return layout.pipe > 1 and schedules.splits_backward(layout.schedule)
 
 
 def data_parallel_seconds(
@@ -427,11 +442,12 @@ def _split_backward(shape: Shape, layout: Layout, hw: Hardware, forward: float, 
 
 
 def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
-    """Megatron's pipeline: (m + (p - 1) / v) microbatch slots of the busiest stage's forward +
-    backward; the backward reruns what the remat choice did not keep (`LayerSeconds.recompute`:
-    a forward for full). The heavier of the ends' own work (the last stage's logits, the first
-    stage's dense leading layers; both with one stage) and the pipeline sends are on the
-    critical path; the
+    """Megatron's pipeline: m microbatch slots of the busiest stage's forward + backward and
+    (p - 1) / v of a stage's without the heavier end's own work (the last stage's logits, the
+    first stage's dense leading layers; both with one stage), which only the m slots of its
+    own stage carry: the bubble is the wait for the other stages. The backward reruns what the
+    remat choice did not keep (`LayerSeconds.recompute`: a forward for full). The pipeline
+    sends are on the critical path; the
     data-parallel traffic (`data_parallel_seconds`) and the optimizer step (on the 1/d shard
     with ZeRO) follow the flush."""
     p, v, m = layout.pipe, layout.chunks, layout.microbatches
@@ -450,9 +466,11 @@ def step_time(shape: Shape, layout: Layout, hw: Hardware) -> StepTime:
     forward = layers * layer.forward + end_f
     backward = layers * (layer.backward + layer.recompute(layout.recompute)) + end_b
     bubble = pipeline_bubble(layout.schedule, p, m, v)
-    if p > 1 and schedules.splits_backward(layout.schedule):
+    if _splits_backward(layout):
         backward, bubble = _split_backward(shape, layout, hw, forward, backward, layers, bubble)
-    pipeline = m * (1 + bubble) * (forward + backward)
+    # The bubble's slots are the other stages' (the last waits for their forwards, then for
+    # their backwards), so the end's own work weighs in the m busy slots only.
+    pipeline = m * (forward + backward) + m * bubble * (forward + backward - end_f - end_b)
     p2p = 0.0
     if p > 1:  # per slot and chunk, one send forward and one back
         p2p = 2 * v * (m + (p - 1) / v) * pipe_message_seconds(shape, layout, hw)

@@ -61,6 +61,14 @@ class Shape:
     context ring's block size reads it (the parameters and FLOPs are multi-head attention's)."""
     experts: Experts | None = None
     """The MoE layers' shape; None: a dense model."""
+    flash_attention: bool = False
+    """Attention as one fused kernel (cuDNN's, what jaxmeg runs on GPUs where `model.attention`
+    is auto or cudnn with 16-bit compute): no s x s scores through HBM. False prices the
+    unfused softmax of the Megatron-LM 2021 measurements (a shape given without a config)."""
+    backward_overlap: bool = False
+    """A whole backward's tensor-parallel collectives run beside its weight-gradient GEMMs, as
+    XLA's scheduler runs jaxmeg's step on GPUs (a config's shape); False: none overlapped, as
+    in the Megatron-LM 2021 measurements."""
 
     @property
     def dense_layers(self) -> int:
@@ -93,14 +101,17 @@ class Shape:
 
 def shape_of(model: ModelConfig, moe: MoeConfig | None = None) -> Shape:
     """The Shape of a model config (and its `moe` section): h, l, a, s, V (`vocab_size`, which
-    must be set), the MLP ratio and the experts. The one place a config becomes a Shape."""
+    must be set), the MLP ratio, the experts, and the program as jaxmeg runs it on GPUs (fused
+    attention where `model.attention` runs it, the backward's collectives overlapped). The one
+    place a config becomes a Shape."""
     if model.vocab_size < 1:
         raise ValueError(f"model.vocab_size must be set (>= 1), got {model.vocab_size}")
     return Shape(
         hidden=model.hidden, layers=model.layers, heads=model.heads, seq_len=model.seq_len,
         vocab=model.vocab_size, mlp_ratio=model.mlp_ratio,
         kv_heads=None if model.kv_heads == -1 else model.kv_heads,
-        experts=experts_of(model, moe),
+        experts=experts_of(model, moe), flash_attention=model.attention_on("gpu") == "cudnn",
+        backward_overlap=True,
     )  # fmt: skip
 
 
