@@ -23,7 +23,9 @@ Recompute (`model.remat`), as jaxmeg's pipeline executor runs it, per (microbatc
   full       keeps the chunk's input; the backward recomputes the chunk once (its residuals live
              while it runs): 1 + 3 forwards.
   selective  keeps the chunk's residuals but the attention internals (scores, softmax, context),
-             which the backward recomputes (Korthikanti et al., 2022, section 4).
+             which the backward recomputes (Korthikanti et al., 2022, section 4); with cuDNN's
+             fused attention (`Shape.flash_attention`) it keeps the kernel's output and
+             log-sum-exp, and reruns none of it.
   none       keeps all the chunk's residuals: 1 + 2 forwards.
 Without a pipeline the model applies the same choice per layer (Megatron's full: each layer's
 input kept, one layer recomputed at a time).
