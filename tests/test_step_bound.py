@@ -10,7 +10,8 @@ import pytest
 
 from jaxmeg import config as C
 from jaxmeg.parallel import hlo_gpu
-from jaxmeg.parallel.hlo_cost import Cost, Instruction, StepCost
+from jaxmeg.parallel.hlo_cost import Cost, StepCost
+from jaxmeg.parallel.hlo_module import Instruction
 from jaxmeg.parallel.hlo_ticks import DOUBLE_BUFFERED, TickLoop
 from jaxmeg.pipeline.executor.last_stage import head_in_w_columns
 from jaxmeg.training.cost_report import schedule_bound

@@ -36,23 +36,19 @@ from jax.sharding import Mesh
 from jaxmeg.parallel import hlo_gpu, hlo_module, hlo_ticks
 from jaxmeg.parallel.hlo import (
     _BYTES,
-    _COMPUTATION_RE,
     KINDS,
     _group_axes,
     _result_bytes,
     moved_bytes,
     replica_groups,
 )
+from jaxmeg.parallel.hlo_module import Instruction, parse
 from jaxmeg.parallel.hlo_ticks import TickLoop
 from jaxmeg.pipeline.executor.columns import SLOT_KINDS
 from jaxmeg.pipeline.executor.slots import ORDERED_SCOPE
 
-_INSTRUCTION_RE = re.compile(
-    r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
-)
 _ARRAY_RE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _LAYOUT_RE = re.compile(r"\{[\d,]*\}")
-_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 ELEMENTWISE = frozenset(
     "add subtract multiply divide exponential exponential-minus-one log log-plus-one tanh "
     "logistic maximum minimum rsqrt sqrt cbrt power negate abs compare select clamp erf sine "
@@ -61,56 +57,11 @@ ELEMENTWISE = frozenset(
 COLLECTIVES = frozenset(KINDS) | {f"{k}-start" for k in KINDS}
 
 
-@dataclasses.dataclass
-class Instruction:
-    name: str
-    shape: str
-    op: str
-    operands: list[str]
-    attributes: str
-    op_name: str
-    args: str = ""
-
-
 def _elements(shape_text: str) -> int:
     return sum(
         int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
         for _, dims in _ARRAY_RE.findall(shape_text)
     )
-
-
-def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
-    """Computation name -> its instructions, and the entry computation's name."""
-    comps: dict[str, list[Instruction]] = {}
-    current, entry = None, ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION_RE.match(line)
-        if header and not line.startswith(" "):
-            current = header.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        m = _INSTRUCTION_RE.match(line)
-        if current is None or not m:
-            continue
-        rest = m.group("rest")
-        args, _, attributes = rest.partition(")")
-        op_name = _OP_NAME_RE.search(line)
-        comps[current].append(
-            Instruction(
-                name=m.group("name"),
-                shape=m.group("shape"),
-                op=m.group("op"),
-                operands=re.findall(r"%([\w.\-]+)", args),
-                attributes=attributes,
-                op_name=op_name.group(1) if op_name else "",
-                args=args,
-            )
-        )
-    if not entry:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
 
 
 @dataclasses.dataclass
@@ -255,14 +206,28 @@ class StepCost:
         ticks that run them, or with `tick` as that tick of the table runs them (in the tick
         loop's body, unrolled k times by XLA's double buffering, that tick's copy of the slots
         and 1/k of the rest)."""
-        if tick is not None and not self._per_tick(comp):
+        if tick is None:
+            return self._walk(comp, stage, None, per_tick=None)
+        if not self._per_tick(comp):
             return self.cost(comp, stage)
-        loop = self.tick_loop() if tick is not None else None
+        # what does not change between ticks is walked once (`_walk`'s cache)
+        total = Cost()
+        total.add(self._walk(comp, stage, None, per_tick=False))
+        total.add(self._walk(comp, stage, tick, per_tick=True))
+        return total
+
+    @functools.cache  # noqa: B019 - one walker per compiled module
+    def _walk(self, comp: str, stage: int, tick: int | None, per_tick: bool | None) -> Cost:
+        """`cost` of the instructions of `comp` that run per tick (`per_tick` True), or those
+        the same every tick (False), or all (None, without `tick`)."""
+        loop = self.tick_loop() if per_tick is not None else None
         unrolled = loop is not None and comp == loop.body and loop.unroll > 1
         total = Cost()
         shapes = self._shapes[comp]
         spans = self._spans(comp)
         for ins in self.comps[comp]:
+            if per_tick is not None and self._runs_per_tick(ins) != per_tick:
+                continue
             part = Cost() if unrolled else total
             before = Counter(part.collective_bytes)
             self._instruction(ins, shapes, stage, part, tick)
@@ -272,9 +237,10 @@ class StepCost:
             if span is not None and span.gemm:  # what this start added overlaps compute
                 part.overlapped_bytes.update(part.collective_bytes - before)
             if unrolled:
-                total.add(part, loop.weight(ins, tick, self._runs_per_tick(ins)))
+                total.add(part, loop.weight(ins, tick or 0, bool(per_tick)))
         return total
 
+    @functools.cache  # noqa: B019 - one walker per compiled module
     def _spans(self, comp: str) -> dict[str, hlo_gpu.AsyncSpan]:
         """Async start name -> what the schedule placed before its done."""
         instructions = self.comps[comp]

@@ -199,7 +199,7 @@ def kernel_class(target: str, root: str, runs_dot: bool, op_name: str) -> str:
 
 def kernel(ins, operands: list[str], fused: list, fused_flops: float) -> tuple[str, float, float]:
     """(class, bytes read and written, FLOPs at the device's peak) of the kernel an instruction
-    (`hlo_cost.Instruction`) launches: `operands` its operands' shapes, `fused` a fusion's
+    (`hlo_module.Instruction`) launches: `operands` its operands' shapes, `fused` a fusion's
     instructions (root last) and `fused_flops` the dots among them."""
     flops, target, root = 0.0, "", ins.op
     if ins.op == "fusion":
@@ -229,7 +229,7 @@ def is_kernel(op: str) -> bool:
 
 def fusion_bytes(operand_shapes: list[str], result_shape: str, fused: list) -> float:
     """Bytes a fusion kernel reads and writes. `fused`: the fused computation's instructions
-    (`hlo_cost.Instruction`s), its root last."""
+    (`hlo_module.Instruction`s), its root last."""
     params: dict[int, str] = {}
     users: dict[str, list] = {}
     by_name = {ins.name: ins for ins in fused}

@@ -6,6 +6,7 @@ branch); collectives and their mesh axes are read by `hlo.collectives`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from jaxmeg.parallel.hlo import (
@@ -23,6 +24,56 @@ _PREDICATED_RE = {k: re.compile(rf"\b{k}_computation=%?([\w.\-]+)") for k in ("f
 _SHAPE_RE = re.compile(r"=\s*(\w+\[[\d,]*\])")
 _TICK_LOOP_RE = re.compile(r'op_name="jit\([^)]*\)/shard_map/while"')
 """The executor's `lax.fori_loop` over ticks, directly inside the jitted step's shard_map."""
+_INSTRUCTION_RE = re.compile(
+    r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass
+class Instruction:
+    """One instruction of a computation, as `parse` reads it."""
+
+    name: str
+    shape: str
+    op: str
+    operands: list[str]
+    attributes: str
+    op_name: str
+    args: str = ""
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Computation name -> its instructions, and the entry computation's name."""
+    comps: dict[str, list[Instruction]] = {}
+    current, entry = None, ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        m = _INSTRUCTION_RE.match(line)
+        if current is None or not m:
+            continue
+        args, _, attributes = m.group("rest").partition(")")
+        op_name = _OP_NAME_RE.search(line)
+        comps[current].append(
+            Instruction(
+                name=m.group("name"),
+                shape=m.group("shape"),
+                op=m.group("op"),
+                operands=re.findall(r"%([\w.\-]+)", args),
+                attributes=attributes,
+                op_name=op_name.group(1) if op_name else "",
+                args=args,
+            )
+        )
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
