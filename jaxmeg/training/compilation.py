@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -21,6 +22,17 @@ def memory_report(compiled) -> dict[str, int]:
         "output_bytes": int(mem.output_size_in_bytes),
         "alias_bytes": int(mem.alias_size_in_bytes),
     }
+
+
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def hlo_text(compiled) -> str:
+    """`compiled.as_text()`, printed once per compiled step (a second or two for a multi-GPU
+    step; the hazard check and the cost report both read it)."""
+    if compiled not in _TEXTS:
+        _TEXTS[compiled] = compiled.as_text()
+    return _TEXTS[compiled]
 
 
 class DeadlockHazard(ValueError):
@@ -55,7 +67,7 @@ def check_hazards(compiled, trainable: Trainable, what: str = "train step") -> N
 
     if trainable.mesh.size == 1:  # no other device to wait for
         return
-    found = hlo_module.deadlock_hazards(compiled.as_text(), trainable.mesh)
+    found = hlo_module.deadlock_hazards(hlo_text(compiled), trainable.mesh)
     if not found:
         return
     first = found[0]

@@ -43,7 +43,7 @@ from jaxmeg.perf.layout import config_layout
 from jaxmeg.perf.model import flops_per_iteration, shape_of
 from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.pipeline.executor.columns import B_LAST, B_LAST_REDUCING
-from jaxmeg.training.compilation import compile_step, memory_report
+from jaxmeg.training.compilation import compile_step, hlo_text, memory_report
 from jaxmeg.training.flops import model_flops_per_step
 from jaxmeg.training.pipeline_step import make_loss_and_grads
 from jaxmeg.training.state import Trainable
@@ -94,7 +94,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     bounded = dataclasses.replace(layout, expert_exchange="bounded")
     padding = trainable.layout.padding_branches()  # what each stage runs of its layer slots
     counter = StepCost(
-        compiled.as_text(), trainable.mesh, loss_and_grads.program.branch_columns,
+        hlo_text(compiled), trainable.mesh, loss_and_grads.program.branch_columns,
         roofline=roofline,
         chosen_branches=padding if branch is None else {**padding, EXCHANGE_KEPT: branch},
     )  # fmt: skip
@@ -180,7 +180,7 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
         report.update(gpu_figures(trainable, compiled, target, counter, model_flops))
         report["compile_seconds"] = round(seconds, 3)
         if branch is not None:
-            text, columns = compiled.as_text(), loss_and_grads.program.branch_columns
+            text, columns = hlo_text(compiled), loss_and_grads.program.branch_columns
 
             def at_bound(j):
                 return StepCost(text, mesh, columns, roofline=roofline,
