@@ -40,7 +40,7 @@ from jaxmeg.parallel.hlo_cost import StepCost
 from jaxmeg.perf.collectives import WIRE_BYTES
 from jaxmeg.perf.experts import exchange_block, exchange_branch, kept_block, tokens
 from jaxmeg.perf.layout import config_layout
-from jaxmeg.perf.model import flops_per_iteration, shape_of
+from jaxmeg.perf.model import flops_per_iteration, shape_of, step_time
 from jaxmeg.perf.traffic import bytes_per_step
 from jaxmeg.pipeline.executor.columns import B_LAST, B_LAST_REDUCING
 from jaxmeg.training.compilation import compile_step, hlo_text, memory_report
@@ -178,6 +178,8 @@ def cost_report(trainable: Trainable, target=None) -> dict[str, Any]:
     }
     if target is not None:
         report.update(gpu_figures(trainable, compiled, target, counter, model_flops))
+        # the performance model's step time for this layout (`plan.py`'s), beside the bounds
+        report["planner_step_seconds"] = step_time(shape, layout, hw).total
         report["compile_seconds"] = round(seconds, 3)
         if branch is not None:
             text, columns = hlo_text(compiled), loss_and_grads.program.branch_columns
@@ -410,7 +412,8 @@ def _format_gpu(r: dict[str, Any], gb, gf) -> list[str]:
         f"  overlapped with GEMMs: {overlap or 'no collectives'}",
         f"  roofline {r['roofline_seconds'] * 1e3:.2f} ms per step: MFU at most "
         f"{r['roofline_mfu']:.1%}; with the schedule's bubble "
-        f"{r['schedule_bound_seconds'] * 1e3:.2f} ms, MFU at most {r['schedule_bound_mfu']:.1%}",
+        f"{r['schedule_bound_seconds'] * 1e3:.2f} ms, MFU at most {r['schedule_bound_mfu']:.1%} "
+        f"(the planner's step: {r['planner_step_seconds'] * 1e3:.2f} ms)",
         f"  the roofline by kernel class (stage {r['roofline_stage']}; the model's FLOPs at peak "
         f"take {r['model_flops_at_peak_seconds'] * 1e3:.2f} ms):",
         *(
